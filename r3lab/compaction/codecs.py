@@ -1,0 +1,380 @@
+"""Route codecs: small classes that turn a ``[rows, top_k]`` id array into bytes and back.
+
+Numcodecs-style: each codec has a ``codec_id``, a JSON-safe ``get_config()`` and is rebuilt by
+:func:`get_codec` from that config. *Id coders* (``raw``, ``bitpack``, ``topk-set``) map ids to
+bytes; *byte stages* (``zstd``) map bytes to bytes and follow an id coder in a pipeline.
+
+A row is one (token, layer) router decision. Id coders take ``order``: ``"token"`` keeps the rows
+token-major as stored; ``"layer"`` writes each layer's rows together, which lets a byte stage see
+one layer's (skewed) expert popularity at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from typing import Any, ClassVar
+
+import numpy as np
+import zstandard
+
+from r3lab.errors import RouteFormatError
+
+__all__ = ["Codec", "IdCoder", "Raw", "BitPack", "TopKSet", "Zstd", "get_codec", "parse_pipeline", "CODECS", "ALIASES"]
+
+
+class Codec:
+    """Base of every codec: an id and a JSON-safe config that rebuilds it."""
+
+    codec_id: ClassVar[str]
+
+    def get_config(self) -> dict[str, Any]:
+        return {"id": self.codec_id, **self._params()}
+
+    def _params(self) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Codec:
+        params = {k: v for k, v in config.items() if k != "id"}
+        try:
+            return cls(**params)
+        except TypeError as e:
+            raise RouteFormatError(f"bad config for codec {cls.codec_id!r}: {config}") from e
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Codec) and self.get_config() == other.get_config()
+
+    def __repr__(self) -> str:
+        params = ", ".join(f"{k}={v!r}" for k, v in self._params().items())
+        return f"{type(self).__name__}({params})"
+
+
+class IdCoder(Codec):
+    """Codes a ``[L, T, K]``-or-``[T, L, K]`` id array (rows of distinct ids) as bytes."""
+
+    #: whether decode returns each row sorted (set semantics) rather than in the stored order
+    sorts_rows: ClassVar[bool] = False
+
+    def __init__(self, order: str = "token"):
+        if order not in ("token", "layer"):
+            raise RouteFormatError(f"codec order must be 'token' or 'layer', got {order!r}")
+        self.order = order
+
+    def _params(self) -> dict[str, Any]:
+        return {"order": self.order}
+
+    def encode(self, values: np.ndarray, num_experts: int) -> bytes:
+        rows = values.transpose(1, 0, 2) if self.order == "layer" else values
+        return self._encode_rows(np.ascontiguousarray(rows).reshape(-1, values.shape[2]), num_experts)
+
+    def decode(self, buf: memoryview, shape: tuple[int, int, int], dtype: np.dtype, num_experts: int) -> np.ndarray:
+        T, L, K = shape
+        rows = self._decode_rows(buf, T * L, K, dtype, num_experts)
+        if self.order == "layer":
+            return np.ascontiguousarray(rows.reshape(L, T, K).transpose(1, 0, 2))
+        return rows.reshape(T, L, K)
+
+    def encoded_size(self, n_rows: int, top_k: int, dtype: np.dtype, num_experts: int) -> int:
+        raise NotImplementedError
+
+    def _encode_rows(self, rows: np.ndarray, num_experts: int) -> bytes:
+        raise NotImplementedError
+
+    def _decode_rows(self, buf: memoryview, n_rows: int, top_k: int, dtype: np.dtype, num_experts: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def _check_size(self, buf: memoryview, n_rows: int, top_k: int, dtype: np.dtype, num_experts: int) -> None:
+        want = self.encoded_size(n_rows, top_k, dtype, num_experts)
+        if len(buf) != want:
+            raise RouteFormatError(
+                f"{self.codec_id} payload holds {len(buf)} bytes but shape [{n_rows} rows, top_k={top_k}] needs {want}"
+            )
+
+
+class Raw(IdCoder):
+    """The compact buffer as it is: one uint8/uint16 per id, little-endian."""
+
+    codec_id = "raw"
+
+    def encoded_size(self, n_rows, top_k, dtype, num_experts):
+        return n_rows * top_k * np.dtype(dtype).itemsize
+
+    def _encode_rows(self, rows, num_experts):
+        return rows.astype(rows.dtype.newbyteorder("<"), copy=False).tobytes()
+
+    def _decode_rows(self, buf, n_rows, top_k, dtype, num_experts):
+        self._check_size(buf, n_rows, top_k, dtype, num_experts)
+        return np.frombuffer(buf, dtype=np.dtype(dtype).newbyteorder("<")).astype(dtype, copy=False).reshape(n_rows, top_k)
+
+
+def id_bits(num_experts: int) -> int:
+    """Bits per expert id: ceil(log2 E), at least 1."""
+    return max(1, (num_experts - 1).bit_length())
+
+
+def _pack_small(v: np.ndarray, b: int) -> bytes:
+    """Pack uint values of ``b <= 8`` bits each, little-endian bit order, into ceil(n*b/8) bytes."""
+    g = 8 // math.gcd(b, 8)  # ids per byte-aligned group
+    nbytes_group = g * b // 8
+    n = v.size
+    m = -(-n // g)
+    padded = np.zeros(m * g, dtype=np.uint64)
+    padded[:n] = v
+    padded = padded.reshape(m, g)
+    acc = padded[:, 0].copy()
+    for j in range(1, g):
+        acc |= padded[:, j] << np.uint64(j * b)
+    out = acc.astype("<u8", copy=False).view(np.uint8).reshape(m, 8)[:, :nbytes_group]
+    return out.tobytes()[: -(-n * b // 8)]
+
+
+def _unpack_small(buf: memoryview | bytes, n: int, b: int) -> np.ndarray:
+    g = 8 // math.gcd(b, 8)
+    nbytes_group = g * b // 8
+    m = -(-n // g)
+    raw = np.zeros(m * nbytes_group, dtype=np.uint8)
+    raw[: len(buf)] = np.frombuffer(buf, dtype=np.uint8)
+    words = np.zeros((m, 8), dtype=np.uint8)
+    words[:, :nbytes_group] = raw.reshape(m, nbytes_group)
+    acc = words.view("<u8").reshape(m)
+    mask = np.uint64((1 << b) - 1)
+    out = np.empty((m, g), dtype=np.uint16)
+    for j in range(g):
+        out[:, j] = (acc >> np.uint64(j * b)) & mask
+    return out.reshape(-1)[:n]
+
+
+class BitPack(IdCoder):
+    """ceil(log2 E) bits per id. Ids above 8 bits split into a byte plane and a packed high-bit plane."""
+
+    codec_id = "bitpack"
+
+    def encoded_size(self, n_rows, top_k, dtype, num_experts):
+        n, b = n_rows * top_k, id_bits(num_experts)
+        return -(-n * b // 8) if b <= 8 else n + -(-n * (b - 8) // 8)
+
+    def _encode_rows(self, rows, num_experts):
+        b = id_bits(num_experts)
+        flat = rows.reshape(-1)
+        if b == 8:
+            return flat.astype(np.uint8).tobytes()
+        if b < 8:
+            return _pack_small(flat, b)
+        return (flat & 0xFF).astype(np.uint8).tobytes() + _pack_small(flat >> 8, b - 8)
+
+    def _decode_rows(self, buf, n_rows, top_k, dtype, num_experts):
+        self._check_size(buf, n_rows, top_k, dtype, num_experts)
+        n, b = n_rows * top_k, id_bits(num_experts)
+        if b == 8:
+            flat = np.frombuffer(buf, dtype=np.uint8)
+        elif b < 8:
+            flat = _unpack_small(buf, n, b)
+        else:
+            lo = np.frombuffer(buf[:n], dtype=np.uint8).astype(np.uint16)
+            flat = lo | (_unpack_small(buf[n:], n, b - 8) << 8)
+        return flat.astype(dtype, copy=False).reshape(n_rows, top_k)
+
+
+@lru_cache(maxsize=64)
+def _binomial_table(num_experts: int, top_k: int) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """C(c, i) for c in [0, E], i in [0, k] as little-endian 64-bit limbs, a float64 copy, limbs W, and bits."""
+    total = math.comb(num_experts, top_k)
+    nbits = (total - 1).bit_length()
+    W = max(1, -(-nbits // 64))
+    limbs = np.zeros((num_experts + 1, top_k + 1, W), dtype=np.uint64)
+    approx = np.zeros((num_experts + 1, top_k + 1), dtype=np.float64)
+    for c in range(num_experts + 1):
+        for i in range(top_k + 1):
+            x = math.comb(c, i)
+            approx[c, i] = float(x)
+            for w in range(W):
+                limbs[c, i, w] = (x >> (64 * w)) & 0xFFFFFFFFFFFFFFFF
+    limbs.setflags(write=False)
+    approx.setflags(write=False)
+    return limbs, approx, W, nbits
+
+
+def _limbs_le(a: list[np.ndarray], b: list[np.ndarray]) -> np.ndarray:
+    """Elementwise a <= b for multi-limb unsigned numbers (lists of limb arrays, least significant first)."""
+    lt = np.zeros(a[0].shape, dtype=bool)
+    eq = np.ones(a[0].shape, dtype=bool)
+    for w in range(len(a) - 1, -1, -1):
+        lt |= eq & (a[w] < b[w])
+        eq &= a[w] == b[w]
+    return lt | eq
+
+
+def _limbs_add(acc: list[np.ndarray], t: list[np.ndarray]) -> None:
+    carry = np.zeros(acc[0].shape, dtype=np.uint64)
+    for w in range(len(acc)):
+        s1 = acc[w] + t[w]
+        c1 = s1 < acc[w]
+        s2 = s1 + carry
+        carry = (c1 | (s2 < s1)).astype(np.uint64)
+        acc[w] = s2
+
+
+def _limbs_sub(acc: list[np.ndarray], t: list[np.ndarray]) -> None:
+    borrow = np.zeros(acc[0].shape, dtype=np.uint64)
+    for w in range(len(acc)):
+        d1 = acc[w] - t[w]
+        b1 = acc[w] < t[w]
+        d2 = d1 - borrow
+        borrow = (b1 | (d1 < borrow)).astype(np.uint64)
+        acc[w] = d2
+
+
+def _pack_bits(words: np.ndarray, nbits: int) -> bytes:
+    """Pack the low ``nbits`` of each row of little-endian uint64 limbs ``[N, W]`` into one bit stream."""
+    if nbits == 0 or words.shape[0] == 0:
+        return b""
+    bits = np.unpackbits(words.astype("<u8", copy=False).view(np.uint8), axis=1, bitorder="little")[:, :nbits]
+    return np.packbits(bits.reshape(-1), bitorder="little").tobytes()
+
+
+def _unpack_bits(buf: memoryview | bytes, n: int, nbits: int, W: int) -> np.ndarray:
+    out = np.zeros((n, 64 * W), dtype=np.uint8)
+    if nbits and n:
+        bits = np.unpackbits(np.frombuffer(buf, dtype=np.uint8), bitorder="little", count=n * nbits)
+        out[:, :nbits] = bits.reshape(n, nbits)
+    return np.packbits(out, axis=1, bitorder="little").view("<u8").astype(np.uint64).reshape(n, W)
+
+
+class TopKSet(IdCoder):
+    """Each top-k row as one number in the combinatorial number system: ceil(log2 C(E, k)) bits per row.
+
+    The row {c_1 < ... < c_k} becomes sum_i C(c_i, i). Replay does not depend on the order inside a
+    top-k set, so **decode returns every row sorted ascending**. Numbers wider than 64 bits (e.g.
+    512 experts top-22: 128 bits) are held as 64-bit limbs and written at their exact bit width,
+    so splitting the number loses no information.
+    """
+
+    codec_id = "topk-set"
+    sorts_rows = True
+
+    def encoded_size(self, n_rows, top_k, dtype, num_experts):
+        nbits = _binomial_table(num_experts, top_k)[3]
+        return -(-n_rows * nbits // 8)
+
+    def _encode_rows(self, rows, num_experts):
+        n, k = rows.shape
+        limbs, _, W, nbits = _binomial_table(num_experts, k)
+        srt = np.sort(rows, axis=1).astype(np.intp)
+        if W == 1:
+            rank = np.zeros(n, dtype=np.uint64)
+            for i in range(k):
+                rank += limbs[srt[:, i], i + 1, 0]
+            return _pack_bits(rank[:, None], nbits)
+        acc = [np.zeros(n, dtype=np.uint64) for _ in range(W)]
+        for i in range(k):
+            t = limbs[srt[:, i], i + 1]
+            _limbs_add(acc, [t[:, w] for w in range(W)])
+        return _pack_bits(np.stack(acc, axis=1), nbits)
+
+    def _decode_rows(self, buf, n_rows, top_k, dtype, num_experts):
+        self._check_size(buf, n_rows, top_k, dtype, num_experts)
+        limbs, approx, W, nbits = _binomial_table(num_experts, top_k)
+        words = _unpack_bits(buf, n_rows, nbits, W)
+        E, k = num_experts, top_k
+        rank = [words[:, w].copy() for w in range(W)]
+        total = [np.full(n_rows, limbs[E, k, w], dtype=np.uint64) for w in range(W)]
+        if n_rows and (_limbs_le(total, rank)).any():
+            bad = int(np.argmax(_limbs_le(total, rank)))
+            raise RouteFormatError(f"topk-set row {bad} holds a number >= C({E}, {k}); the payload is corrupt")
+        out = np.empty((n_rows, k), dtype=np.int64)
+        for i in range(k, 0, -1):
+            # largest c with C(c, i) <= rank: float guess, then exact correction by one step either way
+            rf = sum(rank[w].astype(np.float64) * 2.0 ** (64 * w) for w in range(W))
+            c = np.searchsorted(approx[:E, i], rf, side="right") - 1
+            c = np.clip(c, i - 1, E - 1)
+            for _ in range(4):
+                up = np.minimum(c + 1, E - 1)
+                step_up = (c + 1 < E) & _limbs_le([limbs[up, i, w] for w in range(W)], rank)
+                step_down = ~_limbs_le([limbs[c, i, w] for w in range(W)], rank)
+                if not (step_up.any() or step_down.any()):
+                    break
+                c = c + step_up - step_down
+            else:
+                raise RouteFormatError(f"topk-set decode did not converge for C(c, {i}); the payload is corrupt")
+            _limbs_sub(rank, [limbs[c, i, w] for w in range(W)])
+            out[:, i - 1] = c
+        return out.astype(dtype)
+
+
+class Zstd(Codec):
+    """Zstandard over the bytes of the stage before it; pays where expert popularity is skewed."""
+
+    codec_id = "zstd"
+
+    def __init__(self, level: int = 3):
+        if isinstance(level, bool) or not isinstance(level, int) or not -7 <= level <= 22:
+            raise RouteFormatError(f"zstd level must be an integer in [-7, 22], got {level!r}")
+        self.level = level
+
+    def _params(self):
+        return {"level": self.level}
+
+    def encode(self, data: bytes) -> bytes:
+        return zstandard.ZstdCompressor(level=self.level, write_content_size=True).compress(data)
+
+    def decode(self, buf: memoryview, expected_size: int) -> memoryview:
+        """Decompress exactly ``expected_size`` bytes; a frame that claims otherwise is refused before inflating."""
+        try:
+            size = zstandard.frame_content_size(buf)
+        except zstandard.ZstdError as e:
+            raise RouteFormatError(f"zstd stage: not a zstd frame ({e})") from e
+        if size != expected_size:
+            raise RouteFormatError(f"zstd frame declares {size} bytes, the shape needs {expected_size}")
+        try:
+            out = zstandard.ZstdDecompressor().decompress(buf, max_output_size=expected_size, allow_extra_data=False)
+        except zstandard.ZstdError as e:
+            raise RouteFormatError(f"zstd stage: corrupt or truncated frame ({e})") from e
+        if len(out) != expected_size:
+            raise RouteFormatError(f"zstd frame inflated to {len(out)} bytes, expected {expected_size}")
+        return memoryview(out)
+
+
+CODECS: dict[str, type[Codec]] = {c.codec_id: c for c in (Raw, BitPack, TopKSet, Zstd)}
+
+#: short names accepted by ``encode(..., codec=...)``; ``+zstd`` variants write layer-major rows
+ALIASES: dict[str, list[dict[str, Any]]] = {
+    "raw": [{"id": "raw", "order": "token"}],
+    "bitpack": [{"id": "bitpack", "order": "token"}],
+    "topk-set": [{"id": "topk-set", "order": "token"}],
+    "raw+zstd": [{"id": "raw", "order": "layer"}, {"id": "zstd", "level": 3}],
+    "bitpack+zstd": [{"id": "bitpack", "order": "layer"}, {"id": "zstd", "level": 3}],
+    "topk-set+zstd": [{"id": "topk-set", "order": "layer"}, {"id": "zstd", "level": 3}],
+}
+
+
+def get_codec(config: dict[str, Any]) -> Codec:
+    """Build a codec from its JSON config ``{"id": ..., **params}``."""
+    if not isinstance(config, dict) or not isinstance(config.get("id"), str):
+        raise RouteFormatError(f"codec config must be a dict with a string 'id', got {config!r}")
+    cls = CODECS.get(config["id"])
+    if cls is None:
+        raise RouteFormatError(f"unknown codec {config['id']!r}; known: {sorted(CODECS)}")
+    return cls.from_config(config)
+
+
+def parse_pipeline(spec: Any) -> tuple[IdCoder, list[Zstd]]:
+    """An id coder followed by byte stages, from an alias, a Codec, or a list of codecs/configs."""
+    if isinstance(spec, str):
+        if spec not in ALIASES:
+            raise RouteFormatError(f"unknown codec {spec!r}; known: {sorted(ALIASES)}")
+        spec = ALIASES[spec]
+    if isinstance(spec, Codec):
+        spec = [spec]
+    if not isinstance(spec, (list, tuple)) or not spec:
+        raise RouteFormatError(f"codec pipeline must be a non-empty list, got {spec!r}")
+    stages = [s if isinstance(s, Codec) else get_codec(s) for s in spec]
+    first, rest = stages[0], stages[1:]
+    if not isinstance(first, IdCoder):
+        raise RouteFormatError(f"a pipeline starts with an id coder (raw, bitpack, topk-set), not {first.codec_id!r}")
+    if len(rest) > 1:
+        raise RouteFormatError(f"at most one byte stage may follow the id coder, got {[s.codec_id for s in rest]}")
+    for s in rest:
+        if not isinstance(s, Zstd):
+            raise RouteFormatError(f"stage {s.codec_id!r} cannot follow an id coder; only byte stages can")
+    return first, rest

@@ -1,0 +1,156 @@
+"""The self-describing binary form of Routes: ``encode(routes, codec) -> bytes`` and ``decode(buf) -> Routes``.
+
+Layout (all integers little-endian)::
+
+    0   magic  b"R3RT"
+    4   format version (u8), 3 reserved zero bytes
+    8   header length H (u32)
+    12  payload length P (u64)
+    20  header: UTF-8 JSON {"codec": [stage configs], "shape": [T, L, K], "dtype", "num_experts",
+        "layer_ids": [...], "num_seqs": n}
+    20+H        cu_seqlens, int64 [n + 1]
+    20+H+8(n+1) payload: the codec pipeline's bytes (P of them)
+    end-4       CRC-32 of everything before it
+
+``decode`` needs nothing else, checks every field and raises :class:`RouteFormatError` naming the
+problem. Nothing here unpickles.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from typing import Any
+
+import numpy as np
+import orjson
+
+from r3lab.compaction.codecs import parse_pipeline
+from r3lab.errors import RouteFormatError
+from r3lab.routes import Routes, check_cu_seqlens, check_distinct_rows, compact_dtype
+
+__all__ = ["encode", "decode", "read_header", "MAGIC", "FORMAT_VERSION", "DEFAULT_MAX_BYTES"]
+
+MAGIC = b"R3RT"
+FORMAT_VERSION = 1
+_FIXED = struct.Struct("<4sB3xIQ")
+_CRC = struct.Struct("<I")
+#: default cap on decoded route bytes and on the encoded buffer (no decompression bombs)
+DEFAULT_MAX_BYTES = 8 << 30
+
+
+def encode(routes: Routes, codec: Any = "raw") -> bytes:
+    """Encode Routes with a codec alias (``"raw"``, ``"bitpack"``, ``"topk-set"``, ``"topk-set+zstd"``, ...),
+    a codec object, or a list of codec configs. The result decodes with :func:`decode` alone."""
+    if not isinstance(routes, Routes):
+        raise TypeError(f"encode expects Routes, got {type(routes).__name__}")
+    coder, stages = parse_pipeline(codec)
+    payload = coder.encode(routes.values, routes.num_experts)
+    for stage in stages:
+        payload = stage.encode(payload)
+    header = orjson.dumps(
+        {
+            "codec": [coder.get_config()] + [s.get_config() for s in stages],
+            "shape": list(routes.values.shape),
+            "dtype": routes.values.dtype.name,
+            "num_experts": routes.num_experts,
+            "layer_ids": routes.layer_ids.tolist(),
+            "num_seqs": len(routes),
+        }
+    )
+    body = b"".join(
+        (_FIXED.pack(MAGIC, FORMAT_VERSION, len(header), len(payload)), header, routes.cu_seqlens.astype("<i8").tobytes(), payload)
+    )
+    return body + _CRC.pack(zlib.crc32(body))
+
+
+def _int(header: dict, key: str, *, minimum: int = 0) -> int:
+    v = header.get(key)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise RouteFormatError(f"header field {key!r} must be an integer, got {v!r}")
+    if v < minimum:
+        raise RouteFormatError(f"header field {key!r} must be >= {minimum}, got {v}")
+    return v
+
+
+def _parse_header(raw: memoryview, max_bytes: int) -> dict[str, Any]:
+    try:
+        h = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise RouteFormatError(f"header is not valid JSON: {e}") from e
+    if not isinstance(h, dict):
+        raise RouteFormatError("header must be a JSON object")
+    shape = h.get("shape")
+    if not isinstance(shape, list) or len(shape) != 3:
+        raise RouteFormatError(f"header shape must be [tokens, layers, top_k], got {shape!r}")
+    for d in shape:
+        if isinstance(d, bool) or not isinstance(d, int):
+            raise RouteFormatError(f"header shape has a non-integer dim: {shape!r}")
+        if d < 0:
+            raise RouteFormatError(f"header shape has a negative dim: {shape!r}")
+    num_experts = _int(h, "num_experts", minimum=1)
+    dtype = compact_dtype(num_experts)
+    if h.get("dtype") not in ("uint8", "uint16"):
+        raise RouteFormatError(f"unknown dtype {h.get('dtype')!r}; routes are uint8 or uint16")
+    if np.dtype(h["dtype"]) != dtype:
+        raise RouteFormatError(f"dtype {h['dtype']} is not the compact dtype {dtype.name} of num_experts={num_experts}")
+    T, L, K = shape
+    if K < 1 or K > num_experts:
+        raise RouteFormatError(f"top_k={K} must be in [1, num_experts={num_experts}]")
+    if T * L * K * dtype.itemsize > max_bytes:
+        raise RouteFormatError(f"routes of shape {shape} need {T * L * K * dtype.itemsize} bytes, over the cap of {max_bytes}")
+    _int(h, "num_seqs")
+    if not isinstance(h.get("layer_ids"), list) or len(h["layer_ids"]) != L:
+        raise RouteFormatError(f"header layer_ids must be a list of {L} integers, got {h.get('layer_ids')!r}")
+    if not isinstance(h.get("codec"), list):
+        raise RouteFormatError(f"header codec must be a list of stage configs, got {h.get('codec')!r}")
+    return h
+
+
+def read_header(buf: bytes | bytearray | memoryview, *, max_bytes: int = DEFAULT_MAX_BYTES) -> dict[str, Any]:
+    """Check the framing and checksum of an encoded buffer and return its header (plus byte offsets)."""
+    mv = memoryview(buf).cast("B") if not isinstance(buf, memoryview) or buf.format != "B" else buf
+    if len(mv) > max_bytes:
+        raise RouteFormatError(f"encoded buffer of {len(mv)} bytes is over the cap of {max_bytes}")
+    if len(mv) < _FIXED.size + _CRC.size:
+        raise RouteFormatError(f"truncated: {len(mv)} bytes is shorter than the {_FIXED.size + _CRC.size}-byte frame")
+    magic, version, hlen, plen = _FIXED.unpack_from(mv, 0)
+    if magic != MAGIC:
+        raise RouteFormatError(f"bad magic {bytes(magic)!r}; not an r3lab routes buffer (expected {MAGIC!r})")
+    if version != FORMAT_VERSION:
+        raise RouteFormatError(f"unsupported format version {version}; this r3lab reads version {FORMAT_VERSION}")
+    if _FIXED.size + hlen > len(mv):
+        raise RouteFormatError(f"truncated: header of {hlen} bytes runs past the end of a {len(mv)}-byte buffer")
+    h = _parse_header(mv[_FIXED.size : _FIXED.size + hlen], max_bytes)
+    cu_off = _FIXED.size + hlen
+    pay_off = cu_off + 8 * (h["num_seqs"] + 1)
+    want = pay_off + plen + _CRC.size
+    if len(mv) < want:
+        raise RouteFormatError(f"truncated: the header describes {want} bytes, the buffer has {len(mv)}")
+    if len(mv) > want:
+        raise RouteFormatError(f"{len(mv) - want} trailing bytes after the end of the encoded routes")
+    (crc,) = _CRC.unpack_from(mv, want - _CRC.size)
+    if zlib.crc32(mv[: want - _CRC.size]) != crc:
+        raise RouteFormatError("checksum mismatch: the encoded routes were corrupted")
+    return {**h, "_cu_offset": cu_off, "_payload_offset": pay_off, "_payload_length": plen}
+
+
+def decode(buf: bytes | bytearray | memoryview, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Routes:
+    """Decode what :func:`encode` wrote. Rows come back sorted for set codecs (``topk-set``)."""
+    h = read_header(buf, max_bytes=max_bytes)
+    mv = memoryview(buf).cast("B") if not isinstance(buf, memoryview) or buf.format != "B" else buf
+    coder, stages = parse_pipeline(h["codec"])
+    T, L, K = h["shape"]
+    E = h["num_experts"]
+    dtype = compact_dtype(E)
+    cu = np.frombuffer(mv[h["_cu_offset"] : h["_payload_offset"]], dtype="<i8")
+    cu = check_cu_seqlens(cu, T)
+    payload = mv[h["_payload_offset"] : h["_payload_offset"] + h["_payload_length"]]
+    for stage in stages:  # at most one byte stage; it must inflate to exactly what the id coder reads
+        payload = stage.decode(payload, coder.encoded_size(T * L, K, dtype, E))
+    values = coder.decode(payload, (T, L, K), dtype, E)
+    if values.size and values.max() >= E:
+        raise RouteFormatError(f"expert id {int(values.max())} out of range [0, {E})")
+    if not coder.sorts_rows:
+        check_distinct_rows(values)
+    return Routes(values, cu, E, h["layer_ids"], validate=False)

@@ -1,0 +1,116 @@
+import numpy as np
+import pytest
+from conftest import random_routes
+
+from r3lab.errors import RouteFormatError
+from r3lab.routes import Routes, compact_dtype
+
+
+@pytest.mark.parametrize(("E", "dtype"), [(1, np.uint8), (2, np.uint8), (256, np.uint8), (257, np.uint16), (384, np.uint16), (512, np.uint16), (65536, np.uint16)])
+def test_compact_dtype(E, dtype):
+    assert compact_dtype(E) == dtype
+
+
+@pytest.mark.parametrize("E", [0, -3, 65537, 2.0, True, "8"])
+def test_compact_dtype_refuses(E):
+    with pytest.raises(RouteFormatError):
+        compact_dtype(E)
+
+
+def test_512_experts_do_not_wrap():
+    vals = np.array([[[511, 300]], [[256, 0]]])
+    r = Routes(vals, [0, 2], 512)
+    assert r.values.dtype == np.uint16
+    assert r.values.tolist() == vals.tolist()
+
+
+def test_construction_validates(rng):
+    good = np.array([[[0, 1]], [[2, 3]]])
+    with pytest.raises(RouteFormatError, match="out of range"):
+        Routes(good, [0, 2], 3)
+    with pytest.raises(RouteFormatError, match="out of range"):
+        Routes(-good, [0, 2], 8)
+    with pytest.raises(RouteFormatError, match="repeated expert id"):
+        Routes(np.array([[[1, 1]]]), [0, 1], 4)
+    with pytest.raises(RouteFormatError, match="repeated expert id"):
+        Routes(np.tile(np.arange(17), (3, 1, 1)).reshape(3, 1, 17) % 16, [0, 3], 32)  # k > 16 path
+    with pytest.raises(RouteFormatError, match="monotone"):
+        Routes(good, [0, 2, 1, 2], 4)
+    with pytest.raises(RouteFormatError, match="ends at"):
+        Routes(good, [0, 1], 4)
+    with pytest.raises(RouteFormatError, match="start at 0"):
+        Routes(good, [1, 2], 4)
+    with pytest.raises(RouteFormatError, match="layer_ids"):
+        Routes(good, [0, 2], 4, layer_ids=[1, 1][:1] + [0])
+    with pytest.raises(RouteFormatError, match="strictly increasing"):
+        Routes(np.zeros((1, 2, 1), int), [0, 1], 4, layer_ids=[3, 3])
+    with pytest.raises(RouteFormatError, match=r"\[total_tokens"):
+        Routes(good[0], [0, 1], 4)
+    with pytest.raises(RouteFormatError, match="integers"):
+        Routes(good.astype(float), [0, 2], 4)
+    with pytest.raises(RouteFormatError, match="top_k"):
+        Routes(np.zeros((1, 1, 3), int) + np.arange(3), [0, 1], 2)
+
+
+def test_immutable_and_owns_its_buffer():
+    vals = np.array([[[0, 1]], [[2, 3]]], dtype=np.uint8)
+    r = Routes(vals, [0, 2], 4)
+    vals[0, 0, 0] = 3
+    assert r.values[0, 0, 0] == 0
+    with pytest.raises(ValueError):
+        r.values[0, 0, 0] = 1
+    with pytest.raises(AttributeError):
+        r.num_experts = 3
+
+
+def test_padded_round_trip_right_and_left(rng):
+    r = random_routes(rng, num_experts=16, top_k=2, num_layers=3, lengths=[5, 0, 3, 7])
+    for left in (False, True):
+        padded = r.to_padded(left_padded=left)
+        assert padded.shape == (4, 7, 3, 2)
+        assert Routes.from_padded(padded, r.lengths, num_experts=16, left_padded=left) == r
+        pad_rows = padded[1]  # the empty sequence: all padding, distinct ids arange(k)
+        assert (pad_rows == np.arange(2)).all()
+    assert r.to_padded(10).shape[1] == 10
+    with pytest.raises(RouteFormatError, match="shorter"):
+        r.to_padded(6)
+    with pytest.raises(RouteFormatError, match="lengths"):
+        Routes.from_padded(r.to_padded(), [5, 0, 3], num_experts=16)
+
+
+def test_list_sequence_take_split_concat(rng):
+    r = random_routes(rng, num_experts=8, top_k=2, num_layers=2, lengths=[3, 0, 4, 1, 2])
+    seqs = [r.sequence(i) for i in range(len(r))]
+    assert [len(s) for s in seqs] == [3, 0, 4, 1, 2]
+    assert Routes.from_list(seqs, num_experts=8) == r
+    assert np.array_equal(r.sequence(-1), seqs[4])
+    t = r.take([4, 0])
+    assert t.lengths.tolist() == [2, 3]
+    assert np.array_equal(t.sequence(0), seqs[4]) and np.array_equal(t.sequence(1), seqs[0])
+    parts = r.split(3)
+    assert [len(p) for p in parts] == [2, 2, 1]
+    assert Routes.concat(parts) == r
+    assert Routes.concat(r.split([1, 4])) == r
+    assert len(r.split(7)) == 7 and Routes.concat(r.split(7)) == r
+    with pytest.raises(IndexError):
+        r.sequence(5)
+    with pytest.raises(RouteFormatError, match="cannot concat"):
+        Routes.concat([r, random_routes(rng, num_experts=9, top_k=2, num_layers=2, lengths=[1])])
+
+
+def test_select_layers_keeps_global_ids(rng):
+    r = random_routes(rng, num_experts=8, top_k=2, num_layers=3, lengths=[4], layer_ids=[1, 2, 5])
+    s = r.select_layers([5, 1])
+    assert s.layer_ids.tolist() == [1, 5]
+    assert np.array_equal(s.values[:, 1], r.values[:, 2])
+    with pytest.raises(RouteFormatError, match=r"layers \[0\] not in"):
+        r.select_layers([0])
+
+
+def test_equality_and_nbytes(rng):
+    r = random_routes(rng, num_experts=300, top_k=3, num_layers=2, lengths=[2, 2])
+    assert r == Routes(r.values, r.cu_seqlens, 300, r.layer_ids)
+    assert r != Routes(r.values, [0, 1, 4], 300, r.layer_ids)
+    assert r != Routes(r.values, r.cu_seqlens, 301, r.layer_ids)
+    assert r.nbytes == r.values.nbytes + r.cu_seqlens.nbytes + r.layer_ids.nbytes == 4 * 2 * 3 * 2 + 3 * 8 + 2 * 8
+    assert r.sorted_rows().values.tolist() == np.sort(r.values, axis=2).tolist()
