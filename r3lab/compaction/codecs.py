@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 import numpy as np
 import zstandard
 
+from r3lab.compaction.kernels import pack_ids, unpack_ids
 from r3lab.errors import RouteFormatError
 
 __all__ = ["Codec", "IdCoder", "Raw", "BitPack", "TopKSet", "Zstd", "get_codec", "parse_pipeline", "CODECS", "ALIASES"]
@@ -113,67 +114,20 @@ def id_bits(num_experts: int) -> int:
     return max(1, (num_experts - 1).bit_length())
 
 
-def _pack_small(v: np.ndarray, b: int) -> bytes:
-    """Pack uint values of ``b <= 8`` bits each, little-endian bit order, into ceil(n*b/8) bytes."""
-    g = 8 // math.gcd(b, 8)  # ids per byte-aligned group
-    nbytes_group = g * b // 8
-    n = v.size
-    m = -(-n // g)
-    padded = np.zeros(m * g, dtype=np.uint64)
-    padded[:n] = v
-    padded = padded.reshape(m, g)
-    acc = padded[:, 0].copy()
-    for j in range(1, g):
-        acc |= padded[:, j] << np.uint64(j * b)
-    out = acc.astype("<u8", copy=False).view(np.uint8).reshape(m, 8)[:, :nbytes_group]
-    return out.tobytes()[: -(-n * b // 8)]
-
-
-def _unpack_small(buf: memoryview | bytes, n: int, b: int) -> np.ndarray:
-    g = 8 // math.gcd(b, 8)
-    nbytes_group = g * b // 8
-    m = -(-n // g)
-    raw = np.zeros(m * nbytes_group, dtype=np.uint8)
-    raw[: len(buf)] = np.frombuffer(buf, dtype=np.uint8)
-    words = np.zeros((m, 8), dtype=np.uint8)
-    words[:, :nbytes_group] = raw.reshape(m, nbytes_group)
-    acc = words.view("<u8").reshape(m)
-    mask = np.uint64((1 << b) - 1)
-    out = np.empty((m, g), dtype=np.uint16)
-    for j in range(g):
-        out[:, j] = (acc >> np.uint64(j * b)) & mask
-    return out.reshape(-1)[:n]
-
-
 class BitPack(IdCoder):
-    """ceil(log2 E) bits per id. Ids above 8 bits split into a byte plane and a packed high-bit plane."""
+    """ceil(log2 E) bits per id, one little-endian bit stream (least significant bit first)."""
 
     codec_id = "bitpack"
 
     def encoded_size(self, n_rows, top_k, dtype, num_experts):
-        n, b = n_rows * top_k, id_bits(num_experts)
-        return -(-n * b // 8) if b <= 8 else n + -(-n * (b - 8) // 8)
+        return -(-n_rows * top_k * id_bits(num_experts) // 8)
 
     def _encode_rows(self, rows, num_experts):
-        b = id_bits(num_experts)
-        flat = rows.reshape(-1)
-        if b == 8:
-            return flat.astype(np.uint8).tobytes()
-        if b < 8:
-            return _pack_small(flat, b)
-        return (flat & 0xFF).astype(np.uint8).tobytes() + _pack_small(flat >> 8, b - 8)
+        return pack_ids(rows, id_bits(num_experts))
 
     def _decode_rows(self, buf, n_rows, top_k, dtype, num_experts):
         self._check_size(buf, n_rows, top_k, dtype, num_experts)
-        n, b = n_rows * top_k, id_bits(num_experts)
-        if b == 8:
-            flat = np.frombuffer(buf, dtype=np.uint8)
-        elif b < 8:
-            flat = _unpack_small(buf, n, b)
-        else:
-            lo = np.frombuffer(buf[:n], dtype=np.uint8).astype(np.uint16)
-            flat = lo | (_unpack_small(buf[n:], n, b - 8) << 8)
-        return flat.astype(dtype, copy=False).reshape(n_rows, top_k)
+        return unpack_ids(buf, n_rows * top_k, id_bits(num_experts), dtype).reshape(n_rows, top_k)
 
 
 @lru_cache(maxsize=64)

@@ -27,7 +27,8 @@ import orjson
 
 from r3lab.compaction.codecs import parse_pipeline
 from r3lab.errors import RouteFormatError
-from r3lab.routes import Routes, check_cu_seqlens, check_distinct_rows, compact_dtype
+from r3lab.compaction.kernels import first_bad_row
+from r3lab.routes import Routes, check_cu_seqlens, compact_dtype
 
 __all__ = ["encode", "decode", "read_header", "MAGIC", "FORMAT_VERSION", "DEFAULT_MAX_BYTES"]
 
@@ -149,8 +150,9 @@ def decode(buf: bytes | bytearray | memoryview, *, max_bytes: int = DEFAULT_MAX_
     for stage in stages:  # at most one byte stage; it must inflate to exactly what the id coder reads
         payload = stage.decode(payload, coder.encoded_size(T * L, K, dtype, E))
     values = coder.decode(payload, (T, L, K), dtype, E)
-    if values.size and values.max() >= E:
-        raise RouteFormatError(f"expert id {int(values.max())} out of range [0, {E})")
-    if not coder.sorts_rows:
-        check_distinct_rows(values)
+    row, problem = first_bad_row(values.reshape(-1, K), E)
+    if row >= 0:
+        bad = values.reshape(-1, K)[row].tolist()
+        what = f"expert id out of range [0, {E})" if problem == 0 else "repeated expert id inside a top-k row"
+        raise RouteFormatError(f"{what}: row {row} (token {row // max(L, 1)}, layer {h['layer_ids'][row % L]}) is {bad}")
     return Routes(values, cu, E, h["layer_ids"], validate=False)
