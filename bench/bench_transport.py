@@ -25,7 +25,7 @@ import orjson
 import pybase64
 
 sys.path.insert(0, str(Path(__file__).parent))
-from workloads import WORKLOADS, Workload, sample_routes  # noqa: E402
+from workloads import WORKLOADS, sample_routes  # noqa: E402
 
 from r3lab.compaction import decode, encode  # noqa: E402
 from r3lab.routes import Routes  # noqa: E402

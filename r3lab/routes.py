@@ -186,7 +186,7 @@ class Routes:
                     f"differ from {first.num_experts}/{first.layer_ids.tolist()}/{first.top_k}"
                 )
         offsets = np.cumsum([0] + [p.total_tokens for p in parts[:-1]])
-        cu = np.concatenate([[0]] + [p.cu_seqlens[1:] + off for p, off in zip(parts, offsets)])
+        cu = np.concatenate([[0]] + [p.cu_seqlens[1:] + off for p, off in zip(parts, offsets, strict=False)])
         return cls(np.concatenate([p.values for p in parts]), cu, first.num_experts, first.layer_ids, validate=False)
 
     # ---- shape --------------------------------------------------------------------------------

@@ -253,7 +253,7 @@ def test_payload_errors():
         "no num_experts": ({k: v for k, v in good.items() if k != "num_experts"}, "num_experts"),
         "padded without lengths": ({**good, "shape": [1, 5, 2, 2]}, "lengths"),
     }
-    for name, (payload, message) in bad.items():
+    for _name, (payload, message) in bad.items():
         with pytest.raises(RouteFormatError, match=message):
             from_payload(payload)
     with pytest.raises(RouteFormatError, match="over the cap"):
@@ -295,7 +295,7 @@ def test_read_vllm_npy_base64():
         "not npy": (base64.b64encode(b"hello world").decode(), "not .npy"),
         "bad base64": ("!!!", "bad base64"),
     }
-    for name, (data, message) in cases.items():
+    for _name, (data, message) in cases.items():
         with pytest.raises(RouteFormatError, match=message):
             read_vllm_npy_base64(data)
     raw = base64.b64decode(_npy_b64(arr))

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import numpy as np
 import zstandard
 
-from r3lab.compaction.kernels import pack_ids, unpack_ids
+from r3lab.compaction.kernels import pack_ids, pack_wide, set_ranks, unpack_ids, unpack_wide, unrank_sets
 from r3lab.errors import RouteFormatError
 
 __all__ = ["Codec", "IdCoder", "Raw", "BitPack", "TopKSet", "Zstd", "get_codec", "parse_pipeline", "CODECS", "ALIASES"]
@@ -214,12 +214,9 @@ class TopKSet(IdCoder):
     def _encode_rows(self, rows, num_experts):
         n, k = rows.shape
         limbs, _, W, nbits = _binomial_table(num_experts, k)
+        if W == 1:  # compiled fast path: the number fits one 64-bit word
+            return pack_wide(set_ranks(rows, np.ascontiguousarray(limbs[:, :, 0])), nbits) if nbits else b""
         srt = np.sort(rows, axis=1).astype(np.intp)
-        if W == 1:
-            rank = np.zeros(n, dtype=np.uint64)
-            for i in range(k):
-                rank += limbs[srt[:, i], i + 1, 0]
-            return _pack_bits(rank[:, None], nbits)
         acc = [np.zeros(n, dtype=np.uint64) for _ in range(W)]
         for i in range(k):
             t = limbs[srt[:, i], i + 1]
@@ -229,8 +226,15 @@ class TopKSet(IdCoder):
     def _decode_rows(self, buf, n_rows, top_k, dtype, num_experts):
         self._check_size(buf, n_rows, top_k, dtype, num_experts)
         limbs, approx, W, nbits = _binomial_table(num_experts, top_k)
-        words = _unpack_bits(buf, n_rows, nbits, W)
         E, k = num_experts, top_k
+        if W == 1:
+            ranks = unpack_wide(buf, n_rows, nbits) if nbits else np.zeros(n_rows, dtype=np.uint64)
+            out = np.empty((n_rows, k), dtype=dtype)
+            bad = unrank_sets(ranks, np.ascontiguousarray(limbs[:, :, 0]), E, k, out)
+            if bad >= 0:
+                raise RouteFormatError(f"topk-set row {bad} holds a number >= C({E}, {k}); the payload is corrupt")
+            return out
+        words = _unpack_bits(buf, n_rows, nbits, W)
         rank = [words[:, w].copy() for w in range(W)]
         total = [np.full(n_rows, limbs[E, k, w], dtype=np.uint64) for w in range(W)]
         if n_rows and (_limbs_le(total, rank)).any():

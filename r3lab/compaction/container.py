@@ -26,8 +26,8 @@ import numpy as np
 import orjson
 
 from r3lab.compaction.codecs import parse_pipeline
-from r3lab.errors import RouteFormatError
 from r3lab.compaction.kernels import first_bad_row
+from r3lab.errors import RouteFormatError
 from r3lab.routes import Routes, check_cu_seqlens, compact_dtype
 
 __all__ = ["encode", "decode", "read_header", "MAGIC", "FORMAT_VERSION", "DEFAULT_MAX_BYTES"]

