@@ -85,7 +85,7 @@ def r3lab_codec(codec: str):
 
 
 BASELINES = [nested_json, nested_orjson, int32_b64_orjson, npy_b64_orjson, compact_b64_orjson]
-CODECS = ["raw", "bitpack", "topk-set", "raw+zstd", "bitpack+zstd", "topk-set+zstd"]
+CODECS = ["raw", "bitpack", "topk-set", "raw+zstd", "bitpack+zstd", "topk-set+zstd", "topk-gaps+zstd"]
 LABELS = {
     "nested_json": "nested lists, json", "nested_orjson": "nested lists, orjson", "int32_b64_orjson": "int32 + base64 + orjson",
     "npy_b64_orjson": "base64 .npy (vLLM server)", "compact_b64_orjson": "compact + base64 + orjson (field's best)",
@@ -102,7 +102,7 @@ def measure(method, r: Routes, repeats: int) -> dict:
         t2 = time.perf_counter()
         enc_t.append(t1 - t0)
         dec_t.append(t2 - t1)
-    want = r.values if not method.__name__.startswith("r3lab topk-set") else np.sort(r.values, axis=2)
+    want = r.values if not method.__name__.startswith("r3lab topk-") else np.sort(r.values, axis=2)
     if not np.array_equal(np.asarray(out).reshape(want.shape), want):
         raise AssertionError(f"{method.__name__} did not round-trip")
     enc, dec = statistics.median(enc_t), statistics.median(dec_t)

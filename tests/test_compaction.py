@@ -52,7 +52,7 @@ def route_sets(draw):
 def test_round_trip_every_codec(routes, codec):
     buf = encode(routes, codec)
     out = decode(buf)
-    want = routes.sorted_rows() if codec.startswith("topk-set") else routes
+    want = routes.sorted_rows() if codec.startswith("topk-") else routes
     assert out == want
     assert out.values.dtype == compact_dtype(routes.num_experts)
     assert decode(memoryview(buf)) == want and decode(bytearray(buf)) == want
@@ -70,7 +70,7 @@ def test_topk_set_returns_sorted_rows_and_is_compact():
     out = decode(encode(r, "topk-set"))
     assert out.values.tolist() == [[[1, 3, 5]], [[0, 2, 7]]]
     # C(8, 3) = 56 sets -> 6 bits per row -> 12 bits -> 2 bytes of payload
-    assert TopKSet().encoded_size(2, 3, np.uint8, 8) == 2
+    assert TopKSet().encoded_size((2, 1, 3), np.uint8, 8) == 2
 
 
 @pytest.mark.parametrize(("E", "K"), [(64, 8), (512, 22), (384, 8), (65536, 2), (2, 2), (3, 3)])
@@ -90,7 +90,7 @@ def test_bitpack_uses_ceil_log2_bits(E):
     n = r.values.size
     b = id_bits(E)
     assert b == max(1, int(np.ceil(np.log2(E))))
-    assert abs(BitPack().encoded_size(r.total_tokens * 3, K, r.values.dtype, E) - n * b / 8) <= 2
+    assert BitPack().encoded_size(r.values.shape, r.values.dtype, E) == -(-n * b // 8)
     assert decode(encode(r, "bitpack")) == r
 
 
@@ -121,7 +121,7 @@ def test_codec_configs_round_trip_and_registry():
 def test_golden_fixtures_decode(name, codec):
     exp = np.load(FIXTURES / f"{name}.expected.npz", allow_pickle=False)
     want = Routes(exp["values"], exp["cu_seqlens"], int(exp["num_experts"]), exp["layer_ids"])
-    if codec.startswith("topk-set"):
+    if codec.startswith("topk-"):
         want = want.sorted_rows()
     assert decode((FIXTURES / f"{name}.{codec}.r3").read_bytes()) == want
     payload = orjson.loads((FIXTURES / f"{name}.payload.json").read_bytes())
@@ -209,7 +209,7 @@ def test_repeated_ids_inside_a_row_rejected_by_raw_and_bitpack():
 
 def test_topk_set_rank_out_of_range_rejected():
     r, buf = _sample("topk-set")
-    nbytes = TopKSet().encoded_size(10, 2, np.uint8, 16)  # C(16, 2) = 120 -> 7 bits per row
+    nbytes = TopKSet().encoded_size((5, 2, 2), np.uint8, 16)  # C(16, 2) = 120 -> 7 bits per row
     with pytest.raises(RouteFormatError, match="C\\(16, 2\\)"):
         decode(_reframe(buf, payload=b"\xff" * nbytes))
 
@@ -321,3 +321,33 @@ def test_read_vllm_nested_list_and_sglang():
         read_sglang_base64_int32(base64.b64encode(flat.tobytes()[:-4]).decode(), num_layers=2, top_k=2)
     with pytest.raises(RouteFormatError, match=">= 1"):
         read_sglang_base64_int32("", num_layers=0, top_k=2)
+
+
+def test_topk_gaps_rejects_bad_relabelling_and_overflowing_gaps():
+    r, buf = _sample("topk-gaps+zstd")
+    import zstandard
+
+    T, L, K, E = 5, 2, 2, 16
+    perms = np.tile(np.arange(E, dtype=np.uint8), (L, 1))
+    gaps = np.zeros((L, K, T), dtype=np.uint8)
+    ok = perms.tobytes() + gaps.tobytes()
+    assert decode(_reframe(buf, payload=zstandard.ZstdCompressor().compress(ok))).values[:, :, :].tolist() == [[[0, 1]] * 2] * 5
+    perms_bad = perms.copy()
+    perms_bad[1, 3] = 0
+    with pytest.raises(RouteFormatError, match="not a permutation"):
+        decode(_reframe(buf, payload=zstandard.ZstdCompressor().compress(perms_bad.tobytes() + gaps.tobytes())))
+    gaps_bad = gaps.copy()
+    gaps_bad[0, 1, 2] = 15
+    with pytest.raises(RouteFormatError, match="out of range"):
+        decode(_reframe(buf, payload=zstandard.ZstdCompressor().compress(perms.tobytes() + gaps_bad.tobytes())))
+
+
+def test_topk_gaps_pays_on_skewed_popularity():
+    """Zipf-skewed experts: topk-gaps+zstd beats the fixed-width topk-set; on uniform ones it does not need to."""
+    rng = np.random.default_rng(3)
+    E, K, T = 64, 4, 4000
+    logw = -1.2 * np.log(np.arange(1, E + 1))
+    vals = np.argpartition(-(logw + rng.gumbel(size=(T, E))), K - 1, axis=1)[:, :K].reshape(T, 1, K)
+    r = Routes(vals, [0, T], E)
+    assert len(encode(r, "topk-gaps+zstd")) < 0.9 * len(encode(r, "topk-set"))
+    assert decode(encode(r, "topk-gaps+zstd")) == r.sorted_rows()

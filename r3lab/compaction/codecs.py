@@ -21,7 +21,7 @@ import zstandard
 from r3lab.compaction.kernels import pack_ids, pack_wide, set_ranks, unpack_ids, unpack_wide, unrank_sets
 from r3lab.errors import RouteFormatError
 
-__all__ = ["Codec", "IdCoder", "Raw", "BitPack", "TopKSet", "Zstd", "get_codec", "parse_pipeline", "CODECS", "ALIASES"]
+__all__ = ["Codec", "IdCoder", "Raw", "BitPack", "TopKSet", "SetGaps", "Zstd", "get_codec", "parse_pipeline", "CODECS", "ALIASES"]
 
 
 class Codec:
@@ -76,7 +76,11 @@ class IdCoder(Codec):
             return np.ascontiguousarray(rows.reshape(L, T, K).transpose(1, 0, 2))
         return rows.reshape(T, L, K)
 
-    def encoded_size(self, n_rows: int, top_k: int, dtype: np.dtype, num_experts: int) -> int:
+    def encoded_size(self, shape: tuple[int, int, int], dtype: np.dtype, num_experts: int) -> int:
+        """Bytes this coder writes for routes of ``shape`` ([T, L, K]); decode refuses any other length."""
+        return self._rows_size(shape[0] * shape[1], shape[2], dtype, num_experts)
+
+    def _rows_size(self, n_rows: int, top_k: int, dtype: np.dtype, num_experts: int) -> int:
         raise NotImplementedError
 
     def _encode_rows(self, rows: np.ndarray, num_experts: int) -> bytes:
@@ -86,7 +90,7 @@ class IdCoder(Codec):
         raise NotImplementedError
 
     def _check_size(self, buf: memoryview, n_rows: int, top_k: int, dtype: np.dtype, num_experts: int) -> None:
-        want = self.encoded_size(n_rows, top_k, dtype, num_experts)
+        want = self._rows_size(n_rows, top_k, dtype, num_experts)
         if len(buf) != want:
             raise RouteFormatError(
                 f"{self.codec_id} payload holds {len(buf)} bytes but shape [{n_rows} rows, top_k={top_k}] needs {want}"
@@ -98,7 +102,7 @@ class Raw(IdCoder):
 
     codec_id = "raw"
 
-    def encoded_size(self, n_rows, top_k, dtype, num_experts):
+    def _rows_size(self, n_rows, top_k, dtype, num_experts):
         return n_rows * top_k * np.dtype(dtype).itemsize
 
     def _encode_rows(self, rows, num_experts):
@@ -119,7 +123,7 @@ class BitPack(IdCoder):
 
     codec_id = "bitpack"
 
-    def encoded_size(self, n_rows, top_k, dtype, num_experts):
+    def _rows_size(self, n_rows, top_k, dtype, num_experts):
         return -(-n_rows * top_k * id_bits(num_experts) // 8)
 
     def _encode_rows(self, rows, num_experts):
@@ -207,7 +211,7 @@ class TopKSet(IdCoder):
     codec_id = "topk-set"
     sorts_rows = True
 
-    def encoded_size(self, n_rows, top_k, dtype, num_experts):
+    def _rows_size(self, n_rows, top_k, dtype, num_experts):
         nbits = _binomial_table(num_experts, top_k)[3]
         return -(-n_rows * nbits // 8)
 
@@ -260,6 +264,63 @@ class TopKSet(IdCoder):
         return out.astype(dtype)
 
 
+class SetGaps(IdCoder):
+    """Top-k sets as gaps between sorted, popularity-relabelled ids: a transform for a byte stage (zstd).
+
+    Per layer, experts are relabelled by how often they were chosen (most popular -> 0; the
+    ``[L, E]`` relabelling is stored up front), each row is sorted and written as the gaps
+    ``c_0, c_1 - c_0 - 1, ...``, slot-major. Skewed popularity turns into many small gaps, which a
+    byte stage codes in a few bits. Always layer-major; **decode returns every row sorted**.
+    """
+
+    codec_id = "topk-gaps"
+    sorts_rows = True
+
+    def __init__(self, order: str = "layer"):
+        if order != "layer":
+            raise RouteFormatError(f"topk-gaps is always layer-major, got order={order!r}")
+        super().__init__("layer")
+
+    def encoded_size(self, shape, dtype, num_experts):
+        T, L, K = shape
+        return (L * num_experts + T * L * K) * np.dtype(dtype).itemsize
+
+    def encode(self, values, num_experts):
+        T, L, K = values.shape
+        dt = values.dtype
+        perms = np.empty((L, num_experts), dtype=dt)
+        gaps = np.empty((L, K, T), dtype=dt)
+        for j in range(L):
+            counts = np.bincount(values[:, j].reshape(-1), minlength=num_experts)
+            order = np.argsort(-counts, kind="stable")  # new label -> expert
+            relabel = np.empty(num_experts, dtype=np.int64)
+            relabel[order] = np.arange(num_experts)
+            srt = np.sort(relabel[values[:, j]], axis=1)
+            g = np.diff(srt, axis=1, prepend=-1) - 1
+            perms[j] = order
+            gaps[j] = g.T
+        return perms.tobytes() + gaps.tobytes()
+
+    def decode(self, buf, shape, dtype, num_experts):
+        T, L, K = shape
+        dt = np.dtype(dtype)
+        want = self.encoded_size(shape, dt, num_experts)
+        if len(buf) != want:
+            raise RouteFormatError(f"topk-gaps payload holds {len(buf)} bytes but shape {list(shape)} needs {want}")
+        flat = np.frombuffer(buf, dtype=dt.newbyteorder("<"))
+        perms = flat[: L * num_experts].reshape(L, num_experts).astype(np.int64)
+        gaps = flat[L * num_experts :].reshape(L, K, T).astype(np.int64)
+        out = np.empty((T, L, K), dtype=dt)
+        for j in range(L):
+            if perms[j].max(initial=0) >= num_experts or np.bincount(perms[j], minlength=num_experts).max(initial=1) != 1:
+                raise RouteFormatError(f"topk-gaps: the relabelling of layer {j} is not a permutation of {num_experts} experts")
+            ids = np.cumsum(gaps[j] + 1, axis=0) - 1  # [K, T], strictly increasing along K
+            if ids.size and ids[-1].max() >= num_experts:
+                raise RouteFormatError(f"topk-gaps: expert id out of range [0, {num_experts}) in layer {j}")
+            out[:, j] = np.sort(perms[j][ids.T], axis=1)
+        return out
+
+
 class Zstd(Codec):
     """Zstandard over the bytes of the stage before it; pays where expert popularity is skewed."""
 
@@ -293,7 +354,7 @@ class Zstd(Codec):
         return memoryview(out)
 
 
-CODECS: dict[str, type[Codec]] = {c.codec_id: c for c in (Raw, BitPack, TopKSet, Zstd)}
+CODECS: dict[str, type[Codec]] = {c.codec_id: c for c in (Raw, BitPack, TopKSet, SetGaps, Zstd)}
 
 #: short names accepted by ``encode(..., codec=...)``; ``+zstd`` variants write layer-major rows
 ALIASES: dict[str, list[dict[str, Any]]] = {
@@ -303,6 +364,7 @@ ALIASES: dict[str, list[dict[str, Any]]] = {
     "raw+zstd": [{"id": "raw", "order": "layer"}, {"id": "zstd", "level": 3}],
     "bitpack+zstd": [{"id": "bitpack", "order": "layer"}, {"id": "zstd", "level": 3}],
     "topk-set+zstd": [{"id": "topk-set", "order": "layer"}, {"id": "zstd", "level": 3}],
+    "topk-gaps+zstd": [{"id": "topk-gaps", "order": "layer"}, {"id": "zstd", "level": 3}],
 }
 
 
@@ -329,7 +391,7 @@ def parse_pipeline(spec: Any) -> tuple[IdCoder, list[Zstd]]:
     stages = [s if isinstance(s, Codec) else get_codec(s) for s in spec]
     first, rest = stages[0], stages[1:]
     if not isinstance(first, IdCoder):
-        raise RouteFormatError(f"a pipeline starts with an id coder (raw, bitpack, topk-set), not {first.codec_id!r}")
+        raise RouteFormatError(f"a pipeline starts with an id coder (raw, bitpack, topk-set, topk-gaps), not {first.codec_id!r}")
     if len(rest) > 1:
         raise RouteFormatError(f"at most one byte stage may follow the id coder, got {[s.codec_id for s in rest]}")
     for s in rest:

@@ -148,7 +148,7 @@ def decode(buf: bytes | bytearray | memoryview, *, max_bytes: int = DEFAULT_MAX_
     cu = check_cu_seqlens(cu, T)
     payload = mv[h["_payload_offset"] : h["_payload_offset"] + h["_payload_length"]]
     for stage in stages:  # at most one byte stage; it must inflate to exactly what the id coder reads
-        payload = stage.decode(payload, coder.encoded_size(T * L, K, dtype, E))
+        payload = stage.decode(payload, coder.encoded_size((T, L, K), dtype, E))
     values = coder.decode(payload, (T, L, K), dtype, E)
     row, problem = first_bad_row(values.reshape(-1, K), E)
     if row >= 0:
