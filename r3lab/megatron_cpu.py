@@ -1,0 +1,482 @@
+"""Run megatron-core 0.16.1 on CPU ranks (gloo, loopback): tiny MoE GPT models for tests and benches.
+
+Megatron assumes CUDA and Transformer Engine in a few places; :func:`patch_megatron_for_cpu` bypasses
+them (``torch.cuda.current_device``, the CUDA RNG tracker's ``add``/``fork``, ``moe_utils.te_general_gemm``).
+The model uses the local (non-TE) layer spec with a plain RMSNorm module (the local spec's
+``WrappedTorchNorm`` refuses sequence parallelism), learned-absolute positions, an explicit attention
+mask and the ``allgather`` token dispatcher. Context parallelism needs Transformer Engine attention and
+does not run here.
+
+Typical single-process use (world size 1)::
+
+    from r3lab import megatron_cpu as mc
+    mc.init_cpu_parallel()                      # gloo on a free loopback port if needed
+    (model,) = mc.build_tiny_gpt(mc.TinyGPTSpec(num_layers=2))
+    logits = mc.forward_tokens(model, tokens)   # tokens: int64 [B, S]
+    mc.destroy_cpu_parallel()
+
+Multi-process: ``mc.launch(fn, world_size, *args)`` runs ``fn(rank, world_size, *args)`` in spawned
+processes with ``torch.distributed`` initialized (gloo) and returns every rank's return value.
+Weights are set by :func:`init_weights_deterministic` from each parameter's *global* name and unsharded
+shape, so a model split by TP/PP/VPP/EP computes the same function as the unsplit one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import pickle
+import re
+import socket
+import tempfile
+import warnings
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = [
+    "TinyGPTSpec",
+    "patch_megatron_for_cpu",
+    "init_cpu_parallel",
+    "destroy_cpu_parallel",
+    "build_tiny_gpt",
+    "init_weights_deterministic",
+    "causal_mask",
+    "forward_tokens",
+    "pipeline_forward",
+    "router_layer_numbers",
+    "free_port",
+    "launch",
+]
+
+_PATCHED = False
+
+
+def patch_megatron_for_cpu() -> None:
+    """Bypass the CUDA / Transformer Engine assumptions of megatron-core 0.16.1 (idempotent)."""
+    global _PATCHED
+    if _PATCHED:
+        return
+    warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
+    warnings.filterwarnings("ignore", message=".*Apex.*")
+    from megatron.core.tensor_parallel import random as tp_random
+    from megatron.core.transformer.moe import moe_utils
+
+    if not torch.cuda.is_available():
+        torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    moe_utils.te_general_gemm = None  # referenced unconditionally; a NameError without TE
+
+    def add(self, name, seed):  # CPU twin of CudaRNGStatesTracker.add
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        self.seeds_.add(seed)
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        gen = torch.Generator()
+        gen.manual_seed(seed)
+        self.states_[name] = gen.get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name=tp_random._MODEL_PARALLEL_RNG_TRACKER_NAME):  # CPU twin of .fork
+        if name not in self.states_:
+            raise Exception(f"rng state {name} is not added")
+        orig = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+    tp_random.CudaRNGStatesTracker.add = add
+    tp_random.CudaRNGStatesTracker.fork = fork
+    _PATCHED = True
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_cpu_parallel(
+    tp: int = 1,
+    pp: int = 1,
+    *,
+    vpp: int | None = None,
+    cp: int = 1,
+    ep: int = 1,
+    etp: int | None = None,
+    seed: int = 1234,
+) -> None:
+    """Initialize Megatron's model-parallel groups on CPU (and a 1-rank gloo group when none exists).
+
+    The world size must be a multiple of ``tp * pp * cp``; the rest is data parallel. Re-initializing
+    destroys the previous groups first, so one process can run several layouts in turn.
+    """
+    patch_megatron_for_cpu()
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    if parallel_state.model_parallel_is_initialized():
+        destroy_cpu_parallel(keep_process_group=True)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp if (vpp or 1) > 1 else None,
+        context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+    )
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_cpu_parallel(*, keep_process_group: bool = True) -> None:
+    """Tear down the model-parallel groups and the router-replay registry (and the gloo group if asked)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    RouterReplay.clear_global_router_replay_instances()
+    parallel_state.destroy_model_parallel()
+    if not keep_process_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class CPURMSNorm(torch.nn.RMSNorm):
+    """Plain RMSNorm with Megatron's norm constructor signature; unlike WrappedTorchNorm it allows SP."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_: Any):
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        self.weight.sequence_parallel = bool(config.sequence_parallel)  # grads all-reduced over TP
+
+
+@dataclasses.dataclass
+class TinyGPTSpec:
+    """A tiny MoE GPT. ``moe_layer_freq`` is Megatron's: an int N (MoE every N layers) or a 0/1 list per layer.
+
+    ``dense_leading`` is a shortcut for DeepSeek-style leading dense layers (overrides moe_layer_freq).
+    """
+
+    num_layers: int = 2
+    hidden_size: int = 32
+    num_attention_heads: int = 4
+    ffn_hidden_size: int = 64
+    num_experts: int = 8
+    topk: int = 2
+    moe_ffn_hidden_size: int = 32
+    moe_layer_freq: int | list[int] = 1
+    dense_leading: int = 0
+    vocab_size: int = 128
+    max_sequence_length: int = 256
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    cp: int = 1
+    ep: int = 1
+    etp: int | None = None
+    sequence_parallel: bool = False
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+    params_dtype: torch.dtype = torch.float32
+    extra_config: dict = dataclasses.field(default_factory=dict)
+
+    def layer_pattern(self) -> list[int]:
+        """0/1 per global layer (1 = MoE), as Megatron parses moe_layer_freq."""
+        if self.dense_leading:
+            return [0] * self.dense_leading + [1] * (self.num_layers - self.dense_leading)
+        if isinstance(self.moe_layer_freq, int):
+            return [1 if i % self.moe_layer_freq == 0 else 0 for i in range(self.num_layers)]
+        return list(self.moe_layer_freq)
+
+    def moe_layer_ids(self) -> list[int]:
+        """0-based global ids of the MoE layers (Megatron's layer_number - 1)."""
+        return [i for i, m in enumerate(self.layer_pattern()) if m]
+
+    def transformer_config(self):
+        from megatron.core.transformer import TransformerConfig
+
+        kw = dict(
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            num_attention_heads=self.num_attention_heads,
+            ffn_hidden_size=self.ffn_hidden_size,
+            num_moe_experts=self.num_experts,
+            moe_router_topk=self.topk,
+            moe_ffn_hidden_size=self.moe_ffn_hidden_size,
+            moe_layer_freq=self.layer_pattern(),
+            moe_token_dispatcher_type="allgather",
+            moe_enable_routing_replay=True,
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_grouped_gemm=False,
+            tensor_model_parallel_size=self.tp,
+            pipeline_model_parallel_size=self.pp,
+            virtual_pipeline_model_parallel_size=self.vpp if (self.vpp or 1) > 1 else None,
+            context_parallel_size=self.cp,
+            expert_model_parallel_size=self.ep,
+            expert_tensor_parallel_size=self.etp if self.etp is not None else self.tp,
+            sequence_parallel=self.sequence_parallel and self.tp > 1,
+            num_layers_in_first_pipeline_stage=self.first_stage_layers,
+            num_layers_in_last_pipeline_stage=self.last_stage_layers,
+            normalization="RMSNorm",
+            add_bias_linear=False,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            use_cpu_initialization=True,
+            params_dtype=self.params_dtype,
+            pipeline_dtype=self.params_dtype,
+            gradient_accumulation_fusion=False,
+            bias_activation_fusion=False,
+            bias_dropout_fusion=False,
+            masked_softmax_fusion=False,
+            apply_rope_fusion=False,
+            persist_layer_norm=False,
+        )
+        kw.update(self.extra_config)
+        return TransformerConfig(**kw)
+
+
+def _block_spec(config, vp_stage: int | None):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage)
+    layer_specs = []
+    for ls in spec.layer_specs:
+        ls = dataclasses.replace(
+            ls, submodules=dataclasses.replace(ls.submodules, input_layernorm=CPURMSNorm, pre_mlp_layernorm=CPURMSNorm)
+        )
+        layer_specs.append(ls)
+    return dataclasses.replace(spec, layer_specs=layer_specs, layer_norm=CPURMSNorm)
+
+
+def build_tiny_gpt(spec: TinyGPTSpec, *, seed: int = 0, init_parallel: bool = True) -> list[torch.nn.Module]:
+    """Build this rank's model chunks (one per virtual pipeline stage) in eval mode with deterministic weights.
+
+    With ``init_parallel`` (default) the model-parallel groups are (re)initialized from ``spec`` first.
+    Routers register their ``RouterReplay`` in construction order: chunk 0's layers, then chunk 1's, ...
+    """
+    patch_megatron_for_cpu()
+    if init_parallel:
+        init_cpu_parallel(spec.tp, spec.pp, vpp=spec.vpp, cp=spec.cp, ep=spec.ep, etp=spec.etp)
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    config = spec.transformer_config()
+    vpp = spec.vpp if (spec.vpp or 1) > 1 else None
+    pp_rank, pp = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+    chunks = []
+    for vp in range(vpp or 1):
+        vp_stage = vp if vpp else None
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=_block_spec(config, vp_stage),
+            vocab_size=spec.vocab_size,
+            max_sequence_length=spec.max_sequence_length,
+            pre_process=pp_rank == 0 and vp == 0,
+            post_process=pp_rank == pp - 1 and vp == (vpp or 1) - 1,
+            position_embedding_type="learned_absolute",
+            vp_stage=vp_stage,
+        )
+        init_weights_deterministic(model, seed=seed)
+        model.eval()
+        chunks.append(model)
+    return chunks
+
+
+_LOCAL_EXPERT = re.compile(r"local_experts\.(\d+)\.")
+
+
+def init_weights_deterministic(model: torch.nn.Module, seed: int = 0) -> None:
+    """Set every parameter from a generator seeded by its global name, then take this rank's TP/EP shard.
+
+    Global name: the decoder layer's index becomes its global layer number, a local expert index its
+    global expert index. Norm weights are ones, other 1-D parameters zeros, matrices N(0, 1/fan_in),
+    embeddings N(0, 1). Tensor-parallel parameters are generated unsharded and chunked along
+    ``partition_dim`` (stride 1), so every TP/PP/VPP/EP split computes the same function.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    layer_prefix = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, TransformerLayer):
+            layer_prefix[name + "."] = f"layer{mod.layer_number}."
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    etp, etp_rank = ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
+    ep_rank = ps.get_expert_model_parallel_rank()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            key = name
+            for pre, glob in layer_prefix.items():
+                if name.startswith(pre):
+                    key = glob + name[len(pre) :]
+                    break
+            is_expert = ".experts." in name
+            if is_expert:
+                m = _LOCAL_EXPERT.search(key)
+                n_local = _count_local_experts(model, name)
+                if m:
+                    key = key[: m.start(1)] + str(ep_rank * n_local + int(m.group(1))) + key[m.end(1) :]
+            size, rank = (etp, etp_rank) if is_expert else (tp, tp_rank)
+            shape = list(p.shape)
+            dim = getattr(p, "partition_dim", 0)
+            sharded = bool(getattr(p, "tensor_model_parallel", False)) and size > 1
+            if sharded:
+                shape[dim] *= size
+            gen = torch.Generator().manual_seed((zlib.crc32(key.encode()) + 7919 * seed) % (2**63))
+            if p.dim() == 1:
+                full = torch.ones(shape) if "norm" in key else torch.zeros(shape)
+            elif "embedding" in key:
+                full = torch.randn(shape, generator=gen, dtype=torch.float64)
+            else:
+                full = torch.randn(shape, generator=gen, dtype=torch.float64) / (shape[-1] ** 0.5)
+            if sharded:
+                full = full.chunk(size, dim=dim)[rank]
+            p.copy_(full.to(p.dtype))
+
+
+def _count_local_experts(model: torch.nn.Module, param_name: str) -> int:
+    prefix = param_name.split("local_experts.")[0] + "local_experts"
+    return len(model.get_submodule(prefix))
+
+
+def router_layer_numbers(chunks: Sequence[torch.nn.Module]) -> list[int]:
+    """Megatron ``layer_number`` (1-based, global) of each router, in RouterReplay registration order."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    out = []
+    for m in chunks:
+        for mod in m.modules():
+            if isinstance(mod, TopKRouter) and getattr(mod, "router_replay", None) is not None:
+                out.append(int(mod.layer_number))
+    return out
+
+
+def causal_mask(seq_len: int, segment_ids: torch.Tensor | None = None, batch: int = 1) -> torch.Tensor:
+    """Megatron attention mask ``[B, 1, S, S]`` (True = masked): causal, and block-diagonal per segment.
+
+    ``segment_ids`` ``[B, S]`` emulates a packed (THD) micro-batch with the local attention: tokens
+    attend only to earlier tokens of the same segment.
+    """
+    m = torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool), diagonal=1)[None, None].expand(batch, 1, seq_len, seq_len)
+    if segment_ids is not None:
+        m = m | (segment_ids[:, None, :, None] != segment_ids[:, None, None, :])
+    return m.contiguous()
+
+
+def forward_tokens(
+    model: torch.nn.Module,
+    tokens: torch.Tensor | None,
+    *,
+    position_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    input_tensor: torch.Tensor | None = None,
+    grad: bool = False,
+) -> torch.Tensor:
+    """One forward of one (micro)batch ``tokens`` ``[B, S]`` on this rank's model chunk.
+
+    Non-first pipeline stages take the previous stage's output ``[S_local, B, H]`` as ``input_tensor``
+    (``model.set_input_tensor``). Returns logits ``[B, S, V/tp]`` on the last stage, else hidden states.
+    ``position_ids`` default to ``arange(S)``; ``attention_mask`` to :func:`causal_mask`.
+    """
+    if tokens is None and input_tensor is None:
+        raise ValueError("forward_tokens needs tokens (first stage) or input_tensor (later stages)")
+    if tokens is not None:
+        B, S = tokens.shape
+    else:
+        B = input_tensor.shape[1]
+        S = attention_mask.shape[-1] if attention_mask is not None else None
+        if S is None:
+            raise ValueError("later pipeline stages need tokens or attention_mask to know the sequence length")
+    if position_ids is None:
+        position_ids = torch.arange(S, dtype=torch.long)[None].expand(B, S)
+    if attention_mask is None:
+        attention_mask = causal_mask(S, batch=B)
+    model.set_input_tensor(input_tensor)
+    with torch.set_grad_enabled(grad):
+        return model(input_ids=tokens, position_ids=position_ids, attention_mask=attention_mask)
+
+
+def pipeline_forward(
+    chunks: Sequence[torch.nn.Module],
+    tokens: torch.Tensor,
+    *,
+    position_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    hidden_size: int,
+) -> torch.Tensor | None:
+    """Forward-only pass of one micro-batch through all (virtual) pipeline stages, activations sent by gloo p2p.
+
+    Every rank passes the same full ``tokens`` ``[B, S]``. Order: chunk 0 on stages 0..pp-1, then
+    chunk 1, ... Returns the logits on the last stage's last chunk, else None.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    pp, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    B, S = tokens.shape
+    seq_local = S // ps.get_tensor_model_parallel_world_size() if chunks[0].config.sequence_parallel else S
+    out = None
+    for c, model in enumerate(chunks):
+        for stage in range(pp):
+            if stage != pp_rank:
+                continue
+            first = c == 0 and stage == 0
+            last = c == len(chunks) - 1 and stage == pp - 1
+            inp = None
+            if not first:
+                inp = torch.empty(seq_local, B, hidden_size, dtype=chunks[0].config.params_dtype)
+                dist.recv(inp, src=ps.get_pipeline_model_parallel_prev_rank())
+            y = forward_tokens(model, tokens, position_ids=position_ids, attention_mask=attention_mask, input_tensor=inp)
+            if last:
+                out = y
+            else:
+                dist.send(y.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+    return out
+
+
+# ---- multi-process launcher -------------------------------------------------------------------
+def _worker(rank: int, world_size: int, port: int, outdir: str, fn: Callable, args: tuple) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    patch_megatron_for_cpu()
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        result = fn(rank, world_size, *args)
+        with open(os.path.join(outdir, f"{rank}.pkl"), "wb") as f:
+            pickle.dump(result, f)
+    finally:
+        with contextlib.suppress(Exception):
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def launch(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned CPU ranks (gloo, loopback).
+
+    ``fn`` must be importable (module level) and its arguments and return value picklable. Returns the
+    return values by rank; a failing rank raises ``torch.multiprocessing.ProcessRaisedException``.
+    """
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="r3lab_launch_") as outdir:
+        mp.start_processes(_worker, args=(world_size, free_port(), outdir, fn, args), nprocs=world_size, join=True, start_method="spawn")
+        results = []
+        for r in range(world_size):
+            with open(os.path.join(outdir, f"{r}.pkl"), "rb") as f:
+                results.append(pickle.load(f))
+    return results
