@@ -1,0 +1,296 @@
+"""Routing replay for transformers MoE models: forward hooks on each router (the CPU / FSDP-style trainer).
+
+Each supported router returns ``(router_logits, topk_weights, topk_indices)``. In REPLAY mode a forward
+hook keeps the router's own logits (so the router keeps its gradient), replaces ``topk_indices`` with the
+replayed ids and recomputes ``topk_weights`` from those logits by the family's own rule:
+
+==========================================  =====================================================================
+family (router class)                       gate weights at the replayed ids ``r``
+==========================================  =====================================================================
+Qwen3-MoE, Qwen2-MoE, OLMoE                 ``softmax(logits, fp32)[r]``, divided by its sum if ``norm_topk_prob``,
+                                            cast back to the logits dtype
+Mixtral                                     ``softmax(logits.float())[r] / sum`` (always renormalized, stays fp32)
+GPT-OSS                                     ``softmax(logits[r])`` (softmax over the gathered logits, incl. bias)
+DeepSeek-V3, GLM-4-MoE                      ``sigmoid(logits)[r]`` (no ``e_score_correction_bias``: it only steers
+                                            selection), ``/ (sum + 1e-20)`` if ``norm_topk_prob``,
+                                            ``* routed_scaling_factor``
+==========================================  =====================================================================
+
+Replaying a model's own recorded ids therefore reproduces its logits bit for bit. Group-limited
+selection (``n_group``/``topk_group``) is not re-applied: the replayed ids are taken as given.
+Routers are mapped by their global decoder-layer index (``model.layers.<i>``), so leading dense layers
+are simply absent. Tokens are the router's rows: the batch flattened batch-major (``b * S + s``).
+The auxiliary load-balancing loss (``output_router_logits``) still sees the router's native logits.
+
+Hooks are removed when the context exits, also on exceptions.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from r3lab.replay import ReplayError, check_route_tensor
+from r3lab.routes import Routes
+
+__all__ = ["ROUTER_RULES", "HFReplay", "hf_replay", "find_hf_routers", "count_replay_hooks"]
+
+Rule = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _softmax_rule(router: torch.nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Qwen3-MoE / Qwen2-MoE / OLMoE: fp32 softmax gathered, renormalized when norm_topk_prob."""
+    w = F.softmax(logits, dtype=torch.float, dim=-1).gather(1, ids)
+    if router.norm_topk_prob:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return w.to(logits.dtype)
+
+
+def _mixtral_rule(router: torch.nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Mixtral: fp32 softmax gathered and always renormalized; kept in fp32 as the model does."""
+    w = F.softmax(logits.float(), dim=-1).gather(1, ids)
+    return w / w.sum(dim=-1, keepdim=True)
+
+
+def _gpt_oss_rule(router: torch.nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """GPT-OSS: softmax over the gathered logits (top-k first, softmax after)."""
+    v = logits.gather(1, ids)
+    return F.softmax(v, dim=1, dtype=v.dtype)
+
+
+def _sigmoid_rule(router: torch.nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V3 / GLM-4-MoE: unbiased sigmoid gathered, normalized if norm_topk_prob, scaled."""
+    w = logits.sigmoid().gather(1, ids)
+    if router.norm_topk_prob:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return w * router.routed_scaling_factor
+
+
+#: Router class name -> gate-weight rule. Every entry was checked against transformers 5.24 source.
+ROUTER_RULES: dict[str, Rule] = {
+    "Qwen3MoeTopKRouter": _softmax_rule,
+    "Qwen2MoeTopKRouter": _softmax_rule,
+    "OlmoeTopKRouter": _softmax_rule,
+    "MixtralTopKRouter": _mixtral_rule,
+    "GptOssTopKRouter": _gpt_oss_rule,
+    "DeepseekV3TopkRouter": _sigmoid_rule,
+    "Glm4MoeTopkRouter": _sigmoid_rule,
+}
+
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def find_hf_routers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """The MoE routers of a supported transformers model, keyed by global decoder-layer index (ascending).
+
+    Raises :class:`ReplayError` when the model has no supported router, or a router outside ``layers.<i>``.
+    """
+    found: dict[int, torch.nn.Module] = {}
+    for name, mod in model.named_modules():
+        if type(mod).__name__ not in ROUTER_RULES:
+            continue
+        m = _LAYER_RE.search(name)
+        if m is None:
+            raise ReplayError(f"router {name!r} ({type(mod).__name__}) is not under a 'layers.<i>' decoder layer")
+        layer = int(m.group(1))
+        if layer in found:
+            raise ReplayError(f"two routers in decoder layer {layer} ({name!r}); one per layer is supported")
+        found[layer] = mod
+    if not found:
+        raise ReplayError(f"no supported MoE router in {type(model).__name__}; supported router classes: {sorted(ROUTER_RULES)}")
+    return dict(sorted(found.items()))
+
+
+def count_replay_hooks(model: torch.nn.Module) -> int:
+    """Number of hooks r3lab has installed on ``model`` (0 outside every :func:`hf_replay` context)."""
+    return sum(1 for m in model.modules() for h in m._forward_hooks.values() if getattr(h, "_r3lab_replay", False))
+
+
+class HFReplay:
+    """State of one :func:`hf_replay` context: the routers, the replay ids, and what was recorded.
+
+    Attributes:
+        mode: ``"replay"`` or ``"record"``.
+        routers: ``{global_layer_id: router_module}`` of the model's MoE layers.
+        recorded: RECORD mode: ``{layer_id: [indices of call 0, call 1, ...]}``, int64 ``[tokens, top_k]``
+            (a recomputation under activation checkpointing is a further call).
+        calls: ``{layer_id: number of router calls seen}`` in either mode.
+    """
+
+    def __init__(self, model: torch.nn.Module, mode: str):
+        if mode not in ("replay", "record"):
+            raise ReplayError(f"mode must be 'replay' or 'record', got {mode!r}")
+        self.model = model
+        self.mode = mode
+        self.routers = find_hf_routers(model)
+        self.layer_ids = list(self.routers)
+        self.recorded: dict[int, list[torch.Tensor]] = {g: [] for g in self.layer_ids}
+        self.calls: dict[int, int] = {g: 0 for g in self.layer_ids}
+        self._ids: dict[int, torch.Tensor] | None = None
+        self._on_device: dict[int, torch.Tensor] = {}
+        self._handles: list[Any] = []
+
+    # ---- replay data ---------------------------------------------------------------------------
+    def set_routes(self, routes: Routes | Mapping[int, Any] | Sequence[Any], *, attention_mask: Any = None) -> None:
+        """Set the ids the next forward passes replay (validated here, once, not in the hook).
+
+        ``routes`` is a :class:`~r3lab.routes.Routes` (packed sequences; its ``layer_ids`` must cover
+        every MoE layer of the model, extra layers such as dense ones are ignored), a mapping
+        ``{global_layer_id: ids}`` or a sequence of ids, one per MoE layer in increasing layer order.
+        Ids are ``[tokens, top_k]`` (or ``[B, S, top_k]``, flattened batch-major) integer arrays.
+        ``attention_mask`` (``[B, S]``, only with ``Routes``): the forward runs a padded batch; packed
+        sequence ``i`` fills the unmasked positions of row ``i`` and padding positions get ``arange(top_k)``.
+        """
+        if self.mode != "replay":
+            raise ReplayError("set_routes is only meaningful in mode='replay'")
+        per_layer = self._per_layer(routes, attention_mask)
+        checked: dict[int, torch.Tensor] = {}
+        n_tokens = None
+        for g, router in self.routers.items():
+            t = check_route_tensor(per_layer[g], top_k=router.top_k, num_experts=router.num_experts, what=f"layer {g}")
+            if n_tokens is not None and t.shape[0] != n_tokens:
+                raise ReplayError(f"layer {g} has {t.shape[0]} token rows but layer {self.layer_ids[0]} has {n_tokens}")
+            n_tokens = t.shape[0]
+            checked[g] = t
+        self._ids = checked
+        self._on_device = {}
+
+    def _per_layer(self, routes: Any, attention_mask: Any) -> dict[int, Any]:
+        if isinstance(routes, Routes):
+            have = {int(g): j for j, g in enumerate(routes.layer_ids)}
+            missing = [g for g in self.layer_ids if g not in have]
+            if missing:
+                raise ReplayError(
+                    f"routes lack MoE layers {missing}: routes have layer_ids {routes.layer_ids.tolist()}, "
+                    f"the model's MoE layers are {self.layer_ids} (global decoder-layer ids, dense layers absent)"
+                )
+            first = self.routers[self.layer_ids[0]]
+            if routes.num_experts != first.num_experts:
+                raise ReplayError(f"routes are for {routes.num_experts} experts, the model has {first.num_experts}")
+            vals = routes.values
+            if attention_mask is not None:
+                vals = _scatter_padded(routes, attention_mask)
+            return {g: vals[:, have[g], :] for g in self.layer_ids}
+        if attention_mask is not None:
+            raise ReplayError("attention_mask is only used with Routes input; pass per-layer ids already padded")
+        if isinstance(routes, Mapping):
+            keys = sorted(int(k) for k in routes)
+            if keys != self.layer_ids:
+                raise ReplayError(f"per-layer ids given for layers {keys}; the model's MoE layers are {self.layer_ids}")
+            return {int(k): v for k, v in routes.items()}
+        if isinstance(routes, (str, bytes)) or not isinstance(routes, Sequence):
+            raise ReplayError(f"routes must be Routes, a mapping or a sequence of per-layer ids, got {type(routes).__name__}")
+        if len(routes) != len(self.layer_ids):
+            raise ReplayError(f"{len(routes)} per-layer id tensors for {len(self.layer_ids)} MoE layers {self.layer_ids}")
+        return dict(zip(self.layer_ids, routes, strict=True))
+
+    # ---- recorded data -------------------------------------------------------------------------
+    def tensors(self, call: int = 0) -> dict[int, torch.Tensor]:
+        """RECORD mode: ``{layer_id: int64 [tokens, top_k]}`` of router call ``call`` (0: the first forward)."""
+        out = {}
+        for g, calls in self.recorded.items():
+            if not -len(calls) <= call < len(calls):
+                raise ReplayError(f"layer {g} recorded {len(calls)} calls; call {call} does not exist")
+            out[g] = calls[call]
+        return out
+
+    def to_routes(self, *, attention_mask: Any = None, cu_seqlens: Any = None, call: int = 0) -> Routes:
+        """RECORD mode: the recorded ids as :class:`~r3lab.routes.Routes` (layer_ids = the MoE layers).
+
+        With ``attention_mask`` (``[B, S]``) padding positions are dropped and each row is one sequence;
+        otherwise the rows form the sequences given by ``cu_seqlens`` (default: one sequence).
+        """
+        per = self.tensors(call)
+        vals = np.stack([per[g].cpu().numpy() for g in self.layer_ids], axis=1)
+        first = self.routers[self.layer_ids[0]]
+        if attention_mask is not None:
+            mask = torch.as_tensor(attention_mask).bool().cpu().numpy()
+            if mask.size != vals.shape[0]:
+                raise ReplayError(f"attention_mask has {mask.size} positions, the routers saw {vals.shape[0]} tokens")
+            cu = np.concatenate([[0], np.cumsum(mask.sum(axis=1))])
+            vals = vals[mask.reshape(-1)]
+        else:
+            cu = [0, vals.shape[0]] if cu_seqlens is None else cu_seqlens
+        return Routes(vals, cu, first.num_experts, self.layer_ids)
+
+    # ---- hooks ---------------------------------------------------------------------------------
+    def _install(self) -> None:
+        for g, router in self.routers.items():
+            hook = self._make_hook(g, ROUTER_RULES[type(router).__name__])
+            hook._r3lab_replay = True  # type: ignore[attr-defined]
+            self._handles.append(router.register_forward_hook(hook))
+
+    def _remove(self) -> None:
+        while self._handles:
+            self._handles.pop().remove()
+
+    def _make_hook(self, g: int, rule: Rule) -> Callable:
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> Any:
+            self.calls[g] += 1
+            if not (isinstance(output, tuple) and len(output) == 3):
+                raise ReplayError(f"layer {g}: {type(module).__name__} did not return (logits, weights, indices)")
+            logits, _, indices = output
+            if self.mode == "record":
+                self.recorded[g].append(indices.detach().to(torch.int64).clone())
+                return None
+            if self._ids is None:
+                raise ReplayError("replay hook ran before any routes were set (call set_routes)")
+            ids = self._on_device.get(g)
+            if ids is None or ids.device != logits.device:
+                ids = self._ids[g].to(logits.device)
+                self._on_device[g] = ids
+            if ids.shape[0] != logits.shape[0]:
+                raise ReplayError(f"layer {g}: replay ids have {ids.shape[0]} token rows but the router sees {logits.shape[0]} tokens")
+            return logits, rule(module, logits, ids), ids
+
+        return hook
+
+
+@contextmanager
+def hf_replay(
+    model: torch.nn.Module,
+    routes: Routes | Mapping[int, Any] | Sequence[Any] | None = None,
+    mode: str = "replay",
+    *,
+    attention_mask: Any = None,
+) -> Iterator[HFReplay]:
+    """Replay (or record) the expert ids of every MoE router of a transformers model inside the block.
+
+    ``mode="replay"``: every forward in the block routes with ``routes`` (see :meth:`HFReplay.set_routes`;
+    ``routes`` may be ``None`` and set later with ``set_routes``, e.g. once per micro-batch); recomputation
+    under ``gradient_checkpointing_enable()`` replays the same ids. ``mode="record"``: the routers route
+    natively and the context's :attr:`HFReplay.recorded` / :meth:`HFReplay.to_routes` return what they chose.
+    The hooks are removed on exit, also when the block raises.
+    """
+    state = HFReplay(model, mode)
+    if mode == "record" and (routes is not None or attention_mask is not None):
+        raise ReplayError("mode='record' takes no routes")
+    if routes is not None:
+        state.set_routes(routes, attention_mask=attention_mask)
+    state._install()
+    try:
+        yield state
+    finally:
+        state._remove()
+
+
+def _scatter_padded(routes: Routes, attention_mask: Any) -> np.ndarray:
+    """Place packed sequence i at the unmasked positions of row i of a ``[B, S]`` mask; padding -> arange(k)."""
+    mask = torch.as_tensor(attention_mask).bool().cpu().numpy()
+    if mask.ndim != 2:
+        raise ReplayError(f"attention_mask must be [B, S], got shape {mask.shape}")
+    if mask.shape[0] != len(routes):
+        raise ReplayError(f"attention_mask has {mask.shape[0]} rows for {len(routes)} sequences")
+    row_lens = mask.sum(axis=1)
+    if not np.array_equal(row_lens, routes.lengths):
+        raise ReplayError(f"attention_mask row lengths {row_lens.tolist()} differ from the sequence lengths {routes.lengths.tolist()}")
+    out = np.empty((mask.size, routes.num_layers, routes.top_k), dtype=np.int64)
+    out[...] = np.arange(routes.top_k)
+    out[mask.reshape(-1)] = routes.values
+    return out
