@@ -153,14 +153,11 @@ def bench_hf(quick: bool, reps: int) -> list[dict]:
 # ---- Megatron ---------------------------------------------------------------------------------
 def bench_megatron(quick: bool, reps: int) -> list[dict]:
     warnings.filterwarnings("ignore")
-    from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     from r3lab import megatron_cpu as mc
 
-    if not torch.cuda.is_available():  # recomputation saves/restores the CUDA RNG state
-        tp_random._get_cuda_rng_state = lambda *a, **k: torch.empty(0, dtype=torch.uint8)
-        tp_random._set_cuda_rng_state = lambda *a, **k: None
+    mc.patch_megatron_for_cpu()  # recomputation's RNG state included
     L = 2 if quick else 4
     B, S = (2, 128) if quick else (4, 256)
     rows = []

@@ -93,6 +93,9 @@ def patch_megatron_for_cpu() -> None:
 
     tp_random.CudaRNGStatesTracker.add = add
     tp_random.CudaRNGStatesTracker.fork = fork
+    if not torch.cuda.is_available():  # activation recomputation saves and restores the CUDA RNG state
+        tp_random._get_cuda_rng_state = lambda *a, **k: torch.empty(0, dtype=torch.uint8)
+        tp_random._set_cuda_rng_state = lambda *a, **k: None
     _PATCHED = True
 
 

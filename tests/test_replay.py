@@ -20,7 +20,7 @@ from r3lab.replay import (
 )
 from r3lab.routes import Routes
 
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402  (a test requirement: the cpu extra)
 
 E, K, V = 8, 2, 64  # experts, top-k, vocab of every tiny model
 
@@ -335,21 +335,13 @@ def test_check_route_tensor_accepts_wire_dtypes():
 
 
 # ==== Megatron backend ==========================================================================
-pytest.importorskip("megatron.core")
-mc = pytest.importorskip("r3lab.megatron_cpu")
+from r3lab import megatron_cpu as mc  # noqa: E402  (megatron-core is a test requirement: the cpu extra)
 
 
 @pytest.fixture(scope="module")
 def megatron_world():
-    mc.init_cpu_parallel()
-    from megatron.core.tensor_parallel import random as tp_random
-
-    mp = pytest.MonkeyPatch()
-    if not torch.cuda.is_available():  # activation recomputation saves/restores the CUDA RNG state
-        mp.setattr(tp_random, "_get_cuda_rng_state", lambda *a, **k: torch.empty(0, dtype=torch.uint8))
-        mp.setattr(tp_random, "_set_cuda_rng_state", lambda *a, **k: None)
+    mc.init_cpu_parallel()  # also patches megatron for CPU, recomputation's RNG state included
     yield
-    mp.undo()
 
 
 @pytest.fixture(autouse=True)

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import numpy as np
 import zstandard
 
-from r3lab.compaction.kernels import pack_ids, pack_wide, set_ranks, unpack_ids, unpack_wide, unrank_sets
+from r3lab.compaction.kernels import pack_ids, pack_wide, set_ranks, unpack_rows_checked, unpack_wide, unrank_sets
 from r3lab.errors import RouteFormatError
 
 __all__ = ["Codec", "IdCoder", "Raw", "BitPack", "TopKSet", "SetGaps", "Zstd", "get_codec", "parse_pipeline", "CODECS", "ALIASES"]
@@ -56,6 +56,8 @@ class IdCoder(Codec):
 
     #: whether decode returns each row sorted (set semantics) rather than in the stored order
     sorts_rows: ClassVar[bool] = False
+    #: whether decode itself guarantees ids in range and distinct within each row
+    checks_rows: ClassVar[bool] = False
 
     def __init__(self, order: str = "token"):
         if order not in ("token", "layer"):
@@ -122,6 +124,7 @@ class BitPack(IdCoder):
     """ceil(log2 E) bits per id, one little-endian bit stream (least significant bit first)."""
 
     codec_id = "bitpack"
+    checks_rows = True
 
     def _rows_size(self, n_rows, top_k, dtype, num_experts):
         return -(-n_rows * top_k * id_bits(num_experts) // 8)
@@ -131,7 +134,11 @@ class BitPack(IdCoder):
 
     def _decode_rows(self, buf, n_rows, top_k, dtype, num_experts):
         self._check_size(buf, n_rows, top_k, dtype, num_experts)
-        return unpack_ids(buf, n_rows * top_k, id_bits(num_experts), dtype).reshape(n_rows, top_k)
+        rows, bad, problem = unpack_rows_checked(buf, n_rows, top_k, id_bits(num_experts), num_experts, dtype)
+        if bad >= 0:
+            what = f"expert id out of range [0, {num_experts})" if problem == 0 else "repeated expert id inside a top-k row"
+            raise RouteFormatError(f"{what}: bitpack row {bad} is {rows[bad].tolist()}")
+        return rows
 
 
 @lru_cache(maxsize=64)
@@ -210,6 +217,7 @@ class TopKSet(IdCoder):
 
     codec_id = "topk-set"
     sorts_rows = True
+    checks_rows = True  # a rank below C(E, k) decodes to k distinct ids below E
 
     def _rows_size(self, n_rows, top_k, dtype, num_experts):
         nbits = _binomial_table(num_experts, top_k)[3]

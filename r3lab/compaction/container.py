@@ -150,7 +150,7 @@ def decode(buf: bytes | bytearray | memoryview, *, max_bytes: int = DEFAULT_MAX_
     for stage in stages:  # at most one byte stage; it must inflate to exactly what the id coder reads
         payload = stage.decode(payload, coder.encoded_size((T, L, K), dtype, E))
     values = coder.decode(payload, (T, L, K), dtype, E)
-    row, problem = first_bad_row(values.reshape(-1, K), E)
+    row, problem = (-1, -1) if coder.checks_rows else first_bad_row(values.reshape(-1, K), E)
     if row >= 0:
         bad = values.reshape(-1, K)[row].tolist()
         what = f"expert id out of range [0, {E})" if problem == 0 else "repeated expert id inside a top-k row"

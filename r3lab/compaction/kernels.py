@@ -206,3 +206,46 @@ def unrank_sets(ranks, table, num_experts, k, out):  # pragma: no cover - compil
             rank -= table[lo, i]
             out[r, i - 1] = lo
     return -1
+
+
+@numba.njit(cache=True, nogil=True)
+def _unpack_rows_checked(words, n_rows, k, bits, num_experts, out):  # pragma: no cover - compiled
+    """Unpack ``[n_rows, k]`` ids and check each row in the same pass; returns (row, problem) or (-1, -1)."""
+    acc = np.uint64(0)
+    nacc = 0
+    j = 0
+    valmask = np.uint64((1 << bits) - 1)
+    small = num_experts <= 64
+    stamp = np.full(1 if small else num_experts, -1, dtype=np.int64)
+    for r in range(n_rows):
+        seen = np.uint64(0)
+        for c in range(k):
+            if nacc < bits:
+                acc |= np.uint64(words[j]) << np.uint64(nacc)
+                j += 1
+                nacc += 32
+            v = acc & valmask
+            acc >>= np.uint64(bits)
+            nacc -= bits
+            out[r, c] = v
+            if v >= num_experts:
+                return r, 0
+            if small:
+                bit = np.uint64(1) << v
+                if seen & bit:
+                    return r, 1
+                seen |= bit
+            else:
+                if stamp[v] == r:
+                    return r, 1
+                stamp[v] = r
+    return -1, -1
+
+
+def unpack_rows_checked(buf, n_rows: int, k: int, bits: int, num_experts: int, dtype: np.dtype) -> tuple[np.ndarray, int, int]:
+    """Unpack :func:`pack_ids` output into ``[n_rows, k]`` and validate every row in one pass."""
+    words = np.zeros(len(buf) // 4 + 1, dtype="<u4")
+    words.view(np.uint8)[: len(buf)] = np.frombuffer(buf, dtype=np.uint8)
+    out = np.empty((n_rows, k), dtype=dtype)
+    row, problem = _unpack_rows_checked(words, n_rows, k, bits, num_experts, out)
+    return out, row, problem
