@@ -32,7 +32,8 @@ import numpy as np
 from r3lab.compaction import DEFAULT_MAX_BYTES, read_vllm_npy_base64
 from r3lab.errors import R3LabError
 from r3lab.moe_layout import ModelConfigError, MoELayout
-from r3lab.rollout import RolloutError, RolloutResult, SamplingConfig, validate_engine_routes
+from r3lab.rollout import default_cpu_bind
+from r3lab.rollout_types import RolloutError, RolloutResult, SamplingConfig, validate_engine_routes
 
 __all__ = ["RolloutServer", "parse_completion"]
 
@@ -46,13 +47,15 @@ def _free_port(host: str) -> int:
 class RolloutServer:
     """Start vLLM's OpenAI-compatible server on ``host`` (loopback by default) and request completions.
 
-    CPU defaults mirror :class:`~r3lab.rollout.RolloutEngine` (bf16, eager, a 128 MiB KV cache);
+    CPU defaults mirror :class:`~r3lab.rollout.RolloutEngine` (bf16, eager, a 128 MiB KV cache, one
+    pinned OpenMP thread unless ``cpu_threads_bind`` or ``$VLLM_CPU_OMP_THREADS_BIND`` say otherwise);
     ``extra_args`` are appended to the server's command line (on GPU: ``--tensor-parallel-size 2``...).
     """
 
     def __init__(self, model: str | os.PathLike, *, seed: int = 0, host: str = "127.0.0.1", port: int | None = None,
                  max_model_len: int | None = None, extra_args: Sequence[str] = (), startup_timeout: float = 600.0,
-                 max_routes_bytes: int = DEFAULT_MAX_BYTES, log_path: str | os.PathLike | None = None):
+                 max_routes_bytes: int = DEFAULT_MAX_BYTES, log_path: str | os.PathLike | None = None,
+                 cpu_threads_bind: str | None = None):
         self.model_dir = Path(model)
         self.layout = MoELayout.from_model_dir(self.model_dir)
         if not list(self.model_dir.glob("*.safetensors")):
@@ -70,13 +73,15 @@ class RolloutServer:
                "--host", host, "--port", str(self.port), "--seed", str(seed), "--dtype", "bfloat16",
                "--max-model-len", str(self.max_model_len), "--enable-return-routed-experts",
                "--disable-log-stats"]
+        env = dict(os.environ)
         if current_platform.is_cpu():
             cmd += ["--enforce-eager", "--kv-cache-memory-bytes", str(128 << 20), "--max-num-seqs", "64"]
+            env["VLLM_CPU_OMP_THREADS_BIND"] = default_cpu_bind(cpu_threads_bind)
         cmd += list(extra_args)
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="r3lab-vllm-server-", suffix=".log")[1])
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in close()
         t0 = time.perf_counter()
-        self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         try:
             self._wait_ready(startup_timeout)
         except BaseException:

@@ -7,6 +7,7 @@ import functools
 import numpy as np
 import pytest
 import torch
+import transformers  # noqa: E402  (a test requirement: the cpu extra)
 
 from r3lab.replay import (
     MegatronReplay,
@@ -19,8 +20,6 @@ from r3lab.replay import (
     megatron_replay,
 )
 from r3lab.routes import Routes
-
-import transformers  # noqa: E402  (a test requirement: the cpu extra)
 
 E, K, V = 8, 2, 64  # experts, top-k, vocab of every tiny model
 
