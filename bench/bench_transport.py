@@ -109,7 +109,7 @@ def measure(method, r: Routes, repeats: int) -> dict:
     return {"bytes_per_id": len(buf) / r.values.size, "enc_ms": enc * 1e3, "dec_ms": dec * 1e3, "mids": r.values.size / (enc + dec) / 1e6}
 
 
-def run(quick: bool = False) -> str:
+def run(quick: bool = False) -> tuple[str, list[dict]]:
     lines = [
         "# Transport benchmark",
         "",
@@ -119,7 +119,7 @@ def run(quick: bool = False) -> str:
         "Decode includes r3lab's full validation (checksum, id range, distinct ids per row); the baselines check byte counts only.",
         "",
     ]
-    summary = []
+    summary, records = [], []
     for w in WORKLOADS:
         if quick:
             w = replace(w, tokens=w.tokens // 8)
@@ -140,6 +140,7 @@ def run(quick: bool = False) -> str:
             lines.append("")
             smallest = min((k for k in rows if k.startswith("r3lab")), key=lambda k: rows[k]["bytes_per_id"])
             summary.append((w.name, skew, best, rows, smallest))
+            records += [{"workload": w.name, "popularity": "skewed" if skew else "uniform", "method": LABELS.get(k, k), **x} for k, x in rows.items()]
             print(f"done: {label}", file=sys.stderr, flush=True)
     lines += ["## Targets", "", "| workload | popularity | smallest r3lab codec | size vs field's best | raw speed vs field's best | bitpack speed vs field's best |",
               "|---|---|---|---:|---:|---:|"]
@@ -149,7 +150,7 @@ def run(quick: bool = False) -> str:
             f"{best['bytes_per_id'] / rows[smallest]['bytes_per_id']:.2f}x smaller | {rows['r3lab raw']['mids'] / best['mids']:.2f}x | "
             f"{rows['r3lab bitpack']['mids'] / best['mids']:.2f}x |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n", records
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -157,12 +158,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="1/8 of the tokens and fewer repeats (smoke run)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
-    table = run(args.quick)
+    table, records = run(args.quick)
     print(table)
     if not args.quick:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(table)
-        print(f"wrote {args.out}", file=sys.stderr)
+        args.out.with_suffix(".json").write_bytes(orjson.dumps(records, option=orjson.OPT_INDENT_2))
+        print(f"wrote {args.out} and {args.out.with_suffix('.json')}", file=sys.stderr)
 
 
 if __name__ == "__main__":
