@@ -17,7 +17,7 @@ from r3lab.errors import R3LabError
 from r3lab.moe_layout import MoELayout
 from r3lab.routes import Routes
 
-__all__ = ["load_reference_model", "record_router_topk", "recompute_routes", "route_agreement"]
+__all__ = ["load_reference_model", "record_router_topk", "recompute_routes", "route_agreement", "permuted_experts"]
 
 
 def _routers(model: Any) -> dict[int, Any]:
@@ -125,3 +125,39 @@ def route_agreement(a: Routes, b: Routes) -> dict[str, Any]:
         "chance": K / E,
         "tokens": int(same.shape[0]),
     }
+
+
+def permuted_experts(model_dir: str | Path, layers: Sequence[int]) -> tuple[dict[str, Any], dict[str, Any], np.ndarray]:
+    """A weight update that relabels the experts of ``layers`` and leaves the function unchanged.
+
+    New expert e holds old expert ``perm[e]`` (router row, expert-score bias, expert MLP). For
+    group-limited routers (``n_group > 1``) whole groups move, so group membership is preserved.
+    Returns ``(update, original, perm)``: ``original`` holds the same keys with the checkpoint's
+    values, to undo the update. Routes after the update are ``argsort(perm)[routes before]``.
+    """
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    layout = MoELayout.from_model_dir(model_dir)
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    E = layout.num_experts
+    groups = int(cfg.get("n_group", 1) or 1)
+    perm = np.roll(np.arange(E), E // groups if groups > 1 else 3)
+    sd: dict[str, Any] = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        sd.update(load_file(str(f)))
+    p = torch.as_tensor(perm)
+    new: dict[str, Any] = {}
+    for g in layers:
+        if g not in layout.moe_layer_ids:
+            raise R3LabError(f"layer {g} is not an MoE layer ({list(layout.moe_layer_ids)})")
+        pre = f"model.layers.{g}.mlp."
+        new[pre + "gate.weight"] = sd[pre + "gate.weight"][p]
+        if pre + "gate.e_score_correction_bias" in sd:
+            new[pre + "gate.e_score_correction_bias"] = sd[pre + "gate.e_score_correction_bias"][p]
+        for e in range(E):
+            for w in ("gate_proj", "up_proj", "down_proj"):
+                new[f"{pre}experts.{e}.{w}.weight"] = sd[f"{pre}experts.{int(perm[e])}.{w}.weight"]
+    return new, {k: sd[k] for k in new}, perm

