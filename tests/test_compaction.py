@@ -351,3 +351,23 @@ def test_topk_gaps_pays_on_skewed_popularity():
     r = Routes(vals, [0, T], E)
     assert len(encode(r, "topk-gaps+zstd")) < 0.9 * len(encode(r, "topk-set"))
     assert decode(encode(r, "topk-gaps+zstd")) == r.sorted_rows()
+
+
+@pytest.mark.parametrize("E", [8, 9, 64, 100, 128, 129, 200, 256])
+def test_row_checks_catch_every_duplicate_pair_and_every_out_of_range_id(E):
+    """The word-at-a-time check of top-8 uint8 rows (and its fallbacks) against a plain oracle."""
+    from r3lab.compaction.kernels import first_bad_row
+
+    rng = np.random.default_rng(E)
+    rows = np.argsort(rng.random((64, E)), axis=1)[:, :8].astype(np.uint8)
+    assert first_bad_row(rows, E) == (-1, -1)
+    for i in range(8):
+        for j in range(i + 1, 8):
+            bad = rows.copy()
+            bad[37, j] = bad[37, i]
+            assert first_bad_row(bad, E) == (37, 1), (i, j)
+    for value in sorted({E, min(E + 27, 255), 255}):
+        if E <= value <= 255:
+            bad = rows.copy()
+            bad[50] = [value, 0, 1, 2, 3, 4, 5, 6]  # distinct ids, one out of range
+            assert first_bad_row(bad, E) == (50, 0), value
