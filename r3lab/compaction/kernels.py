@@ -144,21 +144,20 @@ def unpack_wide(buf, n: int, bits: int) -> np.ndarray:
 
 @numba.njit(cache=True, nogil=True)
 def set_ranks(rows, table):  # pragma: no cover - compiled
-    """Combinatorial-number-system rank of each row (any order inside a row), for C(E, k) < 2**64."""
+    """Combinatorial-number-system rank of each row (any order inside a row), for C(E, k) < 2**64.
+
+    An id's place in the sorted row is the count of smaller ids, so no sort (and no branch) is needed.
+    """
     n, k = rows.shape
     out = np.empty(n, dtype=np.uint64)
-    srt = np.empty(k, dtype=np.int64)
     for r in range(n):
-        for j in range(k):  # insertion sort of a short row
-            v = np.int64(rows[r, j])
-            m = j
-            while m > 0 and srt[m - 1] > v:
-                srt[m] = srt[m - 1]
-                m -= 1
-            srt[m] = v
         acc = np.uint64(0)
-        for i in range(k):
-            acc += table[srt[i], i + 1]
+        for a in range(k):
+            x = rows[r, a]
+            place = 0
+            for b in range(k):
+                place += rows[r, b] < x
+            acc += table[np.int64(x), place + 1]
         out[r] = acc
     return out
 
@@ -171,16 +170,18 @@ def unrank_sets(ranks, table, num_experts, k, out):  # pragma: no cover - compil
         rank = ranks[r]
         if rank >= total:
             return r
+        top = num_experts - 1
         for i in range(k, 0, -1):
-            lo, hi = i - 1, num_experts - 1  # largest c in [lo, hi] with C(c, i) <= rank
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if table[mid, i] <= rank:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            rank -= table[lo, i]
-            out[r, i - 1] = lo
+            # largest c in [i - 1, top] with C(c, i) <= rank (c_i < c_(i+1)); branch-free halving
+            base = i - 1
+            size = top - base + 1
+            while size > 1:
+                half = size // 2
+                base += half * np.int64(table[base + half, i] <= rank)
+                size -= half
+            rank -= table[base, i]
+            out[r, i - 1] = base
+            top = base - 1
     return -1
 
 
