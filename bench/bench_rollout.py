@@ -68,7 +68,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--pairs", type=int, default=30)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "rollout.md")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 8 prompts x 16 tokens, 3 pairs; writes nothing")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.prompts, args.tokens, args.pairs = 8, 16, 3
 
     import numpy as np
 
@@ -123,8 +126,9 @@ def main(argv=None) -> int:
               "Negative overhead means the capture run happened to be faster: the difference is within noise.", ""]
     text = "\n".join(table)
     print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
+    if not args.quick:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
     return 0
 
 
