@@ -65,6 +65,12 @@ def encode(routes: Routes, codec: Any = "raw") -> bytes:
     return body + _CRC.pack(zlib.crc32(body))
 
 
+def _byte_view(buf: bytes | bytearray | memoryview) -> memoryview:
+    """A flat byte view of any buffer, without copying."""
+    mv = memoryview(buf)
+    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
+
+
 def _int(header: dict, key: str, *, minimum: int = 0) -> int:
     v = header.get(key)
     if isinstance(v, bool) or not isinstance(v, int):
@@ -110,7 +116,7 @@ def _parse_header(raw: memoryview, max_bytes: int) -> dict[str, Any]:
 
 def read_header(buf: bytes | bytearray | memoryview, *, max_bytes: int = DEFAULT_MAX_BYTES) -> dict[str, Any]:
     """Check the framing and checksum of an encoded buffer and return its header (plus byte offsets)."""
-    mv = memoryview(buf).cast("B") if not isinstance(buf, memoryview) or buf.format != "B" else buf
+    mv = _byte_view(buf)
     if len(mv) > max_bytes:
         raise RouteFormatError(f"encoded buffer of {len(mv)} bytes is over the cap of {max_bytes}")
     if len(mv) < _FIXED.size + _CRC.size:
@@ -139,7 +145,7 @@ def read_header(buf: bytes | bytearray | memoryview, *, max_bytes: int = DEFAULT
 def decode(buf: bytes | bytearray | memoryview, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Routes:
     """Decode what :func:`encode` wrote. Rows come back sorted for set codecs (``topk-set``)."""
     h = read_header(buf, max_bytes=max_bytes)
-    mv = memoryview(buf).cast("B") if not isinstance(buf, memoryview) or buf.format != "B" else buf
+    mv = _byte_view(buf)
     coder, stages = parse_pipeline(h["codec"])
     T, L, K = h["shape"]
     E = h["num_experts"]
