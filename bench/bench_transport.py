@@ -36,17 +36,27 @@ RESULTS = Path(__file__).parent / "results" / "transport.md"
 # ---- baselines: what the field sends ------------------------------------------------------------
 def nested_json(r: Routes) -> tuple[bytes, Callable[[bytes], np.ndarray]]:
     buf = json.dumps([r.sequence(i).tolist() for i in range(len(r))]).encode()
-    return buf, lambda b: np.concatenate([np.asarray(s, dtype=np.int64).reshape(-1, r.num_layers, r.top_k) for s in json.loads(b)])
+    return buf, lambda b: np.concatenate(
+        [np.asarray(s, dtype=np.int64).reshape(-1, r.num_layers, r.top_k) for s in json.loads(b)]
+    )
 
 
 def nested_orjson(r: Routes):
     buf = orjson.dumps([r.sequence(i).tolist() for i in range(len(r))])
-    return buf, lambda b: np.concatenate([np.asarray(s, dtype=np.int64).reshape(-1, r.num_layers, r.top_k) for s in orjson.loads(b)])
+    return buf, lambda b: np.concatenate(
+        [np.asarray(s, dtype=np.int64).reshape(-1, r.num_layers, r.top_k) for s in orjson.loads(b)]
+    )
 
 
 def _b64_json(arr: np.ndarray, r: Routes) -> bytes:
-    return orjson.dumps({"data": pybase64.b64encode(arr.tobytes()).decode(), "shape": list(arr.shape),
-                         "dtype": arr.dtype.name, "cu_seqlens": r.cu_seqlens.tolist()})
+    return orjson.dumps(
+        {
+            "data": pybase64.b64encode(arr.tobytes()).decode(),
+            "shape": list(arr.shape),
+            "dtype": arr.dtype.name,
+            "cu_seqlens": r.cu_seqlens.tolist(),
+        }
+    )
 
 
 _DTYPES = {"uint8": np.dtype("<u1"), "uint16": np.dtype("<u2"), "int32": np.dtype("<i4")}
@@ -80,6 +90,7 @@ def npy_b64_orjson(r: Routes):
 def r3lab_codec(codec: str):
     def method(r: Routes):
         return encode(r, codec), lambda b: decode(b).values
+
     method.__name__ = f"r3lab {codec}"
     return method
 
@@ -87,8 +98,11 @@ def r3lab_codec(codec: str):
 BASELINES = [nested_json, nested_orjson, int32_b64_orjson, npy_b64_orjson, compact_b64_orjson]
 CODECS = ["raw", "bitpack", "topk-set", "raw+zstd", "bitpack+zstd", "topk-set+zstd", "topk-gaps+zstd"]
 LABELS = {
-    "nested_json": "nested lists, json", "nested_orjson": "nested lists, orjson", "int32_b64_orjson": "int32 + base64 + orjson",
-    "npy_b64_orjson": "base64 .npy (vLLM server)", "compact_b64_orjson": "compact + base64 + orjson (field's best)",
+    "nested_json": "nested lists, json",
+    "nested_orjson": "nested lists, orjson",
+    "int32_b64_orjson": "int32 + base64 + orjson",
+    "npy_b64_orjson": "base64 .npy (vLLM server)",
+    "compact_b64_orjson": "compact + base64 + orjson (field's best)",
 }
 
 
@@ -106,17 +120,23 @@ def measure(method, r: Routes, repeats: int) -> dict:
     if not np.array_equal(np.asarray(out).reshape(want.shape), want):
         raise AssertionError(f"{method.__name__} did not round-trip")
     enc, dec = statistics.median(enc_t), statistics.median(dec_t)
-    return {"bytes_per_id": len(buf) / r.values.size, "enc_ms": enc * 1e3, "dec_ms": dec * 1e3, "mids": r.values.size / (enc + dec) / 1e6}
+    return {
+        "bytes_per_id": len(buf) / r.values.size,
+        "enc_ms": enc * 1e3,
+        "dec_ms": dec * 1e3,
+        "mids": r.values.size / (enc + dec) / 1e6,
+    }
 
 
 def run(quick: bool = False) -> tuple[str, list[dict]]:
     lines = [
         "# Transport benchmark",
         "",
-        f"`python bench/bench_transport.py{' --quick' if quick else ''}` on {platform.machine()}, {platform.python_version()}, "
-        f"numpy {np.__version__}, 1 thread of a 2-core machine. Median of repeats; ids = tokens x MoE layers x top-k. "
-        "r3lab buffers are binary (an HTTP body or object-store blob); inside JSON they would grow by 4/3. "
-        "Decode includes r3lab's full validation (checksum, id range, distinct ids per row); the baselines check byte counts only.",
+        f"`python bench/bench_transport.py{' --quick' if quick else ''}` on {platform.machine()}, "
+        f"{platform.python_version()}, numpy {np.__version__}, 1 thread of a 2-core machine. Median of repeats; "
+        "ids = tokens x MoE layers x top-k. r3lab buffers are binary (an HTTP body or object-store blob); inside JSON "
+        "they would grow by 4/3. Decode includes r3lab's full validation (checksum, id range, distinct ids per row); "
+        "the baselines check byte counts only.",
         "",
     ]
     summary, records = [], []
@@ -125,8 +145,16 @@ def run(quick: bool = False) -> tuple[str, list[dict]]:
             w = replace(w, tokens=w.tokens // 8)
         for skew in (1.0, 0.0):
             r = sample_routes(w, skew=skew)
-            label = f"{w.name}, {'skewed (Zipf s=1)' if skew else 'uniform'} popularity: {r.total_tokens} tokens x {r.num_layers} MoE layers x top-{r.top_k} = {r.values.size / 1e6:.2f} M ids"
-            lines += [f"## {label}", "", "| method | bytes / id | vs field's best | encode ms | decode ms | enc+dec M ids/s |", "|---|---:|---:|---:|---:|---:|"]
+            label = (
+                f"{w.name}, {'skewed (Zipf s=1)' if skew else 'uniform'} popularity: {r.total_tokens} tokens x "
+                f"{r.num_layers} MoE layers x top-{r.top_k} = {r.values.size / 1e6:.2f} M ids"
+            )
+            lines += [
+                f"## {label}",
+                "",
+                "| method | bytes / id | vs field's best | encode ms | decode ms | enc+dec M ids/s |",
+                "|---|---:|---:|---:|---:|---:|",
+            ]
             rows = {}
             for m in BASELINES + [r3lab_codec(c) for c in CODECS]:
                 slow = m in (nested_json, nested_orjson)
@@ -134,20 +162,30 @@ def run(quick: bool = False) -> tuple[str, list[dict]]:
             best = rows["compact_b64_orjson"]
             for name, x in rows.items():
                 lines.append(
-                    f"| {LABELS.get(name, name)} | {x['bytes_per_id']:.3f} | {best['bytes_per_id'] / x['bytes_per_id']:.2f}x smaller | "
+                    f"| {LABELS.get(name, name)} | {x['bytes_per_id']:.3f} | "
+                    f"{best['bytes_per_id'] / x['bytes_per_id']:.2f}x smaller | "
                     f"{x['enc_ms']:.1f} | {x['dec_ms']:.1f} | {x['mids']:.0f} |"
                 )
             lines.append("")
             smallest = min((k for k in rows if k.startswith("r3lab")), key=lambda k: rows[k]["bytes_per_id"])
             summary.append((w.name, skew, best, rows, smallest))
-            records += [{"workload": w.name, "popularity": "skewed" if skew else "uniform", "method": LABELS.get(k, k), **x} for k, x in rows.items()]
+            records += [
+                {"workload": w.name, "popularity": "skewed" if skew else "uniform", "method": LABELS.get(k, k), **x}
+                for k, x in rows.items()
+            ]
             print(f"done: {label}", file=sys.stderr, flush=True)
-    lines += ["## Targets", "", "| workload | popularity | smallest r3lab codec | size vs field's best | raw speed vs field's best | bitpack speed vs field's best |",
-              "|---|---|---|---:|---:|---:|"]
+    lines += [
+        "## Targets",
+        "",
+        "| workload | popularity | smallest r3lab codec | size vs field's best | raw speed vs field's best "
+        "| bitpack speed vs field's best |",
+        "|---|---|---|---:|---:|---:|",
+    ]
     for name, skew, best, rows, smallest in summary:
         lines.append(
             f"| {name} | {'skewed' if skew else 'uniform'} | {smallest.removeprefix('r3lab ')} | "
-            f"{best['bytes_per_id'] / rows[smallest]['bytes_per_id']:.2f}x smaller | {rows['r3lab raw']['mids'] / best['mids']:.2f}x | "
+            f"{best['bytes_per_id'] / rows[smallest]['bytes_per_id']:.2f}x smaller | "
+            f"{rows['r3lab raw']['mids'] / best['mids']:.2f}x | "
             f"{rows['r3lab bitpack']['mids'] / best['mids']:.2f}x |"
         )
     return "\n".join(lines) + "\n", records

