@@ -9,7 +9,18 @@ import numpy as np
 
 from r3lab.errors import R3LabError
 
-__all__ = ["k3_kl", "extreme_token_fraction", "set_differs", "set_overlap", "token_route_flips", "route_agreement"]
+__all__ = [
+    "k3_kl",
+    "extreme_token_fraction",
+    "mismatch_metrics",
+    "set_differs",
+    "set_overlap",
+    "token_route_flips",
+    "route_agreement",
+    "route_change_rate",
+    "expert_load",
+    "max_violation",
+]
 
 
 def _deltas(logp_train: np.ndarray, logp_infer: np.ndarray) -> np.ndarray:
@@ -32,6 +43,60 @@ def extreme_token_fraction(logp_train: np.ndarray, logp_infer: np.ndarray, tau: 
     """F(tau): share of tokens whose probability ratio is beyond ``tau`` either way (``max(rho, 1/rho) > tau``)."""
     d = _deltas(logp_train, logp_infer)
     return float(np.mean(np.abs(d) > np.log(tau)))
+
+
+def _segments(n: int, cu_seqlens: np.ndarray | None) -> np.ndarray:
+    cu = np.asarray([0, n] if cu_seqlens is None else cu_seqlens, dtype=np.int64)
+    if cu.ndim != 1 or cu.size < 2 or cu[0] != 0 or cu[-1] != n or (np.diff(cu) <= 0).any():
+        raise R3LabError(f"cu_seqlens must rise strictly from 0 to the token count {n}, got {cu.tolist()[:8]}")
+    return cu
+
+
+def mismatch_metrics(
+    logp_train: np.ndarray,
+    logp_infer: np.ndarray,
+    *,
+    cu_seqlens: np.ndarray | None = None,
+    tis_cap: float = 2.0,
+) -> dict[str, float]:
+    """Train-inference mismatch on sampled tokens, under the names the field's dashboards use.
+
+    ``rho = exp(logp_train - logp_infer)`` is the importance ratio of the trainer to the rollout policy.
+    Per token: ``k3_kl``, ``extreme_frac_tau1.5`` / ``extreme_frac_tau2`` (F(tau)), ``logprob_abs_diff_mean``
+    / ``_max``, ``chi2_token`` (``E[rho^2] - 1``), ``probs_pearson_corr`` (of the two probabilities),
+    ``is_ratio_mean`` / ``_max``, ``is_eff_sample_size`` (``(sum rho)^2 / (n sum rho^2)``, 1 when equal)
+    and ``tis_clipfrac`` (share of tokens with ``rho > tis_cap``). Per sequence (``cu_seqlens``; default:
+    one sequence), averaged: ``log_ppl_diff`` (``log_ppl_train - log_ppl_infer``, log-ppl = mean token
+    negative log-prob) and ``ppl_ratio`` (``exp`` of it).
+    """
+    d = _deltas(logp_train, logp_infer)
+    if d.ndim != 1:
+        raise R3LabError(f"log-probs must be 1-D over tokens, got shape {d.shape}")
+    if not np.isfinite(d).all():
+        raise R3LabError(f"{int((~np.isfinite(d)).sum())} non-finite log-prob differences")
+    if tis_cap <= 1:
+        raise R3LabError(f"tis_cap must be > 1, got {tis_cap}")
+    cu = _segments(d.size, cu_seqlens)
+    rho = np.exp(d)
+    pt, pi = np.exp(np.asarray(logp_train, dtype=np.float64)), np.exp(np.asarray(logp_infer, dtype=np.float64))
+    corr = float(np.corrcoef(pt, pi)[0, 1]) if d.size > 1 and pt.std() > 0 and pi.std() > 0 else float("nan")
+    seq_diff = -np.add.reduceat(d, cu[:-1]) / np.diff(cu)  # log_ppl_train - log_ppl_infer per sequence
+    return {
+        "k3_kl": float(np.mean(np.expm1(d) - d)),
+        "extreme_frac_tau1.5": float(np.mean(np.abs(d) > np.log(1.5))),
+        "extreme_frac_tau2": float(np.mean(np.abs(d) > np.log(2.0))),
+        "logprob_abs_diff_mean": float(np.mean(np.abs(d))),
+        "logprob_abs_diff_max": float(np.max(np.abs(d))),
+        "log_ppl_diff": float(seq_diff.mean()),
+        "ppl_ratio": float(np.exp(seq_diff).mean()),
+        "chi2_token": float(np.mean(rho**2) - 1.0),
+        "probs_pearson_corr": corr,
+        "is_ratio_mean": float(rho.mean()),
+        "is_ratio_max": float(rho.max()),
+        "is_eff_sample_size": float(rho.sum() ** 2 / (rho.size * np.sum(rho**2))),
+        "tis_clipfrac": float(np.mean(rho > tis_cap)),
+        "tokens": int(d.size),
+    }
 
 
 def set_differs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -84,3 +149,38 @@ def route_agreement(a: np.ndarray, b: np.ndarray, num_experts: int, layer_ids=No
         "chance": K / num_experts,
         "tokens": int(T),
     }
+
+
+def route_change_rate(before: np.ndarray, after: np.ndarray) -> np.ndarray:
+    """Per layer: share of tokens whose expert set changed between two ``[T, L, K]`` route arrays.
+
+    Between the old policy and the updated policy this is what R2 freezes; between engine and trainer it
+    is the router disagreement rate.
+    """
+    return set_differs(before, after).mean(axis=0)
+
+
+def expert_load(values: np.ndarray, num_experts: int) -> np.ndarray:
+    """``[L, E]``: the share of each layer's routed (token, slot) assignments that went to each expert."""
+    v = np.asarray(values)
+    if v.ndim != 3:
+        raise R3LabError(f"routes must be [T, L, K], got shape {v.shape}")
+    if v.shape[0] == 0:
+        raise R3LabError("no tokens to count")
+    if v.min() < 0 or v.max() >= num_experts:
+        raise R3LabError(f"expert ids outside [0, {num_experts})")
+    T, L, K = v.shape
+    flat = v.transpose(1, 0, 2).reshape(L, T * K).astype(np.int64) + np.arange(L)[:, None] * num_experts
+    counts = np.bincount(flat.ravel(), minlength=L * num_experts).reshape(L, num_experts)
+    return counts / float(T * K)
+
+
+def max_violation(load: np.ndarray) -> np.ndarray:
+    """Per layer, verl's ``max_vio``: ``(max load - mean load) / mean load`` (0 when perfectly balanced)."""
+    ld = np.asarray(load, dtype=np.float64)
+    if ld.ndim != 2 or ld.shape[1] == 0:
+        raise R3LabError(f"load must be [L, E], got shape {ld.shape}")
+    mean = ld.mean(axis=1)
+    if (mean <= 0).any():
+        raise R3LabError("a layer has no load")
+    return (ld.max(axis=1) - mean) / mean

@@ -2,7 +2,18 @@ import numpy as np
 import pytest
 
 from r3lab.errors import R3LabError
-from r3lab.metrics import extreme_token_fraction, k3_kl, route_agreement, set_differs, set_overlap, token_route_flips
+from r3lab.metrics import (
+    expert_load,
+    extreme_token_fraction,
+    k3_kl,
+    max_violation,
+    mismatch_metrics,
+    route_agreement,
+    route_change_rate,
+    set_differs,
+    set_overlap,
+    token_route_flips,
+)
 
 
 def test_k3_matches_its_definition_and_is_zero_on_identical():
@@ -52,3 +63,48 @@ def test_route_agreement_by_hand():
         set_overlap(a, b, 7)
     with pytest.raises(R3LabError, match="layer ids"):
         route_agreement(a, b, 8, layer_ids=[1])
+
+
+def test_mismatch_metrics_by_hand():
+    infer = np.log([0.5, 0.5, 0.25, 0.8])
+    train = np.log([0.5, 0.25, 0.75, 0.8])  # rho = 1, 0.5, 3, 1
+    m = mismatch_metrics(train, infer, cu_seqlens=[0, 2, 4], tis_cap=2.0)
+    rho = np.array([1, 0.5, 3, 1])
+    d = np.log(rho)
+    assert m["k3_kl"] == pytest.approx(np.mean(rho - 1 - d))
+    assert m["extreme_frac_tau2"] == pytest.approx(0.25)  # only 3 > 2 (0.5 is exactly 1/2, not beyond)
+    assert m["extreme_frac_tau1.5"] == pytest.approx(0.5)
+    assert m["logprob_abs_diff_mean"] == pytest.approx(np.mean(np.abs(d)))
+    assert m["logprob_abs_diff_max"] == pytest.approx(np.log(3))
+    seq = np.array([-(0 + np.log(0.5)) / 2, -(np.log(3) + 0) / 2])  # log-ppl train minus infer per sequence
+    assert m["log_ppl_diff"] == pytest.approx(seq.mean())
+    assert m["ppl_ratio"] == pytest.approx(np.exp(seq).mean())
+    assert m["chi2_token"] == pytest.approx(np.mean(rho**2) - 1)
+    assert m["is_ratio_mean"] == pytest.approx(1.375) and m["is_ratio_max"] == pytest.approx(3)
+    assert m["is_eff_sample_size"] == pytest.approx(5.5**2 / (4 * 11.25))
+    assert m["tis_clipfrac"] == pytest.approx(0.25)
+    assert m["probs_pearson_corr"] == pytest.approx(np.corrcoef(np.exp(train), np.exp(infer))[0, 1])
+    same = mismatch_metrics(infer, infer)
+    assert same["k3_kl"] == 0 and same["is_eff_sample_size"] == pytest.approx(1) and same["tis_clipfrac"] == 0
+    assert same["probs_pearson_corr"] == pytest.approx(1)
+
+
+def test_mismatch_metrics_refuse_bad_input():
+    with pytest.raises(R3LabError, match="cu_seqlens"):
+        mismatch_metrics(np.zeros(3), np.zeros(3), cu_seqlens=[0, 2])
+    with pytest.raises(R3LabError, match="non-finite"):
+        mismatch_metrics(np.array([0.0, -np.inf]), np.zeros(2))
+    with pytest.raises(R3LabError, match="tis_cap"):
+        mismatch_metrics(np.zeros(2), np.zeros(2), tis_cap=1.0)
+
+
+def test_expert_load_max_violation_and_route_change_by_hand():
+    v = np.array([[[0, 1], [2, 3]], [[0, 2], [2, 1]]])  # T=2, L=2, K=2, E=4
+    load = expert_load(v, 4)
+    assert load.tolist() == [[0.5, 0.25, 0.25, 0.0], [0.0, 0.25, 0.5, 0.25]]
+    assert max_violation(load).tolist() == pytest.approx([1.0, 1.0])  # max 0.5 vs mean 0.25
+    assert max_violation(np.full((1, 4), 0.25)).tolist() == [0.0]
+    after = np.array([[[1, 0], [2, 0]], [[0, 2], [1, 2]]])
+    assert route_change_rate(v, after).tolist() == [0.0, 0.5]
+    with pytest.raises(R3LabError, match="outside"):
+        expert_load(v, 3)
