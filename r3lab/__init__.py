@@ -24,7 +24,7 @@ from r3lab.errors import R3LabError, RouteFormatError
 from r3lab.routes import Routes, compact_dtype
 
 __version__ = "0.1.0"
-STAGES = ("routes", "compaction", "rollout", "slicing", "replay", "metrics", "experiments", "viz",
+STAGES = ("routes", "compaction", "rollout", "slicing", "replay", "metrics", "experiments", "runs", "viz",
           "moe_layout", "paths", "testing", "errors", "cli")
 __all__ = ["Routes", "compact_dtype", "R3LabError", "RouteFormatError", "__version__", *STAGES]
 

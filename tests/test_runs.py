@@ -1,0 +1,87 @@
+import json
+
+import numpy as np
+import pytest
+from conftest import random_routes
+
+from r3lab.runs import RUN_FORMAT_VERSION, RunFormatError, RunWriter, list_runs, load
+
+
+def _write(tmp_path, name="r1", finish=True):
+    w = RunWriter(tmp_path, name, "rl", {"lr": 1e-3, "modes": ("none", "R3"), "nan": float("nan")})
+    for step in range(3):
+        w.log_step({"step": step, "k3_kl": 1e-4 * (step + 1), "reward": np.float32(0.5)})
+        w.write_tokens(step, {"sample": np.arange(4), "logp_infer": -np.arange(4.0), "flipped": np.array([0, 1, 0, 0])})
+    routes = random_routes(np.random.default_rng(0), num_experts=16, top_k=2, num_layers=3, lengths=[3, 5])
+    w.write_routes(1, "engine", routes)
+    if finish:
+        w.finish({"k3_kl": 3e-4})
+    else:
+        w.close()
+    return w.path, routes
+
+
+def test_round_trip(tmp_path):
+    path, routes = _write(tmp_path)
+    run = load(path)
+    assert run.finished and run.kind == "rl" and run.name == "r1" and not run.truncated_last_line
+    assert run.config == {"lr": 1e-3, "modes": ["none", "R3"], "nan": None}
+    assert run.meta["version"] == RUN_FORMAT_VERSION and "numpy" in run.meta["versions"]
+    assert run.steps["step"].tolist() == [0, 1, 2] and run.steps["k3_kl"].iloc[2] == pytest.approx(3e-4)
+    tok = run.tokens()
+    assert len(tok) == 12 and tok["step"].tolist() == [0] * 4 + [1] * 4 + [2] * 4
+    assert run.tokens([1])["flipped"].tolist() == [0, 1, 0, 0]
+    assert run.routes(1, "engine") == routes
+    assert run.summary == {"k3_kl": 3e-4}
+
+
+def test_runs_are_never_overwritten(tmp_path):
+    _write(tmp_path)
+    with pytest.raises(RunFormatError, match="never overwritten"):
+        RunWriter(tmp_path, "r1", "rl", {})
+    with pytest.raises(RunFormatError, match="run name"):
+        RunWriter(tmp_path, "../x", "rl", {})
+
+
+def test_a_killed_run_reads_up_to_its_last_complete_step(tmp_path):
+    path, _ = _write(tmp_path, finish=False)
+    with open(path / "steps.jsonl", "a") as f:
+        f.write('{"step": 3, "k3_')  # killed mid-write
+    run = load(path)
+    assert not run.finished and run.truncated_last_line and run.steps["step"].tolist() == [0, 1, 2]
+
+
+def test_corrupt_and_unknown_files_are_named(tmp_path):
+    path, _ = _write(tmp_path)
+    lines = (path / "steps.jsonl").read_text().splitlines()
+    (path / "steps.jsonl").write_text(lines[0] + "\nnot json\n" + lines[2] + "\n")
+    with pytest.raises(RunFormatError, match="line 2 is not JSON"):
+        load(path)
+    meta = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**meta, "version": 99}))
+    with pytest.raises(RunFormatError, match="version 99"):
+        load(path)
+    with pytest.raises(RunFormatError, match="no config.json"):
+        load(tmp_path / "nothing")
+    (tmp_path / "r2").mkdir()
+    (tmp_path / "r2" / "config.json").write_text("{}")
+    listed = dict(list_runs(tmp_path))
+    assert all(isinstance(v, RunFormatError) for v in listed.values()) and len(listed) == 2
+    good, _ = _write(tmp_path, "r3")
+    (good / "tokens" / "step-000001.parquet").write_bytes(b"garbage")
+    with pytest.raises(RunFormatError, match="parquet"):
+        load(good).tokens([1])
+    with pytest.raises(RunFormatError, match="no routes"):
+        load(good).routes(2, "engine")
+    (good / "routes" / "step-000001.engine.r3").write_bytes(b"R3RT garbage")
+    with pytest.raises(ValueError):
+        load(good).routes(1, "engine")
+
+
+def test_bad_step_records_and_columns(tmp_path):
+    w = RunWriter(tmp_path, "r", "rl", {})
+    with pytest.raises(RunFormatError, match="integer 'step'"):
+        w.log_step({"k3": 1.0})
+    with pytest.raises(RunFormatError, match="one length"):
+        w.write_tokens(0, {"a": np.zeros(3), "b": np.zeros(4)})
+    w.close()
