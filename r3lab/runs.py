@@ -23,7 +23,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,7 +76,7 @@ def _jsonable(x: Any) -> Any:
 
 
 class RunWriter:
-    """Writes one run folder. ``with RunWriter(root, name, kind, config) as w: w.log_step({...}) ... w.finish(summary)``.
+    """Writes one run folder: ``with RunWriter(root, name, kind, config) as w: w.log_step(...); w.finish(summary)``.
 
     Refuses an existing folder. Steps are appended, flushed and fsynced one line at a time.
     """
