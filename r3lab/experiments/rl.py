@@ -1,0 +1,386 @@
+"""A small GRPO loop on CPU that compares routing replay modes: none, R2 and R3.
+
+Each step: the embedded engine (vLLM) samples ``samples_per_prompt`` completions of corpus prompts with
+the policy it holds (``staleness`` updates behind the trainer); a verifiable reward scores them; the
+transformers trainer recomputes the old log-probabilities, then takes ``mini_batches`` clipped-objective
+steps (AdamW) over the batch, and the new weights are pushed into the engine (``update_weights``).
+
+Replay modes (one switch, as verl's ``router_replay.mode``):
+
+* ``none``: the trainer routes natively everywhere.
+* ``R2`` (GSPO's Routing Replay): the routes the trainer chose at the old-log-prob recompute are replayed
+  in every mini-batch forward and backward of that batch (on the first mini-batch this is a no-op).
+* ``R3``: the engine's routes are replayed in the old-log-prob recompute and in every mini-batch forward
+  and backward.
+
+Orthogonal: truncated importance sampling (``tis_cap``) weights each token's loss by
+``min(pi_old_trainer / pi_engine, cap)``, as verl/slime apply it.
+
+The task (``LetterTask``): the tiny models speak the made-up words of the shipped Markov corpus; the reward
+of a completion is the share of its words that start with a target letter (about 9% for "m" before
+training). The chain's sparse transitions cap what a policy can reach, so the reward climbs for many steps
+instead of saturating at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from r3lab import metrics
+from r3lab.errors import R3LabError
+from r3lab.paths import model_dir
+from r3lab.replay import hf_replay
+from r3lab.replay.hf import load_hf_model
+from r3lab.rollout import RolloutEngine, RolloutResult, SamplingConfig, append_last_row
+from r3lab.routes import Routes
+from r3lab.runs import RunWriter
+from r3lab.testing.corpus import corpus_prompts
+
+__all__ = ["MODES", "RLConfig", "LetterTask", "RLRun", "run_rl"]
+
+MODES = ("none", "R2", "R3")
+
+
+@dataclass(frozen=True)
+class RLConfig:
+    """Everything that decides an RL run's numbers (same config, same numbers)."""
+
+    model: str = "tiny-qwen3-moe"
+    mode: str = "R3"
+    steps: int = 40
+    prompts_per_step: int = 8
+    samples_per_prompt: int = 8  # the GRPO group
+    max_tokens: int = 16
+    prompt_words: int = 6
+    mini_batches: int = 4  # policy updates per rollout batch: the policy drifts off the behaviour policy
+    lr: float = 1e-3
+    clip_eps: float = 0.2
+    max_grad_norm: float = 1.0
+    tis_cap: float | None = None  # truncated importance sampling off
+    temperature: float = 1.0
+    engine_dtype: str = "bfloat16"
+    trainer_dtype: str = "float32"  # "bfloat16": bf16 weights with fp32 routers (as the field runs them)
+    staleness: int = 0  # rollouts come from a policy this many updates behind the trainer (fully async)
+    target_letter: str = "m"
+    seed: int = 0
+    token_steps: int = 0  # also write per-token tables every this many steps (0: first and last step only)
+    data: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise R3LabError(f"RLConfig.mode must be one of {MODES}, got {self.mode!r}")
+        for name in ("steps", "prompts_per_step", "samples_per_prompt", "max_tokens", "prompt_words", "mini_batches"):
+            if int(getattr(self, name)) < 1:
+                raise R3LabError(f"RLConfig.{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.samples_per_prompt < 2:
+            raise R3LabError("RLConfig.samples_per_prompt must be >= 2 (GRPO normalizes within a group)")
+        if (self.prompts_per_step * self.samples_per_prompt) % self.mini_batches:
+            raise R3LabError(f"the batch of {self.prompts_per_step * self.samples_per_prompt} samples does not split "
+                             f"into {self.mini_batches} mini-batches")
+        if self.staleness < 0:
+            raise R3LabError(f"RLConfig.staleness must be >= 0, got {self.staleness}")
+        if self.tis_cap is not None and self.tis_cap <= 1:
+            raise R3LabError(f"RLConfig.tis_cap must be > 1 (or None), got {self.tis_cap}")
+        if self.trainer_dtype not in ("float32", "bfloat16") or self.engine_dtype not in ("float32", "bfloat16"):
+            raise R3LabError("engine_dtype and trainer_dtype must be 'float32' or 'bfloat16'")
+        if len(self.target_letter) != 1:
+            raise R3LabError(f"target_letter must be one character, got {self.target_letter!r}")
+
+    @classmethod
+    def quick(cls, **overrides: Any) -> RLConfig:
+        """A smoke-sized run for tests (well under two minutes)."""
+        return cls(**{"steps": 8, "prompts_per_step": 4, "samples_per_prompt": 4, "max_tokens": 12,
+                      "mini_batches": 2, **overrides})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class LetterTask:
+    """Reward: the share of response words that start with ``letter`` (special tokens count as misses)."""
+
+    def __init__(self, tokenizer: Any, letter: str):
+        vocab = tokenizer.get_vocab()
+        self.letter = letter
+        self.hits = np.zeros(max(vocab.values()) + 1, dtype=bool)
+        for word, i in vocab.items():
+            self.hits[i] = word.startswith(letter) and not word.startswith("<")
+        if not self.hits.any():
+            raise R3LabError(f"no word of the vocabulary starts with {letter!r}")
+
+    def reward(self, response_ids: Sequence[int]) -> float:
+        ids = np.asarray(response_ids, dtype=np.int64)
+        return float(self.hits[ids].mean()) if ids.size else 0.0
+
+
+@dataclass
+class _Batch:
+    """A rollout batch laid out for the trainer: right-padded ids, masks and the engine's view of it."""
+
+    ids: Any  # LongTensor [B, S]
+    mask: Any  # LongTensor [B, S], 1 on real tokens
+    response: Any  # BoolTensor [B, S]: position t holds a sampled token (scored from logits at t - 1)
+    logp_infer: np.ndarray  # [N] the engine's log-probs of the sampled tokens, sample-major
+    engine_routes: Routes  # one sequence per sample, P + R rows (the last row appended)
+    advantages: np.ndarray  # [B]
+    rewards: np.ndarray  # [B]
+
+
+def _make_batch(results: Sequence[RolloutResult], rewards: np.ndarray, group: int) -> _Batch:
+    import torch
+
+    lens = [len(r.prompt_ids) + len(r.response_ids) for r in results]
+    B, S = len(results), max(lens)
+    ids = torch.zeros((B, S), dtype=torch.long)
+    mask = torch.zeros((B, S), dtype=torch.long)
+    response = torch.zeros((B, S), dtype=torch.bool)
+    for b, r in enumerate(results):
+        seq = r.prompt_ids + r.response_ids
+        ids[b, : len(seq)] = torch.tensor(seq)
+        mask[b, : len(seq)] = 1
+        response[b, len(r.prompt_ids) : len(seq)] = True
+    g = rewards.reshape(-1, group)
+    adv = ((g - g.mean(axis=1, keepdims=True)) / (g.std(axis=1, keepdims=True) + 1e-6)).reshape(-1)
+    routes = Routes.concat([append_last_row(r.routes) for r in results])
+    logp = np.concatenate([np.asarray(r.logprobs, dtype=np.float64) for r in results])
+    return _Batch(ids, mask, response, logp, routes, adv, rewards)
+
+
+def _forward(model: Any, ids: Any, mask: Any, response: Any, *, replay: Routes | None = None, record: bool = False,
+             grad: bool = False):
+    """Log-probs of the sampled tokens (sample-major, flat), the per-position logits' entropy there, and, with
+    ``record``, the routes the routers chose (one sequence per row, padding dropped)."""
+    import torch
+
+    if replay is not None and record:
+        raise R3LabError("a forward either replays or records")
+    ctx = (hf_replay(model, replay, attention_mask=mask) if replay is not None
+           else hf_replay(model, mode="record") if record else nullcontext())
+    with torch.set_grad_enabled(grad), ctx as state:
+        logits = model(input_ids=ids, attention_mask=mask).logits.float()
+    lp_all = torch.log_softmax(logits[:, :-1], dim=-1)
+    tgt = ids[:, 1:]
+    sel = response[:, 1:]
+    logp = lp_all.gather(2, tgt[..., None])[..., 0][sel]
+    ent = -(lp_all.exp() * lp_all).sum(-1)[sel]
+    routes = state.to_routes(attention_mask=mask) if record else None
+    return logp, ent, routes
+
+
+def _state_for_engine(model: Any) -> dict[str, Any]:
+    """The trainer's weights in the checkpoint's layout and names (what the engine loads), detached CPU copies.
+
+    transformers 5 fuses each MoE block's experts into one tensor on load; ``revert_weight_conversion`` undoes
+    that exactly (per-expert ``gate_proj``/``up_proj``/``down_proj``), as ``save_pretrained`` does.
+    """
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(model, {k: v.detach().to("cpu").clone() for k, v in model.state_dict().items()})
+
+
+@dataclass
+class RLRun:
+    """What ``run_rl`` returns: the per-step records (also in the run folder) and the folder, if written."""
+
+    config: RLConfig
+    steps: list[dict[str, Any]]
+    path: Any = None
+
+
+def run_rl(config: RLConfig, *, engine: RolloutEngine | None = None, runs_root: Any = None, run_name: str | None = None,
+           progress: bool = True, on_step: Callable[[dict[str, Any]], None] | None = None) -> RLRun:
+    """Run one GRPO job in ``config.mode``; write it to ``runs_root/run_name`` when ``runs_root`` is given.
+
+    ``engine`` may be an engine already holding ``config.model``; its weights are reset to the checkpoint
+    first, so several runs can share one engine start.
+    """
+    import torch
+    from tqdm.auto import tqdm
+
+    path = model_dir(config.model, config.data)
+    torch.manual_seed(config.seed)
+    rng = np.random.default_rng(config.seed)
+    own_engine = engine is None
+    if engine is None:
+        engine = RolloutEngine(path, seed=config.seed, dtype=config.engine_dtype)
+    writer = None
+    try:
+        model = load_hf_model(path, config.trainer_dtype)
+        model.train()
+        checkpoint = _state_for_engine(model)
+        engine.update_weights(checkpoint, version=0)  # a shared engine starts from the checkpoint too
+        task = LetterTask(engine.tokenizer, config.target_letter)
+        opt = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.99), weight_decay=0.0)
+        if runs_root is not None:
+            name = run_name or f"rl-{config.model}-{config.mode}-s{config.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+            writer = RunWriter(runs_root, name, "rl", config.to_dict())
+        history: list[dict[str, Any]] = []
+        snapshots: list[dict[str, Any]] = [checkpoint]  # weights after update u, for stale rollouts
+        G = config.samples_per_prompt
+        for step in tqdm(range(config.steps), desc=f"rl {config.mode}", unit="step", disable=not progress):
+            t0 = time.perf_counter()
+            prompts = corpus_prompts(config.prompts_per_step, words=config.prompt_words,
+                                     seed=config.seed * 1_000_003 + step, data=config.data)
+            sampling = SamplingConfig(max_tokens=config.max_tokens, temperature=config.temperature, n=G,
+                                      seed=config.seed * 1_000_003 + step, ignore_eos=True)
+            results = engine.generate(prompts, sampling)
+            t_gen = time.perf_counter() - t0
+            rewards = np.array([task.reward(r.response_ids) for r in results])
+            batch = _make_batch(results, rewards, G)
+            rec = _train_step(model, opt, batch, config, rng, step)
+            rec.update(step=step, reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
+                       engine_weight_version=engine.weight_version, time_generate_s=t_gen)
+            snapshots.append(_state_for_engine(model))
+            behind = min(config.staleness, len(snapshots) - 1)
+            t1 = time.perf_counter()
+            engine.update_weights(snapshots[-1 - behind], version=len(snapshots) - 1 - behind)
+            snapshots = snapshots[-(config.staleness + 1):]
+            rec["time_weight_sync_s"] = time.perf_counter() - t1
+            rec["time_step_s"] = time.perf_counter() - t0
+            history.append(rec)
+            if writer is not None:
+                tokens = rec.pop("_tokens")
+                if step in (0, config.steps - 1) or (config.token_steps and step % config.token_steps == 0):
+                    writer.write_tokens(step, tokens)
+                    writer.write_routes(step, "engine", batch.engine_routes)
+                writer.log_step(rec)
+            else:
+                rec.pop("_tokens")
+            if on_step is not None:
+                on_step(rec)
+        summary = _summary(history)
+        if writer is not None:
+            writer.finish(summary)
+        return RLRun(config, history, writer.path if writer is not None else None)
+    finally:
+        if writer is not None:
+            writer.close()
+        if own_engine:
+            engine.close()
+
+
+def _train_step(model: Any, opt: Any, batch: _Batch, config: RLConfig, rng: np.random.Generator,
+                step: int) -> dict[str, Any]:
+    """Old log-probs, then ``mini_batches`` clipped policy updates; returns the step's metrics."""
+    import torch
+
+    B = batch.ids.shape[0]
+    # the old policy, routing natively: its routes are R2's replay data and the engine-vs-trainer comparison
+    logp_native, _, native_routes = _forward(model, batch.ids, batch.mask, batch.response, record=True)
+    if config.mode == "R3":
+        logp_old, _, _ = _forward(model, batch.ids, batch.mask, batch.response, replay=batch.engine_routes)
+    else:
+        logp_old = logp_native
+    logp_old = logp_old.detach().double().numpy()
+    logp_native = logp_native.detach().double().numpy()
+    rec: dict[str, Any] = {}
+    rec.update({f"mismatch/{k}": v for k, v in metrics.mismatch_metrics(
+        logp_old, batch.logp_infer, cu_seqlens=_response_cu(batch), tis_cap=config.tis_cap or 2.0).items()})
+    # routing: engine vs the trainer's own choice, per (token, layer), on every input position
+    eng = batch.engine_routes.select_layers(native_routes.layer_ids).values
+    differs = metrics.set_differs(eng, native_routes.values)
+    rec["routing/engine_trainer_disagreement"] = float(differs.mean())
+    rec["routing/engine_trainer_token_any"] = float(differs.any(axis=1).mean())
+    flipped = _response_rows(batch, differs.any(axis=1))
+    for name, m in (("flipped", flipped), ("agreeing", ~flipped)):
+        rec[f"mismatch/k3_kl_{name}"] = metrics.k3_kl(logp_old[m], batch.logp_infer[m]) if m.any() else None
+    rec["routing/flipped_token_share"] = float(flipped.mean())
+    load = metrics.expert_load(batch.engine_routes.values, batch.engine_routes.num_experts)
+    rec["routing/engine_max_vio"] = float(metrics.max_violation(load).max())
+
+    # policy updates
+    order = rng.permutation(B)
+    chunks = np.array_split(order, config.mini_batches)
+    adv = torch.as_tensor(batch.advantages, dtype=torch.float32)
+    old_t = torch.as_tensor(logp_old, dtype=torch.float32)
+    infer_t = torch.as_tensor(batch.logp_infer, dtype=torch.float32)
+    tok_sample = torch.as_tensor(np.repeat(np.arange(B), batch.response.sum(1).numpy()))
+    stats: dict[str, list[float]] = {k: [] for k in ("loss", "clip_frac", "approx_kl", "grad_norm", "entropy",
+                                                      "route_change", "tis_weight_mean")}
+    first_mb_gap = 0.0
+    for mb, idx in enumerate(chunks):
+        idx_t = torch.as_tensor(np.sort(idx))
+        ids, mask, resp = batch.ids[idx_t], batch.mask[idx_t], batch.response[idx_t]
+        sel = torch.isin(tok_sample, idx_t)
+        # what the current policy would route natively, against the old policy's routes (what R2 freezes)
+        logp_now, _, now_routes = _forward(model, ids, mask, resp, record=True)
+        old_sub = native_routes.take(np.sort(idx))
+        stats["route_change"].append(float(metrics.set_differs(old_sub.values, now_routes.values).mean()))
+        replay = None
+        if config.mode == "R2":
+            replay = old_sub
+        elif config.mode == "R3":
+            replay = batch.engine_routes.take(np.sort(idx))
+        logp, ent, _ = _forward(model, ids, mask, resp, replay=replay, grad=True)
+        if mb == 0:  # the policy is still the old one: R2 must equal no replay here (its definition)
+            first_mb_gap = float((logp.detach() - logp_now).abs().max())
+        ratio = torch.exp(logp - old_t[sel])
+        a = adv[tok_sample[sel]]
+        unclipped = ratio * a
+        clipped = torch.clamp(ratio, 1 - config.clip_eps, 1 + config.clip_eps) * a
+        per_token = -torch.minimum(unclipped, clipped)
+        if config.tis_cap is not None:
+            w = torch.clamp(torch.exp(old_t[sel] - infer_t[sel]), max=config.tis_cap)
+            per_token = per_token * w
+            stats["tis_weight_mean"].append(float(w.mean()))
+        loss = per_token.mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+        opt.step()
+        with torch.no_grad():
+            lr = torch.log(ratio)
+            stats["loss"].append(float(loss))
+            stats["clip_frac"].append(float(((ratio - 1).abs() > config.clip_eps).float().mean()))
+            stats["approx_kl"].append(float(((ratio - 1) - lr).mean()))
+            stats["grad_norm"].append(float(gn))
+            stats["entropy"].append(float(ent.mean()))
+    for k, v in stats.items():
+        rec[f"train/{k}"] = float(np.mean(v)) if v else None
+    rec["routing/route_change_first_mb"] = stats["route_change"][0]
+    rec["routing/route_change_last_mb"] = stats["route_change"][-1]
+    sample = np.repeat(np.arange(B), batch.response.sum(1).numpy())
+    pos = np.concatenate([np.arange(int(n)) for n in batch.response.sum(1).numpy()])
+    rec["_tokens"] = {"sample": sample, "position": pos, "logp_infer": batch.logp_infer, "logp_old": logp_old,
+                      "logp_native": logp_native, "flipped": flipped, "reward": batch.rewards[sample],
+                      "first_mb_sample": np.isin(sample, np.sort(chunks[0]))}
+    rec["train/first_mb_logp_gap_to_native"] = first_mb_gap
+    return rec
+
+
+def _response_cu(batch: _Batch) -> np.ndarray:
+    n = batch.response.sum(1).numpy()
+    return np.concatenate([[0], np.cumsum(n)]).astype(np.int64)
+
+
+def _response_rows(batch: _Batch, per_row: np.ndarray) -> np.ndarray:
+    """Select, for each sampled token, the value of its input position (t - 1) from per-route-row values."""
+    out = []
+    cu = batch.engine_routes.cu_seqlens
+    for b in range(batch.ids.shape[0]):
+        resp = np.flatnonzero(batch.response[b].numpy())
+        out.append(per_row[cu[b] + resp - 1])
+    return np.concatenate(out)
+
+
+def _summary(history: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Means over the run and over its last quarter, and the reward's first and last quarter."""
+    keys = sorted({k for h in history for k, v in h.items() if isinstance(v, int | float) and k != "step"})
+    q = max(1, len(history) // 4)
+    out: dict[str, Any] = {"steps": len(history)}
+    for k in keys:
+        vals = np.array([h[k] for h in history if h.get(k) is not None], dtype=np.float64)
+        if vals.size:
+            out[f"mean/{k}"] = float(vals.mean())
+            out[f"last_quarter/{k}"] = float(vals[-q:].mean())
+    r = np.array([h["reward_mean"] for h in history])
+    out["reward_first_quarter"] = float(r[:q].mean())
+    out["reward_last_quarter"] = float(r[-q:].mean())
+    return out
