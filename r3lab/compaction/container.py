@@ -202,7 +202,7 @@ def _v1_coder(coder: IdCodec, stage_ids: list[str], num_experts: int, legacy_bit
             f"format version 1 buffer names codec {unknown[0]!r}, which version 1 did not have "
             f"(it knew {sorted(_V1_CODEC_IDS)}); refusing to guess its layout"
         )
-    if type(coder) is not BitPack or id_bits(num_experts) <= 8:
+    if coder.codec_id != BitPack.codec_id or id_bits(num_experts) <= 8:
         return coder  # layouts that never changed
     b = id_bits(num_experts)
     if legacy_bitpack is None:
