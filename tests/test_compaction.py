@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from r3lab.compaction import (
     ALIASES,
+    FORMAT_VERSION,
     MAGIC,
     BitPack,
     Raw,
@@ -24,6 +25,7 @@ from r3lab.compaction import (
     encode,
     from_payload,
     get_codec,
+    read_header,
     read_sglang_base64_int32,
     read_vllm_nested_list,
     read_vllm_npy_base64,
@@ -31,8 +33,6 @@ from r3lab.compaction import (
 )
 from r3lab.compaction.codecs import id_bits
 from r3lab.routes import Routes
-
-FIXTURES = Path(__file__).parent / "fixtures"
 
 
 @st.composite
@@ -43,8 +43,10 @@ def route_sets(draw):
     lengths = draw(st.lists(st.integers(0, 24), min_size=1, max_size=5))
     first = draw(st.integers(0, 3))
     seed = draw(st.integers(0, 2**32 - 1))
-    return random_routes(np.random.default_rng(seed), num_experts=E, top_k=K, num_layers=L, lengths=lengths,
-                         layer_ids=list(range(first, first + L)))
+    return random_routes(
+        np.random.default_rng(seed), num_experts=E, top_k=K, num_layers=L, lengths=lengths,
+        layer_ids=list(range(first, first + L)),
+    )
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -108,24 +110,10 @@ def test_codec_configs_round_trip_and_registry():
     assert decode(encode(r, [BitPack(order="layer"), Zstd(1)])) == r
     with pytest.raises(RouteFormatError, match="unknown codec"):
         encode(r, "gzip")
-    with pytest.raises(RouteFormatError, match="starts with an id coder"):
+    with pytest.raises(RouteFormatError, match="starts with an id codec"):
         encode(r, [Zstd()])
     with pytest.raises(RouteFormatError, match="at most one byte stage"):
         encode(r, [Raw(), Zstd(), Zstd()])
-
-
-# ---- golden fixtures: format version 1 must decode forever --------------------------------------
-
-@pytest.mark.parametrize("name", ["e64k8", "e512k22"])
-@pytest.mark.parametrize("codec", sorted(ALIASES))
-def test_golden_fixtures_decode(name, codec):
-    exp = np.load(FIXTURES / f"{name}.expected.npz", allow_pickle=False)
-    want = Routes(exp["values"], exp["cu_seqlens"], int(exp["num_experts"]), exp["layer_ids"])
-    if codec.startswith("topk-"):
-        want = want.sorted_rows()
-    assert decode((FIXTURES / f"{name}.{codec}.r3").read_bytes()) == want
-    payload = orjson.loads((FIXTURES / f"{name}.payload.json").read_bytes())
-    assert from_payload(payload) == Routes(exp["values"], exp["cu_seqlens"], int(exp["num_experts"]), exp["layer_ids"])
 
 
 # ---- malformed input: every error class, every decoder ------------------------------------------
@@ -135,9 +123,10 @@ def _sample(codec="raw"):
     return r, encode(r, codec)
 
 
-def _reframe(buf: bytes, *, header=None, cu=None, payload=None, version=1, magic=MAGIC) -> bytes:
+def _reframe(buf: bytes, *, header=None, cu=None, payload=None, version=None, magic=MAGIC) -> bytes:
     """Rebuild a buffer with one part replaced, with a correct checksum (so the named check must fire)."""
-    _, _, hlen, plen = struct.unpack_from("<4sB3xIQ", buf, 0)
+    _, old_version, hlen, plen = struct.unpack_from("<4sB3xIQ", buf, 0)
+    version = old_version if version is None else version
     h = orjson.loads(buf[20 : 20 + hlen])
     n = h["num_seqs"] + 1
     old_cu = buf[20 + hlen : 20 + hlen + 8 * n]
@@ -151,7 +140,7 @@ def _reframe(buf: bytes, *, header=None, cu=None, payload=None, version=1, magic
 
 
 def _raw_frame(header: bytes, rest: bytes) -> bytes:
-    body = struct.pack("<4sB3xIQ", MAGIC, 1, len(header), len(rest)) + header + rest
+    body = struct.pack("<4sB3xIQ", MAGIC, FORMAT_VERSION, len(header), len(rest)) + header + rest
     return body + struct.pack("<I", zlib.crc32(body))
 
 
@@ -270,7 +259,9 @@ def test_field_style_payloads():
     assert r.values.dtype == np.uint8 and r.values.tolist() == arr.tolist() and len(r) == 1
     padded = np.zeros((2, 3, 1, 2), dtype=np.int16) + np.arange(2, dtype=np.int16)
     padded[0, 0] = [[300, 7]]
-    p = {"data": base64.b64encode(padded.tobytes()).decode(), "shape": [2, 3, 1, 2], "dtype": "int16", "lengths": [1, 2]}
+    p = {
+        "data": base64.b64encode(padded.tobytes()).decode(), "shape": [2, 3, 1, 2], "dtype": "int16", "lengths": [1, 2],
+    }
     r = from_payload(p, num_experts=384)
     assert r.lengths.tolist() == [1, 2] and r.values[0].tolist() == [[300, 7]]
 
@@ -331,7 +322,8 @@ def test_topk_gaps_rejects_bad_relabelling_and_overflowing_gaps():
     perms = np.tile(np.arange(E, dtype=np.uint8), (L, 1))
     gaps = np.zeros((L, K, T), dtype=np.uint8)
     ok = perms.tobytes() + gaps.tobytes()
-    assert decode(_reframe(buf, payload=zstandard.ZstdCompressor().compress(ok))).values[:, :, :].tolist() == [[[0, 1]] * 2] * 5
+    out = decode(_reframe(buf, payload=zstandard.ZstdCompressor().compress(ok)))
+    assert out.values.tolist() == [[[0, 1]] * 2] * 5
     perms_bad = perms.copy()
     perms_bad[1, 3] = 0
     with pytest.raises(RouteFormatError, match="not a permutation"):
@@ -371,3 +363,369 @@ def test_row_checks_catch_every_duplicate_pair_and_every_out_of_range_id(E):
             bad = rows.copy()
             bad[50] = [value, 0, 1, 2, 3, 4, 5, 6]  # distinct ids, one out of range
             assert first_bad_row(bad, E) == (50, 0), value
+
+
+# ---- golden fixtures: every layout ever released decodes (or refuses) forever -------------------
+#
+# tests/fixtures/           format version 1 as the writers of 9956a86..d0a0f16 left it
+#                           (e512k22 bitpack files: the one-stream layout, rewritten by 9956a86)
+# tests/fixtures/v1-cf15985 format version 1 as the first writer (cf15985) made it (restored from git)
+# tests/fixtures/v2         format version 2, written by make_golden.py
+
+FIXTURES = Path(__file__).parent / "fixtures"
+V2 = FIXTURES / "v2"
+#: who wrote the version 1 bitpack buffers of each folder (the answer decode(legacy_bitpack=...) needs)
+V1_BITPACK_WRITER = {FIXTURES: "stream", FIXTURES / "v1-cf15985": "planes"}
+ALL_FIXTURES = sorted(FIXTURES.rglob("*.r3"))
+
+
+def _expected(folder: Path, name: str) -> Routes:
+    e = np.load(folder / f"{name}.expected.npz", allow_pickle=False)
+    return Routes(e["values"], e["cu_seqlens"], int(e["num_experts"]), e["layer_ids"])
+
+
+def _name_codec(path: Path) -> tuple[str, str]:
+    name, codec = path.name[: -len(".r3")].split(".", 1)
+    return name, codec
+
+
+def _version(buf: bytes) -> int:
+    return struct.unpack_from("<4sB", buf, 0)[1]
+
+
+def _parts(buf: bytes) -> tuple:
+    """(version, header JSON, cu_seqlens bytes, the id codec's payload with any zstd stage inflated)."""
+    h = read_header(buf)
+    payload = buf[h["_payload_offset"] : h["_payload_offset"] + h["_payload_length"]]
+    if len(h["codec"]) > 1:
+        import zstandard
+
+        payload = zstandard.ZstdDecompressor().decompress(payload)
+    hlen = struct.unpack_from("<I", buf, 8)[0]
+    return h["format_version"], buf[20 : 20 + hlen], buf[h["_cu_offset"] : h["_payload_offset"]], payload
+
+
+def test_fixture_folders_are_the_ones_we_know():
+    assert {p.parent for p in ALL_FIXTURES} == {V2, *V1_BITPACK_WRITER}
+    assert len(ALL_FIXTURES) == 14 + 12 + 4 * 7
+
+
+@pytest.mark.parametrize("path", ALL_FIXTURES, ids=lambda p: str(p.relative_to(FIXTURES)))
+def test_every_fixture_decodes_exactly_or_refuses_clearly(path):
+    buf = path.read_bytes()
+    name, codec = _name_codec(path)
+    want = _expected(path.parent, name)
+    if codec.startswith("topk-"):
+        want = want.sorted_rows()
+    version = _version(buf)
+    assert version in (1, 2) and (version == 2) == (path.parent == V2)
+    if version == 1 and codec.startswith("bitpack") and id_bits(want.num_experts) > 8:
+        with pytest.raises(RouteFormatError, match=r"format version 1 bitpack buffer with 9-bit ids .* ambiguous"):
+            decode(buf)
+        assert decode(buf, legacy_bitpack=V1_BITPACK_WRITER[path.parent]) == want
+    else:
+        assert decode(buf) == want
+        for legacy in ("planes", "stream"):  # an answer to a question the buffer does not raise changes nothing
+            assert decode(buf, legacy_bitpack=legacy) == want
+
+
+@pytest.mark.parametrize("folder", [V2, *V1_BITPACK_WRITER], ids=lambda p: p.name)
+def test_every_fixture_payload_json_decodes(folder):
+    names = sorted(p.name.split(".")[0] for p in folder.glob("*.payload.json"))
+    assert names == sorted(p.name.split(".")[0] for p in folder.glob("*.expected.npz"))
+    for name in names:
+        assert from_payload(orjson.loads((folder / f"{name}.payload.json").read_bytes())) == _expected(folder, name)
+
+
+def _make_golden():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_golden", FIXTURES / "make_golden.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_expected_routes_agree_across_versions_and_with_make_golden():
+    golden = _make_golden().golden_routes()
+    assert sorted(p.name.split(".")[0] for p in V2.glob("*.expected.npz")) == sorted(golden)
+    for name, routes in golden.items():
+        assert _expected(V2, name) == routes
+        for folder in V1_BITPACK_WRITER:
+            if (folder / f"{name}.expected.npz").exists():
+                assert _expected(folder, name) == routes
+
+
+@pytest.mark.parametrize("codec", sorted(ALIASES))
+@pytest.mark.parametrize("name", ["e64k8", "e512k22", "e16k3", "e1000k6"])
+def test_encode_writes_exactly_the_v2_fixture_bytes(name, codec):
+    """Any change to what a codec writes fails here: the current version's goldens are byte-exact."""
+    fixture = (V2 / f"{name}.{codec}.r3").read_bytes()
+    buf = encode(_expected(V2, name), codec)
+    assert _version(buf) == FORMAT_VERSION == 2
+    assert _parts(buf) == _parts(fixture)  # frame, header, cu_seqlens and the id codec's bytes, exactly
+    import zstandard
+
+    written_with = orjson.loads((V2 / "written-with.json").read_bytes())
+    if "zstd" not in codec or written_with["libzstd"] == ".".join(map(str, zstandard.ZSTD_VERSION)):
+        assert buf == fixture  # and the whole buffer (zstd's bytes depend on the library that compressed them)
+
+
+def test_v1_stream_fixtures_are_v2_bytes_under_another_version_byte():
+    """The 9956a86..d0a0f16 writers already wrote today's layouts: only the version byte (and CRC) differ."""
+    for path in sorted(FIXTURES.glob("*.r3")):
+        old = bytearray(path.read_bytes())
+        assert old[4] == 1
+        old[4] = 2
+        body = bytes(old[:-4])
+        assert body + struct.pack("<I", zlib.crc32(body)) == (V2 / path.name).read_bytes(), path.name
+
+
+def test_restored_cf15985_originals_never_decode_to_wrong_ids():
+    """The first writer's e512k22 bitpack buffers: refused by default; right only when told 'planes'."""
+    old = FIXTURES / "v1-cf15985"
+    for codec in ("bitpack", "bitpack+zstd"):
+        buf = (old / f"e512k22.{codec}.r3").read_bytes()
+        assert buf != (FIXTURES / f"e512k22.{codec}.r3").read_bytes()  # the file 9956a86 rewrote in place
+        with pytest.raises(RouteFormatError, match="ambiguous.*legacy_bitpack='planes'.*legacy_bitpack='stream'"):
+            decode(buf)
+        assert decode(buf, legacy_bitpack="planes") == _expected(old, "e512k22")
+        with pytest.raises(RouteFormatError, match="repeated expert id"):  # read as one stream, as HEAD used to
+            decode(buf, legacy_bitpack="stream")
+        stream = (FIXTURES / f"e512k22.{codec}.r3").read_bytes()
+        with pytest.raises(RouteFormatError, match="repeated expert id"):
+            decode(stream, legacy_bitpack="planes")
+
+
+def _v1_frame(routes: Routes, codec: str, payload: bytes) -> bytes:
+    """A version 1 buffer for ``routes`` with the id codec's bytes replaced (zstd applied when the codec has it)."""
+    import zstandard
+
+    buf = encode(routes, codec)
+    if "zstd" in codec:
+        payload = zstandard.ZstdCompressor().compress(payload)
+    return _reframe(buf, payload=payload, version=1)
+
+
+def test_v1_planes_buffer_that_one_stream_reading_misreads_silently():
+    """By hand: 512 experts (9 bits), one row [300, 5]. cf15985 wrote the low bytes 2C 05, then the high bits
+    1, 0 as a bit stream: 01. Read as one 9-bit stream (what r3lab did from 9956a86 on) the same three bytes
+    are the valid row [300, 130]: a silent misread. Now it is refused unless the writer is named."""
+    r = Routes(np.array([[[300, 5]]]), [0, 1], 512)
+    for codec in ("bitpack", "bitpack+zstd"):
+        buf = _v1_frame(r, codec, bytes([0x2C, 0x05, 0x01]))
+        with pytest.raises(RouteFormatError, match="version 1 bitpack buffer with 9-bit ids \\(num_experts=512\\)"):
+            decode(buf)
+        assert decode(buf, legacy_bitpack="planes") == r
+        assert decode(buf, legacy_bitpack="stream").values.tolist() == [[[300, 130]]]
+    # 16-bit ids: planes are all low bytes, then all high bytes
+    r16 = Routes(np.array([[[0x1234, 0xABCD]]]), [0, 1], 65536)
+    buf = _v1_frame(r16, "bitpack", bytes([0x34, 0xCD, 0x12, 0xAB]))
+    with pytest.raises(RouteFormatError, match="16-bit ids"):
+        decode(buf)
+    assert decode(buf, legacy_bitpack="planes") == r16
+    assert decode(encode(r16, "bitpack")) == r16
+
+
+def test_v1_layouts_that_never_changed_still_decode_and_unknown_v1_codecs_refuse(custom_codecs):
+    r = random_routes(np.random.default_rng(3), num_experts=256, top_k=4, num_layers=2, lengths=[5, 3])
+    for codec in sorted(ALIASES):  # 8-bit ids: every version 1 layout is today's
+        buf = encode(r, codec)
+        v1 = _reframe(buf, version=1)
+        want = r.sorted_rows() if codec.startswith("topk-") else r
+        assert decode(v1) == want and read_header(v1)["format_version"] == 1
+    for spec, cid in (("test-u32", "test-u32"), ("raw+test-xor", "test-xor")):  # registered now, not in version 1
+        buf = encode(r, spec)
+        assert decode(buf) == r
+        with pytest.raises(RouteFormatError, match=f"format version 1 .* codec '{cid}', which version 1 did not have"):
+            decode(_reframe(buf, version=1))
+    with pytest.raises(RouteFormatError, match="legacy_bitpack must be one of"):
+        decode(encode(r, "raw"), legacy_bitpack="planez")
+
+
+# ---- bit order, against bytes written out by hand from the BitPack docstring ---------------------
+
+BIT_ORDER = {
+    # 4 bits: two ids per byte, the first in the low nibble. 10 ids: a group of 8 plus a tail of 2.
+    16: ([[1, 2], [3, 15], [0, 10], [7, 8], [4, 5]], "21 f3 a0 87 54"),
+    # 9 bits: id i holds stream bits [9i, 9i+9). 1 -> bit 0; 256 -> bit 17; 511 -> bits 18..26;
+    # 300 = 0b100101100 -> bits 38 39 41 44; 5 -> 45 47; 2 -> 55; 3 -> 63 64; 341 -> 72 74 76 78 80;
+    # 170 -> 82 84 86 88. Bytes: 01 | 00 | bits 17..23 = fe | 24..26 = 07 | 38 39 = c0 | 41 44 45 47 = b2 | 55 = 80
+    # | 63 = 80 | 64 = 01 | 72..78 = 55 | 80..86 = 55 | 88 = 01.
+    512: ([[1, 256], [511, 0], [300, 5], [2, 3], [341, 170]], "01 00 fe 07 c0 b2 80 80 01 55 55 01"),
+    # 16 bits: each id a little-endian uint16.
+    65536: (
+        [[0x1234, 0xABCD], [0, 65535], [1, 256], [0x0F0F, 0xF0F0], [7, 0x8000]],
+        "34 12 cd ab 00 00 ff ff 01 00 00 01 0f 0f f0 f0 07 00 00 80",
+    ),
+}
+
+
+@pytest.mark.parametrize("E", sorted(BIT_ORDER))
+def test_bitpack_bit_order_by_hand(E):
+    rows, hexbytes = BIT_ORDER[E]
+    want = bytes.fromhex(hexbytes)
+    r = Routes(np.array(rows)[:, None, :], [0, len(rows)], E)
+    assert BitPack().encode(r.values, E) == want
+    buf = encode(r, "bitpack")
+    h = read_header(buf)
+    assert buf[h["_payload_offset"] : h["_payload_offset"] + h["_payload_length"]] == want
+    assert decode(buf) == r
+    assert decode(_reframe(buf, payload=want)) == r
+
+
+# ---- numcodecs-style registry and interfaces ----------------------------------------------------
+
+def test_codec_interfaces_names_and_aliases():
+    from r3lab.compaction import ByteCodec, Codec, IdCodec, IdCoder, RowCodec, SetGaps, TopKGaps
+
+    assert IdCoder is IdCodec and SetGaps is TopKGaps and TopKGaps.codec_id == "topk-gaps"
+    for cls in (Raw, BitPack, TopKSet):
+        assert issubclass(cls, RowCodec) and issubclass(cls, IdCodec)
+    assert issubclass(TopKGaps, IdCodec) and issubclass(Zstd, ByteCodec) and not issubclass(Zstd, IdCodec)
+    for abstract in (Codec, IdCodec, ByteCodec, RowCodec):
+        with pytest.raises(TypeError, match="abstract"):
+            abstract()
+    assert get_codec("zstd") == Zstd() and get_codec("topk-gaps") == TopKGaps() and get_codec(Raw()) == Raw()
+    assert get_codec({"id": "bitpack", "order": "layer"}) == BitPack(order="layer")
+
+
+@pytest.fixture
+def custom_codecs():
+    """Register a custom id codec and a custom byte codec for one test, then restore the registry."""
+    from r3lab.compaction import CODECS, ByteCodec, RowCodec, register_codec
+
+    before = dict(CODECS)
+
+    @register_codec
+    class U32(RowCodec):
+        """Every id as a little-endian uint32, plus a constant offset (a parameter in the config)."""
+
+        codec_id = "test-u32"
+
+        def __init__(self, order="token", offset=0):
+            super().__init__(order)
+            self.offset = offset
+
+        def _params(self):
+            return {**super()._params(), "offset": self.offset}
+
+        def _rows_size(self, n_rows, top_k, dtype, num_experts):
+            return 4 * n_rows * top_k
+
+        def _encode_rows(self, rows, num_experts):
+            return (rows.astype("<u4") + self.offset).tobytes()
+
+        def _decode_rows(self, buf, n_rows, top_k, dtype, num_experts):
+            self._check_size(buf, n_rows, top_k, dtype, num_experts)
+            return (np.frombuffer(buf, "<u4") - self.offset).astype(dtype).reshape(n_rows, top_k)
+
+    @register_codec
+    class Xor(ByteCodec):
+        codec_id = "test-xor"
+
+        def __init__(self, key=0x5A):
+            self.key = key
+
+        def _params(self):
+            return {"key": self.key}
+
+        def encode(self, data):
+            return (np.frombuffer(data, np.uint8) ^ self.key).tobytes()
+
+        def decode(self, buf, expected_size):
+            if len(buf) != expected_size:
+                raise RouteFormatError(f"test-xor holds {len(buf)} bytes, expected {expected_size}")
+            return memoryview(self.encode(buf))
+
+    yield U32, Xor
+    CODECS.clear()
+    CODECS.update(before)
+
+
+def test_register_custom_codecs_and_round_trip_by_name(custom_codecs):
+    U32, Xor = custom_codecs
+    r = random_routes(np.random.default_rng(11), num_experts=300, top_k=3, num_layers=2, lengths=[4, 0, 2])
+    specs = ["test-u32", "test-u32+zstd", "test-u32+test-xor", "raw+test-xor", [U32(order="layer", offset=7), Xor(3)]]
+    for spec in specs:
+        buf = encode(r, spec)
+        assert decode(buf) == r, spec
+    buf = encode(r, [{"id": "test-u32", "offset": 1000}, {"id": "test-xor", "key": 1}])
+    want_config = [{"id": "test-u32", "order": "token", "offset": 1000}, {"id": "test-xor", "key": 1}]
+    assert read_header(buf)["codec"] == want_config
+    assert decode(buf) == r
+    h = read_header(buf)
+    assert len(buf) - h["_payload_offset"] - 4 == 4 * r.values.size  # really the custom layout
+    assert get_codec("test-u32") == U32() and get_codec({"id": "test-xor", "key": 9}) == Xor(9)
+    with pytest.raises(RouteFormatError, match="starts with an id codec"):
+        encode(r, [Xor()])
+    with pytest.raises(RouteFormatError, match="'raw' cannot follow an id codec"):
+        encode(r, [U32(), Raw()])
+    with pytest.raises(RouteFormatError, match="unknown codec 'test-u32\\+lz4'"):
+        encode(r, "test-u32+lz4")
+
+
+def test_register_codec_refuses_what_it_cannot_register(custom_codecs):
+    from r3lab.compaction import CODECS, ByteCodec, Codec, register_codec
+
+    U32, _ = custom_codecs
+    with pytest.raises(TypeError, match="subclass of IdCodec or ByteCodec"):
+        register_codec(int)
+    with pytest.raises(TypeError, match="subclass of IdCodec or ByteCodec"):
+        register_codec(type("Bare", (Codec,), {"codec_id": "bare"}))
+
+    class NoId(ByteCodec):
+        encode = decode = None
+
+    with pytest.raises(ValueError, match="must define its own codec_id"):
+        register_codec(NoId)
+    with pytest.raises(ValueError, match="without '\\+'"):
+        register_codec(type("Plus", (NoId,), {"codec_id": "a+b"}))
+    with pytest.raises(ValueError, match="'raw' is already registered to r3lab.compaction.codecs.Raw"):
+        register_codec(type("MyRaw", (U32,), {"codec_id": "raw"}))
+    assert register_codec(U32) is U32  # registering the same class again is a no-op
+    mine = type("MyU32", (U32,), {"codec_id": "test-u32"})
+    assert register_codec(mine, replace=True) is mine and CODECS["test-u32"] is mine
+
+
+# ---- make_golden.py only ever adds files ---------------------------------------------------------
+
+def test_make_golden_never_overwrites(tmp_path):
+    mg = _make_golden()
+    folder = tmp_path / "v2"
+    first = mg.write_golden(folder)
+    assert first["differ"] == [] and first["kept"] == [] and len(first["written"]) == 4 * (len(ALIASES) + 2)
+    for fname in first["written"]:  # what it writes is what is committed
+        if fname.endswith(".r3"):
+            assert _parts((folder / fname).read_bytes()) == _parts((V2 / fname).read_bytes()), fname
+        elif fname.endswith(".json"):
+            assert (folder / fname).read_bytes() == (V2 / fname).read_bytes(), fname
+    again = mg.write_golden(folder)
+    assert again["written"] == [] and sorted(again["kept"]) == sorted(first["written"])
+    victim = folder / "e64k8.bitpack.r3"
+    victim.write_bytes(b"changed meaning")
+    third = mg.write_golden(folder)
+    assert third["differ"] == ["e64k8.bitpack.r3"] and victim.read_bytes() == b"changed meaning"
+
+
+def test_make_golden_script_adds_nothing_to_a_complete_folder_and_refuses_a_changed_one(tmp_path):
+    """Run as a script on a copy of the committed v2 folder: nothing written; a file whose bytes now differ
+    makes it exit 1 and stay as it was."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    folder = tmp_path / "v2"
+    shutil.copytree(V2, folder)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    cmd = [sys.executable, str(FIXTURES / "make_golden.py"), str(folder)]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    assert res.returncode == 0, res.stderr
+    assert "written" not in res.stdout and res.stdout.count("kept") == len(before) - 1  # all but written-with.json
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    (folder / "e16k3.raw.r3").write_bytes(b"other bytes")
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    assert res.returncode == 1 and "REFUSED" in res.stderr and "differ   v2/e16k3.raw.r3" in res.stdout
+    assert (folder / "e16k3.raw.r3").read_bytes() == b"other bytes"

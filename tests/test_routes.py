@@ -6,7 +6,11 @@ from r3lab.errors import RouteFormatError
 from r3lab.routes import Routes, compact_dtype
 
 
-@pytest.mark.parametrize(("E", "dtype"), [(1, np.uint8), (2, np.uint8), (256, np.uint8), (257, np.uint16), (384, np.uint16), (512, np.uint16), (65536, np.uint16)])
+@pytest.mark.parametrize(
+    ("E", "dtype"),
+    [(1, np.uint8), (2, np.uint8), (256, np.uint8), (257, np.uint16), (384, np.uint16), (512, np.uint16),
+     (65536, np.uint16)],
+)
 def test_compact_dtype(E, dtype):
     assert compact_dtype(E) == dtype
 
@@ -114,3 +118,24 @@ def test_equality_and_nbytes(rng):
     assert r != Routes(r.values, r.cu_seqlens, 301, r.layer_ids)
     assert r.nbytes == r.values.nbytes + r.cu_seqlens.nbytes + r.layer_ids.nbytes == 4 * 2 * 3 * 2 + 3 * 8 + 2 * 8
     assert r.sorted_rows().values.tolist() == np.sort(r.values, axis=2).tolist()
+
+
+def test_eq_compares_values_cu_seqlens_layer_ids_and_num_experts(rng):
+    r = random_routes(rng, num_experts=16, top_k=2, num_layers=2, lengths=[2, 3], layer_ids=[1, 2])
+    same = Routes(r.values.copy(), r.cu_seqlens.copy(), 16, [1, 2])
+    assert r == same and same == r and not (r != same)
+    other = np.array(r.values)
+    other[4, 1] = other[4, 1][::-1]  # the same set in another order: different values
+    assert r != Routes(other, r.cu_seqlens, 16, [1, 2])
+    other = np.array(r.values)
+    other[0, 0, 0] = next(e for e in range(16) if e not in other[0, 0])  # one id changed
+    assert r != Routes(other, r.cu_seqlens, 16, [1, 2])
+    assert r != Routes(r.values, [0, 1, 5], 16, [1, 2])  # same tokens, split differently
+    assert r != Routes(r.values, [0, 5], 16, [1, 2])  # one sequence instead of two
+    assert r != Routes(r.values, r.cu_seqlens, 16, [0, 1])  # other layer ids
+    assert r != Routes(r.values, r.cu_seqlens, 17, [1, 2])  # other num_experts, same dtype and ids
+    assert r != Routes(r.values[:, :1], r.cu_seqlens, 16, [1])  # fewer layers
+    assert r != Routes(r.values[:, :, :1], r.cu_seqlens, 16, [1, 2])  # smaller top_k
+    assert r != Routes(r.values, r.cu_seqlens, 300, [1, 2])  # wider dtype, same ids
+    assert (r == "routes") is False and r != [1, 2] and r != None  # noqa: E711 - not Routes: never equal
+    assert r.__eq__(object()) is NotImplemented

@@ -3,10 +3,41 @@
 Public, stable: :func:`compact_dtype`, :func:`encode`, :func:`decode`, :func:`to_payload`,
 :func:`from_payload` and the readers of what engines send (vLLM ``.npy`` base64, vLLM 0.21 nested
 lists, SGLang base64 int32). Malformed input of any kind raises :class:`RouteFormatError`.
+
+Codecs are numcodecs-style: :class:`IdCodec` (ids <-> bytes) and :class:`ByteCodec` (bytes <->
+bytes) interfaces, a registry (:func:`register_codec`, :func:`get_codec`), and the built-ins
+:class:`Raw`, :class:`BitPack`, :class:`TopKSet`, :class:`TopKGaps`, :class:`Zstd`. Encoded buffers
+carry a format version; see :mod:`r3lab.compaction.container` for what each version means.
 """
 
-from r3lab.compaction.codecs import ALIASES, CODECS, BitPack, Codec, IdCoder, Raw, TopKSet, Zstd, get_codec
-from r3lab.compaction.container import DEFAULT_MAX_BYTES, FORMAT_VERSION, MAGIC, decode, encode, read_header
+from r3lab.compaction.codecs import (
+    ALIASES,
+    CODECS,
+    BitPack,
+    BitPackPlanesV1,
+    ByteCodec,
+    Codec,
+    IdCodec,
+    IdCoder,
+    Raw,
+    RowCodec,
+    SetGaps,
+    TopKGaps,
+    TopKSet,
+    Zstd,
+    get_codec,
+    register_codec,
+)
+from r3lab.compaction.container import (
+    DEFAULT_MAX_BYTES,
+    FORMAT_VERSION,
+    LEGACY_BITPACK,
+    MAGIC,
+    READ_VERSIONS,
+    decode,
+    encode,
+    read_header,
+)
 from r3lab.compaction.payload import (
     from_payload,
     read_sglang_base64_int32,
@@ -20,6 +51,7 @@ from r3lab.routes import compact_dtype
 __all__ = [
     "compact_dtype", "encode", "decode", "read_header", "to_payload", "from_payload",
     "read_vllm_npy_base64", "read_vllm_nested_list", "read_sglang_base64_int32",
-    "Codec", "IdCoder", "Raw", "BitPack", "TopKSet", "Zstd", "get_codec", "CODECS", "ALIASES",
-    "MAGIC", "FORMAT_VERSION", "DEFAULT_MAX_BYTES", "RouteFormatError",
+    "Codec", "IdCodec", "ByteCodec", "RowCodec", "Raw", "BitPack", "TopKSet", "TopKGaps", "Zstd", "BitPackPlanesV1",
+    "IdCoder", "SetGaps", "register_codec", "get_codec", "CODECS", "ALIASES",
+    "MAGIC", "FORMAT_VERSION", "READ_VERSIONS", "LEGACY_BITPACK", "DEFAULT_MAX_BYTES", "RouteFormatError",
 ]

@@ -1,17 +1,28 @@
-"""Route codecs: small classes that turn a ``[rows, top_k]`` id array into bytes and back.
+"""Route codecs, numcodecs-style: small classes that turn routes into bytes and back.
 
-Numcodecs-style: each codec has a ``codec_id``, a JSON-safe ``get_config()`` and is rebuilt by
-:func:`get_codec` from that config. *Id coders* (``raw``, ``bitpack``, ``topk-set``) map ids to
-bytes; *byte stages* (``zstd``) map bytes to bytes and follow an id coder in a pipeline.
+Every codec has a ``codec_id``, a JSON-safe ``get_config()``, and is rebuilt from that config by
+:func:`get_codec`, which looks the id up in a registry that :func:`register_codec` extends. There
+are two kinds, each one interface (abstract ``encode``/``decode``):
 
-A row is one (token, layer) router decision. Id coders take ``order``: ``"token"`` keeps the rows
+- :class:`IdCodec`: ``[T, L, K]`` expert ids <-> bytes (``raw``, ``bitpack``, ``topk-set``,
+  ``topk-gaps``). It opens every pipeline.
+- :class:`ByteCodec`: bytes <-> bytes (``zstd``). At most one follows the id codec.
+
+Pipelines are checked by these interfaces, never by concrete class, so a registered codec of
+either kind takes part in :func:`~r3lab.compaction.encode` / :func:`~r3lab.compaction.decode` by name.
+
+A row is one (token, layer) router decision. Row codecs take ``order``: ``"token"`` keeps the rows
 token-major as stored; ``"layer"`` writes each layer's rows together, which lets a byte stage see
 one layer's (skewed) expert popularity at a time.
+
+What the bytes of each codec mean is fixed per container format version (see
+:mod:`r3lab.compaction.container`); each codec's docstring describes the current version's layout.
 """
 
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from functools import lru_cache
 from typing import Any, ClassVar
 
@@ -21,13 +32,28 @@ import zstandard
 from r3lab.compaction.kernels import pack_ids, pack_wide, set_ranks, unpack_ids, unpack_wide, unrank_sets
 from r3lab.errors import RouteFormatError
 
-__all__ = ["Codec", "IdCoder", "Raw", "BitPack", "TopKSet", "SetGaps", "Zstd", "get_codec", "parse_pipeline", "CODECS", "ALIASES"]
+__all__ = [
+    "Codec", "IdCodec", "ByteCodec", "RowCodec", "Raw", "BitPack", "TopKSet", "TopKGaps", "Zstd",
+    "IdCoder", "SetGaps", "register_codec", "get_codec", "parse_pipeline", "CODECS", "ALIASES", "id_bits",
+]
 
 
-class Codec:
-    """Base of every codec: an id and a JSON-safe config that rebuilds it."""
+class Codec(ABC):
+    """Base of every codec: an id, a JSON-safe config that rebuilds it, and ``encode``/``decode``.
+
+    The arguments of ``encode``/``decode`` are fixed by the codec's kind: :class:`IdCodec` (ids to
+    bytes) or :class:`ByteCodec` (bytes to bytes). Subclass one of those, not this class.
+    """
 
     codec_id: ClassVar[str]
+
+    @abstractmethod
+    def encode(self, *args: Any, **kwargs: Any) -> bytes:
+        """Encode; the signature is the kind's (:meth:`IdCodec.encode`, :meth:`ByteCodec.encode`)."""
+
+    @abstractmethod
+    def decode(self, *args: Any, **kwargs: Any) -> Any:
+        """Decode; the signature is the kind's (:meth:`IdCodec.decode`, :meth:`ByteCodec.decode`)."""
 
     def get_config(self) -> dict[str, Any]:
         return {"id": self.codec_id, **self._params()}
@@ -51,13 +77,45 @@ class Codec:
         return f"{type(self).__name__}({params})"
 
 
-class IdCoder(Codec):
-    """Codes a ``[L, T, K]``-or-``[T, L, K]`` id array (rows of distinct ids) as bytes."""
+class IdCodec(Codec):
+    """Interface of the codecs that open a pipeline: ``[T, L, K]`` expert ids <-> bytes.
+
+    ``decode`` gets exactly ``encoded_size(shape, ...)`` bytes (the container checks that first for
+    byte stages) and returns a ``[T, L, K]`` array of ``dtype``.
+    """
 
     #: whether decode returns each row sorted (set semantics) rather than in the stored order
     sorts_rows: ClassVar[bool] = False
-    #: whether decode itself guarantees ids in range and distinct within each row
+    #: whether decode itself guarantees ids in range and distinct within each row (else the container checks)
     checks_rows: ClassVar[bool] = False
+
+    @abstractmethod
+    def encode(self, values: np.ndarray, num_experts: int) -> bytes:
+        """Bytes for a ``[T, L, K]`` array of valid ids (each row distinct, all below ``num_experts``)."""
+
+    @abstractmethod
+    def decode(self, buf: memoryview, shape: tuple[int, int, int], dtype: np.dtype, num_experts: int) -> np.ndarray:
+        """The ``[T, L, K]`` ids of ``dtype`` back from ``buf``; malformed bytes raise :class:`RouteFormatError`."""
+
+    @abstractmethod
+    def encoded_size(self, shape: tuple[int, int, int], dtype: np.dtype, num_experts: int) -> int:
+        """Bytes this codec writes for routes of ``shape`` ([T, L, K]); decode refuses any other length."""
+
+
+class ByteCodec(Codec):
+    """Interface of the stages that follow the id codec: bytes <-> bytes."""
+
+    @abstractmethod
+    def encode(self, data: bytes | memoryview) -> bytes:
+        """Transform the bytes of the stage before."""
+
+    @abstractmethod
+    def decode(self, buf: memoryview, expected_size: int) -> bytes | memoryview:
+        """Invert :meth:`encode`, producing exactly ``expected_size`` bytes (refuse before inflating more)."""
+
+
+class RowCodec(IdCodec):
+    """An id codec that codes ``[rows, top_k]`` rows in token or layer order; subclasses code the rows."""
 
     def __init__(self, order: str = "token"):
         if order not in ("token", "layer"):
@@ -79,17 +137,18 @@ class IdCoder(Codec):
         return rows.reshape(T, L, K)
 
     def encoded_size(self, shape: tuple[int, int, int], dtype: np.dtype, num_experts: int) -> int:
-        """Bytes this coder writes for routes of ``shape`` ([T, L, K]); decode refuses any other length."""
         return self._rows_size(shape[0] * shape[1], shape[2], dtype, num_experts)
 
-    def _rows_size(self, n_rows: int, top_k: int, dtype: np.dtype, num_experts: int) -> int:
-        raise NotImplementedError
+    @abstractmethod
+    def _rows_size(self, n_rows: int, top_k: int, dtype: np.dtype, num_experts: int) -> int: ...
 
-    def _encode_rows(self, rows: np.ndarray, num_experts: int) -> bytes:
-        raise NotImplementedError
+    @abstractmethod
+    def _encode_rows(self, rows: np.ndarray, num_experts: int) -> bytes: ...
 
-    def _decode_rows(self, buf: memoryview, n_rows: int, top_k: int, dtype: np.dtype, num_experts: int) -> np.ndarray:
-        raise NotImplementedError
+    @abstractmethod
+    def _decode_rows(
+        self, buf: memoryview, n_rows: int, top_k: int, dtype: np.dtype, num_experts: int
+    ) -> np.ndarray: ...
 
     def _check_size(self, buf: memoryview, n_rows: int, top_k: int, dtype: np.dtype, num_experts: int) -> None:
         want = self._rows_size(n_rows, top_k, dtype, num_experts)
@@ -99,8 +158,12 @@ class IdCoder(Codec):
             )
 
 
-class Raw(IdCoder):
-    """The compact buffer as it is: one uint8/uint16 per id, little-endian."""
+#: former name of :class:`IdCodec`
+IdCoder = IdCodec
+
+
+class Raw(RowCodec):
+    """The compact buffer as it is: one uint8/uint16 per id, little-endian (format versions 1 and 2)."""
 
     codec_id = "raw"
 
@@ -112,7 +175,8 @@ class Raw(IdCoder):
 
     def _decode_rows(self, buf, n_rows, top_k, dtype, num_experts):
         self._check_size(buf, n_rows, top_k, dtype, num_experts)
-        return np.frombuffer(buf, dtype=np.dtype(dtype).newbyteorder("<")).astype(dtype, copy=False).reshape(n_rows, top_k)
+        le = np.dtype(dtype).newbyteorder("<")
+        return np.frombuffer(buf, dtype=le).astype(dtype, copy=False).reshape(n_rows, top_k)
 
 
 def id_bits(num_experts: int) -> int:
@@ -120,8 +184,20 @@ def id_bits(num_experts: int) -> int:
     return max(1, (num_experts - 1).bit_length())
 
 
-class BitPack(IdCoder):
-    """ceil(log2 E) bits per id, one little-endian bit stream (least significant bit first)."""
+class BitPack(RowCodec):
+    """ceil(log2 E) bits per id, one little-endian bit stream (least significant bit first).
+
+    Layout (format version 2; also version 1 for ids of at most 8 bits): with ``b`` bits per id,
+    id number ``i`` (rows in ``order``, ids within a row in their stored order) holds bits
+    ``[i*b, (i+1)*b)`` of the stream, its least significant bit first; stream bit ``j`` is bit
+    ``j % 8`` of byte ``j // 8``. The last byte is zero-padded; the payload is ``ceil(n*b/8)`` bytes.
+    So 16 experts (4 bits) put ids ``1, 2`` in byte ``0x21``, and 65536 experts (16 bits) write each
+    id as a little-endian uint16.
+
+    Version 1 buffers with ids wider than 8 bits (E > 256) are ambiguous: the first writer
+    (r3lab cf15985) used :class:`BitPackPlanesV1`'s layout, later ones this layout, both under the
+    same version and config. The container refuses them unless told which (``legacy_bitpack=``).
+    """
 
     codec_id = "bitpack"
 
@@ -134,6 +210,46 @@ class BitPack(IdCoder):
     def _decode_rows(self, buf, n_rows, top_k, dtype, num_experts):
         self._check_size(buf, n_rows, top_k, dtype, num_experts)
         return unpack_ids(buf, n_rows * top_k, id_bits(num_experts), dtype).reshape(n_rows, top_k)
+
+
+def _unpack_small_v1(buf: memoryview | bytes, n: int, b: int) -> np.ndarray:
+    """cf15985's reader of ``n`` values of ``b <= 8`` bits packed LSB first (a plain bit stream)."""
+    g = 8 // math.gcd(b, 8)  # ids per byte-aligned group
+    nbytes_group = g * b // 8
+    m = -(-n // g)
+    raw = np.zeros(m * nbytes_group, dtype=np.uint8)
+    raw[: len(buf)] = np.frombuffer(buf, dtype=np.uint8)
+    words = np.zeros((m, 8), dtype=np.uint8)
+    words[:, :nbytes_group] = raw.reshape(m, nbytes_group)
+    acc = words.view("<u8").reshape(m)
+    mask = np.uint64((1 << b) - 1)
+    out = np.empty((m, g), dtype=np.uint16)
+    for j in range(g):
+        out[:, j] = (acc >> np.uint64(j * b)) & mask
+    return out.reshape(-1)[:n]
+
+
+class BitPackPlanesV1(BitPack):
+    """Read-only: ``bitpack`` as the first writer (r3lab cf15985, format version 1) laid out ids wider than 8 bits.
+
+    Two planes, for ``n`` ids of ``b`` bits (8 < b <= 16): first the low byte of every id (``n``
+    bytes), then the high ``b - 8`` bits of every id as one LSB-first bit stream of
+    ``ceil(n*(b-8)/8)`` bytes. The total equals :class:`BitPack`'s ``ceil(n*b/8)``, so the length
+    cannot tell the two apart. Ids of at most 8 bits were one bit stream, as in :class:`BitPack`.
+    Never registered and never written; the container uses it for ``legacy_bitpack="planes"``.
+    """
+
+    def _encode_rows(self, rows, num_experts):
+        raise RouteFormatError("the format version 1 planes layout of bitpack is read-only; encode writes version 2")
+
+    def _decode_rows(self, buf, n_rows, top_k, dtype, num_experts):
+        self._check_size(buf, n_rows, top_k, dtype, num_experts)
+        n, b = n_rows * top_k, id_bits(num_experts)
+        if b <= 8:
+            return super()._decode_rows(buf, n_rows, top_k, dtype, num_experts)
+        lo = np.frombuffer(buf[:n], dtype=np.uint8).astype(np.uint16)
+        flat = lo | (_unpack_small_v1(buf[n:], n, b - 8) << np.uint16(8))
+        return flat.astype(dtype, copy=False).reshape(n_rows, top_k)
 
 
 @lru_cache(maxsize=64)
@@ -201,13 +317,16 @@ def _unpack_bits(buf: memoryview | bytes, n: int, nbits: int, W: int) -> np.ndar
     return np.packbits(out, axis=1, bitorder="little").view("<u8").astype(np.uint64).reshape(n, W)
 
 
-class TopKSet(IdCoder):
+class TopKSet(RowCodec):
     """Each top-k row as one number in the combinatorial number system: ceil(log2 C(E, k)) bits per row.
 
     The row {c_1 < ... < c_k} becomes sum_i C(c_i, i). Replay does not depend on the order inside a
     top-k set, so **decode returns every row sorted ascending**. Numbers wider than 64 bits (e.g.
     512 experts top-22: 128 bits) are held as 64-bit limbs and written at their exact bit width,
     so splitting the number loses no information.
+
+    Layout (format versions 1 and 2): with ``w = bit_length(C(E, k) - 1)`` bits per row, row ``i``'s
+    number holds bits ``[i*w, (i+1)*w)`` of one LSB-first bit stream, laid out as in :class:`BitPack`.
     """
 
     codec_id = "topk-set"
@@ -267,13 +386,17 @@ class TopKSet(IdCoder):
         return out.astype(dtype)
 
 
-class SetGaps(IdCoder):
+class TopKGaps(IdCodec):
     """Top-k sets as gaps between sorted, popularity-relabelled ids: a transform for a byte stage (zstd).
 
     Per layer, experts are relabelled by how often they were chosen (most popular -> 0; the
     ``[L, E]`` relabelling is stored up front), each row is sorted and written as the gaps
     ``c_0, c_1 - c_0 - 1, ...``, slot-major. Skewed popularity turns into many small gaps, which a
     byte stage codes in a few bits. Always layer-major; **decode returns every row sorted**.
+
+    Layout (format versions 1 and 2), every number one little-endian element of the compact dtype:
+    ``perm[L, E]`` (``perm[j, r]`` is the expert with rank ``r`` in layer ``j``), then
+    ``gaps[L, K, T]``.
     """
 
     codec_id = "topk-gaps"
@@ -282,7 +405,10 @@ class SetGaps(IdCoder):
     def __init__(self, order: str = "layer"):
         if order != "layer":
             raise RouteFormatError(f"topk-gaps is always layer-major, got order={order!r}")
-        super().__init__("layer")
+        self.order = order
+
+    def _params(self) -> dict[str, Any]:
+        return {"order": self.order}
 
     def encoded_size(self, shape, dtype, num_experts):
         T, L, K = shape
@@ -302,7 +428,8 @@ class SetGaps(IdCoder):
             g = np.diff(srt, axis=1, prepend=-1) - 1
             perms[j] = order
             gaps[j] = g.T
-        return perms.tobytes() + gaps.tobytes()
+        le = dt.newbyteorder("<")
+        return perms.astype(le, copy=False).tobytes() + gaps.astype(le, copy=False).tobytes()
 
     def decode(self, buf, shape, dtype, num_experts):
         T, L, K = shape
@@ -315,8 +442,13 @@ class SetGaps(IdCoder):
         gaps = flat[L * num_experts :].reshape(L, K, T).astype(np.int64)
         out = np.empty((T, L, K), dtype=dt)
         for j in range(L):
-            if perms[j].max(initial=0) >= num_experts or np.bincount(perms[j], minlength=num_experts).max(initial=1) != 1:
-                raise RouteFormatError(f"topk-gaps: the relabelling of layer {j} is not a permutation of {num_experts} experts")
+            if (
+                perms[j].max(initial=0) >= num_experts
+                or np.bincount(perms[j], minlength=num_experts).max(initial=1) != 1
+            ):
+                raise RouteFormatError(
+                    f"topk-gaps: the relabelling of layer {j} is not a permutation of {num_experts} experts"
+                )
             ids = np.cumsum(gaps[j] + 1, axis=0) - 1  # [K, T], strictly increasing along K
             if ids.size and ids[-1].max() >= num_experts:
                 raise RouteFormatError(f"topk-gaps: expert id out of range [0, {num_experts}) in layer {j}")
@@ -324,7 +456,11 @@ class SetGaps(IdCoder):
         return out
 
 
-class Zstd(Codec):
+#: former name of :class:`TopKGaps`
+SetGaps = TopKGaps
+
+
+class Zstd(ByteCodec):
     """Zstandard over the bytes of the stage before it; pays where expert popularity is skewed."""
 
     codec_id = "zstd"
@@ -337,7 +473,7 @@ class Zstd(Codec):
     def _params(self):
         return {"level": self.level}
 
-    def encode(self, data: bytes) -> bytes:
+    def encode(self, data: bytes | memoryview) -> bytes:
         return zstandard.ZstdCompressor(level=self.level, write_content_size=True).compress(data)
 
     def decode(self, buf: memoryview, expected_size: int) -> memoryview:
@@ -357,7 +493,28 @@ class Zstd(Codec):
         return memoryview(out)
 
 
-CODECS: dict[str, type[Codec]] = {c.codec_id: c for c in (Raw, BitPack, TopKSet, SetGaps, Zstd)}
+#: the codec registry, id -> class (numcodecs' ``codec_registry``); extend it with :func:`register_codec`
+CODECS: dict[str, type[Codec]] = {}
+
+
+def register_codec(cls: type[Codec], *, replace: bool = False) -> type[Codec]:
+    """Make ``cls`` buildable from its config (and usable by name in encode/decode); returns ``cls``.
+
+    ``cls`` must subclass :class:`IdCodec` or :class:`ByteCodec` and set a ``codec_id`` string
+    without ``+`` (which joins pipeline names). Another class already registered under that id
+    is replaced only with ``replace=True``. Usable as a class decorator.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, (IdCodec, ByteCodec))):
+        raise TypeError(f"register_codec expects a subclass of IdCodec or ByteCodec, got {cls!r}")
+    cid = cls.__dict__.get("codec_id")
+    if not isinstance(cid, str) or not cid or "+" in cid or cid != cid.strip():
+        raise ValueError(f"{cls.__name__} must define its own codec_id: a non-empty string without '+', got {cid!r}")
+    held = CODECS.get(cid)
+    if held is not None and held is not cls and not replace:
+        raise ValueError(f"codec id {cid!r} is already registered to {held.__module__}.{held.__qualname__}")
+    CODECS[cid] = cls
+    return cls
+
 
 #: short names accepted by ``encode(..., codec=...)``; ``+zstd`` variants write layer-major rows
 ALIASES: dict[str, list[dict[str, Any]]] = {
@@ -370,9 +527,16 @@ ALIASES: dict[str, list[dict[str, Any]]] = {
     "topk-gaps+zstd": [{"id": "topk-gaps", "order": "layer"}, {"id": "zstd", "level": 3}],
 }
 
+for _cls in (Raw, BitPack, TopKSet, TopKGaps, Zstd):
+    register_codec(_cls)
 
-def get_codec(config: dict[str, Any]) -> Codec:
-    """Build a codec from its JSON config ``{"id": ..., **params}``."""
+
+def get_codec(config: dict[str, Any] | str | Codec) -> Codec:
+    """Build a codec from its JSON config ``{"id": ..., **params}``, or from a registered id with default params."""
+    if isinstance(config, Codec):
+        return config
+    if isinstance(config, str):
+        config = {"id": config}
     if not isinstance(config, dict) or not isinstance(config.get("id"), str):
         raise RouteFormatError(f"codec config must be a dict with a string 'id', got {config!r}")
     cls = CODECS.get(config["id"])
@@ -381,23 +545,36 @@ def get_codec(config: dict[str, Any]) -> Codec:
     return cls.from_config(config)
 
 
-def parse_pipeline(spec: Any) -> tuple[IdCoder, list[Zstd]]:
-    """An id coder followed by byte stages, from an alias, a Codec, or a list of codecs/configs."""
+def parse_pipeline(spec: Any) -> tuple[IdCodec, list[ByteCodec]]:
+    """An id codec followed by at most one byte codec.
+
+    ``spec`` is an alias of :data:`ALIASES`, a registered codec id, ids joined by ``+`` (e.g.
+    ``"mycodec+zstd"``), a codec object, or a list of codec objects/configs.
+    """
     if isinstance(spec, str):
-        if spec not in ALIASES:
-            raise RouteFormatError(f"unknown codec {spec!r}; known: {sorted(ALIASES)}")
-        spec = ALIASES[spec]
+        if spec in ALIASES:
+            spec = ALIASES[spec]
+        else:
+            names = spec.split("+")
+            unknown = [n for n in names if n not in CODECS]
+            if unknown:
+                raise RouteFormatError(
+                    f"unknown codec {spec!r}; known: aliases {sorted(ALIASES)} and registered ids {sorted(CODECS)}"
+                )
+            spec = names
     if isinstance(spec, Codec):
         spec = [spec]
     if not isinstance(spec, (list, tuple)) or not spec:
         raise RouteFormatError(f"codec pipeline must be a non-empty list, got {spec!r}")
-    stages = [s if isinstance(s, Codec) else get_codec(s) for s in spec]
+    stages = [get_codec(s) for s in spec]
     first, rest = stages[0], stages[1:]
-    if not isinstance(first, IdCoder):
-        raise RouteFormatError(f"a pipeline starts with an id coder (raw, bitpack, topk-set, topk-gaps), not {first.codec_id!r}")
+    if not isinstance(first, IdCodec):
+        raise RouteFormatError(
+            f"a pipeline starts with an id codec (raw, bitpack, topk-set, topk-gaps, ...), not {first.codec_id!r}"
+        )
     if len(rest) > 1:
-        raise RouteFormatError(f"at most one byte stage may follow the id coder, got {[s.codec_id for s in rest]}")
+        raise RouteFormatError(f"at most one byte stage may follow the id codec, got {[s.codec_id for s in rest]}")
     for s in rest:
-        if not isinstance(s, Zstd):
-            raise RouteFormatError(f"stage {s.codec_id!r} cannot follow an id coder; only byte stages can")
+        if not isinstance(s, ByteCodec):
+            raise RouteFormatError(f"stage {s.codec_id!r} cannot follow an id codec; only byte codecs can")
     return first, rest

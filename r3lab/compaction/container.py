@@ -14,6 +14,32 @@ Layout (all integers little-endian)::
 
 ``decode`` needs nothing else, checks every field and raises :class:`RouteFormatError` naming the
 problem. Nothing here unpickles.
+
+**The versioning rule.** The format version names what every byte means: this frame *and* the
+payload layout of every codec in the pipeline. Any change to what bytes mean, in the frame or in
+any codec, bumps :data:`FORMAT_VERSION` (a faster kernel that writes the same bytes does not), and
+the reader keeps a path for every older version: it decodes it exactly, or refuses it with a
+:class:`RouteFormatError` naming the version and why. It never guesses. A golden fixture of every
+released layout stays in ``tests/fixtures/`` forever (one folder per version, never rewritten;
+``make_golden.py`` will not overwrite), and the tests encode to those exact bytes and decode them.
+
+Why one container version rather than a version per codec config: the version byte is read before
+anything else, so one number selects the table of layouts below; a reader never has to know which
+codec configs changed when, and an older reader refuses a newer buffer at once ("unsupported
+format version") instead of misreading it. The cost, that a reader of version 1 also refuses
+version 2 ``raw`` buffers whose bytes did not change, is the safe side to err on.
+
+Versions:
+
+- **2** (current): every codec as its class docstring in :mod:`r3lab.compaction.codecs` says.
+- **1** (r3lab cf15985 up to d0a0f16): the same frame, and the same layouts for ``raw``,
+  ``topk-set``, ``topk-gaps`` (from 24d9b0c), ``zstd``, and ``bitpack`` with ids of at most 8
+  bits (``num_experts <= 256``). ``bitpack`` with wider ids had *two* layouts under the same version
+  and config: cf15985 wrote a low-byte plane then a high-bit plane (:class:`BitPackPlanesV1`),
+  9956a86 and later one bit stream (today's :class:`BitPack`). Same length, no marker: such a
+  buffer is refused unless the caller says which writer made it, ``decode(buf,
+  legacy_bitpack="planes")`` or ``legacy_bitpack="stream"``. Version 1 knew only the codec ids
+  raw, bitpack, topk-set, topk-gaps and zstd; any other id in a version 1 header is refused.
 """
 
 from __future__ import annotations
@@ -25,15 +51,27 @@ from typing import Any
 import numpy as np
 import orjson
 
-from r3lab.compaction.codecs import parse_pipeline
+from r3lab.compaction.codecs import BitPack, BitPackPlanesV1, IdCodec, id_bits, parse_pipeline
 from r3lab.compaction.kernels import first_bad_row
 from r3lab.errors import RouteFormatError
 from r3lab.routes import Routes, check_cu_seqlens, compact_dtype
 
-__all__ = ["encode", "decode", "read_header", "MAGIC", "FORMAT_VERSION", "DEFAULT_MAX_BYTES"]
+__all__ = [
+    "encode", "decode", "read_header",
+    "MAGIC", "FORMAT_VERSION", "READ_VERSIONS", "LEGACY_BITPACK", "DEFAULT_MAX_BYTES",
+]
 
 MAGIC = b"R3RT"
-FORMAT_VERSION = 1
+#: the version :func:`encode` writes (see the versioning rule above)
+FORMAT_VERSION = 2
+#: every version :func:`decode` reads
+READ_VERSIONS = (1, 2)
+#: the writers of version 1 ``bitpack`` buffers with ids wider than 8 bits, for ``decode(legacy_bitpack=...)``
+LEGACY_BITPACK = {
+    "planes": "r3lab cf15985: a low-byte plane, then the high bits as a bit stream",
+    "stream": "r3lab 9956a86 up to format version 2: one bit stream, as version 2 writes",
+}
+_V1_CODEC_IDS = frozenset({"raw", "bitpack", "topk-set", "topk-gaps", "zstd"})
 _FIXED = struct.Struct("<4sB3xIQ")
 _CRC = struct.Struct("<I")
 #: default cap on decoded route bytes and on the encoded buffer (no decompression bombs)
@@ -60,7 +98,12 @@ def encode(routes: Routes, codec: Any = "raw") -> bytes:
         }
     )
     body = b"".join(
-        (_FIXED.pack(MAGIC, FORMAT_VERSION, len(header), len(payload)), header, routes.cu_seqlens.astype("<i8").tobytes(), payload)
+        (
+            _FIXED.pack(MAGIC, FORMAT_VERSION, len(header), len(payload)),
+            header,
+            routes.cu_seqlens.astype("<i8").tobytes(),
+            payload,
+        )
     )
     return body + _CRC.pack(zlib.crc32(body))
 
@@ -100,12 +143,16 @@ def _parse_header(raw: memoryview, max_bytes: int) -> dict[str, Any]:
     if h.get("dtype") not in ("uint8", "uint16"):
         raise RouteFormatError(f"unknown dtype {h.get('dtype')!r}; routes are uint8 or uint16")
     if np.dtype(h["dtype"]) != dtype:
-        raise RouteFormatError(f"dtype {h['dtype']} is not the compact dtype {dtype.name} of num_experts={num_experts}")
+        raise RouteFormatError(
+            f"dtype {h['dtype']} is not the compact dtype {dtype.name} of num_experts={num_experts}"
+        )
     T, L, K = shape
     if K < 1 or K > num_experts:
         raise RouteFormatError(f"top_k={K} must be in [1, num_experts={num_experts}]")
     if T * L * K * dtype.itemsize > max_bytes:
-        raise RouteFormatError(f"routes of shape {shape} need {T * L * K * dtype.itemsize} bytes, over the cap of {max_bytes}")
+        raise RouteFormatError(
+            f"routes of shape {shape} need {T * L * K * dtype.itemsize} bytes, over the cap of {max_bytes}"
+        )
     _int(h, "num_seqs")
     if not isinstance(h.get("layer_ids"), list) or len(h["layer_ids"]) != L:
         raise RouteFormatError(f"header layer_ids must be a list of {L} integers, got {h.get('layer_ids')!r}")
@@ -115,7 +162,10 @@ def _parse_header(raw: memoryview, max_bytes: int) -> dict[str, Any]:
 
 
 def read_header(buf: bytes | bytearray | memoryview, *, max_bytes: int = DEFAULT_MAX_BYTES) -> dict[str, Any]:
-    """Check the framing and checksum of an encoded buffer and return its header (plus byte offsets)."""
+    """Check the framing and checksum of an encoded buffer and return its header.
+
+    Besides the JSON fields, the dict holds ``format_version`` (from the frame) and byte offsets.
+    """
     mv = _byte_view(buf)
     if len(mv) > max_bytes:
         raise RouteFormatError(f"encoded buffer of {len(mv)} bytes is over the cap of {max_bytes}")
@@ -124,8 +174,10 @@ def read_header(buf: bytes | bytearray | memoryview, *, max_bytes: int = DEFAULT
     magic, version, hlen, plen = _FIXED.unpack_from(mv, 0)
     if magic != MAGIC:
         raise RouteFormatError(f"bad magic {bytes(magic)!r}; not an r3lab routes buffer (expected {MAGIC!r})")
-    if version != FORMAT_VERSION:
-        raise RouteFormatError(f"unsupported format version {version}; this r3lab reads version {FORMAT_VERSION}")
+    if version not in READ_VERSIONS:
+        raise RouteFormatError(
+            f"unsupported format version {version}; this r3lab reads versions {', '.join(map(str, READ_VERSIONS))}"
+        )
     if _FIXED.size + hlen > len(mv):
         raise RouteFormatError(f"truncated: header of {hlen} bytes runs past the end of a {len(mv)}-byte buffer")
     h = _parse_header(mv[_FIXED.size : _FIXED.size + hlen], max_bytes)
@@ -139,16 +191,52 @@ def read_header(buf: bytes | bytearray | memoryview, *, max_bytes: int = DEFAULT
     (crc,) = _CRC.unpack_from(mv, want - _CRC.size)
     if zlib.crc32(mv[: want - _CRC.size]) != crc:
         raise RouteFormatError("checksum mismatch: the encoded routes were corrupted")
-    return {**h, "_cu_offset": cu_off, "_payload_offset": pay_off, "_payload_length": plen}
+    return {**h, "format_version": version, "_cu_offset": cu_off, "_payload_offset": pay_off, "_payload_length": plen}
 
 
-def decode(buf: bytes | bytearray | memoryview, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Routes:
-    """Decode what :func:`encode` wrote. Rows come back sorted for set codecs (``topk-set``)."""
+def _v1_coder(coder: IdCodec, stage_ids: list[str], num_experts: int, legacy_bitpack: str | None) -> IdCodec:
+    """The id codec that reads a format version 1 payload exactly, or a RouteFormatError saying why none can."""
+    unknown = sorted({coder.codec_id, *stage_ids} - _V1_CODEC_IDS)
+    if unknown:
+        raise RouteFormatError(
+            f"format version 1 buffer names codec {unknown[0]!r}, which version 1 did not have "
+            f"(it knew {sorted(_V1_CODEC_IDS)}); refusing to guess its layout"
+        )
+    if coder.codec_id != BitPack.codec_id or id_bits(num_experts) <= 8:
+        return coder  # layouts that never changed
+    b = id_bits(num_experts)
+    if legacy_bitpack is None:
+        raise RouteFormatError(
+            f"format version 1 bitpack buffer with {b}-bit ids (num_experts={num_experts}) is ambiguous: "
+            "r3lab cf15985 wrote a low-byte plane plus a high-bit plane, 9956a86 and later one bit stream, "
+            "both as version 1 with the same codec config and length, so the bytes cannot tell which. "
+            "If you know the writer, pass decode(..., legacy_bitpack='planes') for cf15985 "
+            "or legacy_bitpack='stream' for 9956a86 and later"
+        )
+    return BitPackPlanesV1(coder.order) if legacy_bitpack == "planes" else coder
+
+
+def decode(
+    buf: bytes | bytearray | memoryview, *, max_bytes: int = DEFAULT_MAX_BYTES, legacy_bitpack: str | None = None
+) -> Routes:
+    """Decode what :func:`encode` wrote, in any version of :data:`READ_VERSIONS`.
+
+    Rows come back sorted for set codecs (``topk-set``, ``topk-gaps``). ``legacy_bitpack`` names
+    the writer of a format version 1 ``bitpack`` buffer with ids wider than 8 bits, which is
+    otherwise refused as ambiguous: ``"planes"`` (r3lab cf15985) or ``"stream"`` (9956a86 and
+    later); see :data:`LEGACY_BITPACK`. Every other buffer ignores it.
+    """
+    if legacy_bitpack is not None and legacy_bitpack not in LEGACY_BITPACK:
+        raise RouteFormatError(
+            f"legacy_bitpack must be one of {sorted(LEGACY_BITPACK)} or None, got {legacy_bitpack!r}"
+        )
     h = read_header(buf, max_bytes=max_bytes)
     mv = _byte_view(buf)
     coder, stages = parse_pipeline(h["codec"])
     T, L, K = h["shape"]
     E = h["num_experts"]
+    if h["format_version"] == 1:
+        coder = _v1_coder(coder, [s.codec_id for s in stages], E, legacy_bitpack)
     dtype = compact_dtype(E)
     cu = np.frombuffer(mv[h["_cu_offset"] : h["_payload_offset"]], dtype="<i8")
     cu = check_cu_seqlens(cu, T)
@@ -160,5 +248,6 @@ def decode(buf: bytes | bytearray | memoryview, *, max_bytes: int = DEFAULT_MAX_
     if row >= 0:
         bad = values.reshape(-1, K)[row].tolist()
         what = f"expert id out of range [0, {E})" if problem == 0 else "repeated expert id inside a top-k row"
-        raise RouteFormatError(f"{what}: row {row} (token {row // max(L, 1)}, layer {h['layer_ids'][row % L]}) is {bad}")
+        where = f"row {row} (token {row // max(L, 1)}, layer {h['layer_ids'][row % L]})"
+        raise RouteFormatError(f"{what}: {where} is {bad}")
     return Routes(values, cu, E, h["layer_ids"], validate=False)

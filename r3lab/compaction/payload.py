@@ -46,7 +46,9 @@ def _b64decode(data: Any, what: str, max_bytes: int) -> bytes:
 
 def _shape(shape: Any, ndims: tuple[int, ...], what: str) -> tuple[int, ...]:
     if not isinstance(shape, (list, tuple)) or len(shape) not in ndims:
-        raise RouteFormatError(f"{what}: shape must be a list of {' or '.join(map(str, ndims))} integers, got {shape!r}")
+        raise RouteFormatError(
+            f"{what}: shape must be a list of {' or '.join(map(str, ndims))} integers, got {shape!r}"
+        )
     for d in shape:
         if isinstance(d, bool) or not isinstance(d, (int, np.integer)):
             raise RouteFormatError(f"{what}: shape has a non-integer dim: {list(shape)!r}")
@@ -68,7 +70,11 @@ def to_payload(routes: Routes) -> dict[str, Any]:
 
 
 def from_payload(
-    payload: dict[str, Any], *, num_experts: int | None = None, layer_ids: Any = None, max_bytes: int = DEFAULT_MAX_BYTES
+    payload: dict[str, Any],
+    *,
+    num_experts: int | None = None,
+    layer_ids: Any = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
 ) -> Routes:
     """Rebuild Routes from :func:`to_payload`'s dict, or from a field payload with only data/shape/dtype.
 
@@ -84,14 +90,18 @@ def from_payload(
         raise RouteFormatError(f"{what} lacks {missing}")
     dtype = PAYLOAD_DTYPES.get(payload["dtype"]) if isinstance(payload["dtype"], str) else None
     if dtype is None:
-        raise RouteFormatError(f"{what}: unknown or non-canonical dtype {payload['dtype']!r}; use one of {sorted(PAYLOAD_DTYPES)}")
+        raise RouteFormatError(
+            f"{what}: unknown or non-canonical dtype {payload['dtype']!r}; use one of {sorted(PAYLOAD_DTYPES)}"
+        )
     shape = _shape(payload["shape"], (3, 4), what)
     need = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if need > max_bytes:
         raise RouteFormatError(f"{what}: shape {list(shape)} needs {need} bytes, over the cap of {max_bytes}")
     raw = _b64decode(payload["data"], what, max_bytes)
     if len(raw) != need:
-        raise RouteFormatError(f"{what}: {len(raw)} bytes do not match shape {list(shape)} of {dtype.name} ({need} bytes)")
+        raise RouteFormatError(
+            f"{what}: {len(raw)} bytes do not match shape {list(shape)} of {dtype.name} ({need} bytes)"
+        )
     E = _agree(payload.get("num_experts"), num_experts, "num_experts")
     if E is None:
         raise RouteFormatError(f"{what}: num_experts is neither in the payload nor given")
@@ -100,7 +110,8 @@ def from_payload(
     if len(shape) == 4:
         if "lengths" not in payload:
             raise RouteFormatError(f"{what}: a padded [B, S, L, K] payload needs 'lengths'")
-        return Routes.from_padded(arr, payload["lengths"], num_experts=E, layer_ids=lids, left_padded=bool(payload.get("left_padded", False)))
+        left = bool(payload.get("left_padded", False))
+        return Routes.from_padded(arr, payload["lengths"], num_experts=E, layer_ids=lids, left_padded=left)
     cu = payload.get("cu_seqlens", [0, shape[0]])
     return Routes(arr, cu, E, lids)
 
@@ -150,7 +161,9 @@ def read_vllm_npy_base64(data: str | bytes, *, max_bytes: int = DEFAULT_MAX_BYTE
     if need > max_bytes:
         raise RouteFormatError(f"{what}: shape {list(shape)} needs {need} bytes, over the cap of {max_bytes}")
     if len(body) != need:
-        raise RouteFormatError(f"{what}: {len(body)} data bytes do not match shape {list(shape)} of {dtype} ({need} bytes)")
+        raise RouteFormatError(
+            f"{what}: {len(body)} data bytes do not match shape {list(shape)} of {dtype} ({need} bytes)"
+        )
     return np.frombuffer(body, dtype=dtype).reshape(shape)
 
 
@@ -168,7 +181,9 @@ def read_vllm_nested_list(data: Any) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
-def read_sglang_base64_int32(data: str | bytes, *, num_layers: int, top_k: int, max_bytes: int = DEFAULT_MAX_BYTES) -> np.ndarray:
+def read_sglang_base64_int32(
+    data: str | bytes, *, num_layers: int, top_k: int, max_bytes: int = DEFAULT_MAX_BYTES
+) -> np.ndarray:
     """Decode SGLang's base64 flat int32 routes into ``[tokens, num_layers, top_k]``."""
     what = "SGLang routed experts (base64 int32)"
     num_layers, top_k = _shape([num_layers, top_k], (2,), what)
