@@ -129,7 +129,7 @@ def test_append_last_row(rollouts):
 
 
 def test_server_matches_in_process_engine(engines, tmp_path):
-    from r3lab.rollout_server import RolloutServer
+    from r3lab.rollout.server import RolloutServer
 
     eng = engines("tiny-qwen3-moe")
     prompts = eng.encode_prompts(_prompts(4, seed=3))
@@ -157,7 +157,7 @@ def _npy_b64(arr: np.ndarray, allow_pickle: bool = False) -> str:
 
 
 def test_server_client_refuses_bad_routes():
-    from r3lab.rollout_server import parse_completion
+    from r3lab.rollout.server import parse_completion
 
     layout = MoELayout.from_model_dir(QWEN)
     P, R = 3, 2
