@@ -98,13 +98,13 @@ class RolloutEngine(Closing):
                           "prefer distributed_executor_backend='mp'", stacklevel=2)
         self.in_process = bool(in_process)
         t0 = time.perf_counter()
-        try:
-            with vllm_env(VLLM_ENABLE_V1_MULTIPROCESSING="0" if in_process else None, VLLM_CPU_OMP_THREADS_BIND=bind):
-                from vllm import LLM
+        with vllm_env(VLLM_ENABLE_V1_MULTIPROCESSING="0" if in_process else None, VLLM_CPU_OMP_THREADS_BIND=bind):
+            from vllm import LLM
 
+            try:
                 self._llm = LLM(**kwargs)
-        except Exception as e:
-            raise RolloutError(f"vLLM could not start on {str(self.model_dir)!r}: {type(e).__name__}: {e}") from e
+            except Exception as e:
+                raise RolloutError(f"vLLM could not start on {str(self.model_dir)!r}: {type(e).__name__}: {e}") from e
         self.start_seconds = time.perf_counter() - t0
         self.tokenizer = self._llm.get_tokenizer()
         self.weight_version = 0
