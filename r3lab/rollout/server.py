@@ -9,6 +9,9 @@ base64 of ``.npy`` bytes; :func:`r3lab.compaction.read_vllm_npy_base64` decodes 
 arrays only, no pickles, size-capped) and the routes pass the same validation as the in-process
 engine's (:func:`r3lab.rollout.validate_engine_routes`), so both paths return equal
 :class:`~r3lab.rollout.RolloutResult` lists for the same seed and batch.
+
+The server logs to its log file (``log_path``): vLLM and uvicorn at WARNING unless ``$VLLM_LOGGING_LEVEL``
+is set (then vLLM logs at that level, uvicorn at its default). This module does not import the in-process engine.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,20 +33,25 @@ import numpy as np
 
 from r3lab.compaction import DEFAULT_MAX_BYTES, read_vllm_npy_base64
 from r3lab.errors import R3LabError
-from r3lab.moe_layout import ModelConfigError, MoELayout
-from r3lab.rollout import default_cpu_bind
-from r3lab.rollout_types import RolloutError, RolloutResult, SamplingConfig, validate_engine_routes
+from r3lab.moe_layout import MoELayout
+from r3lab.rollout._common import (
+    CPU_DEFAULTS,
+    ENGINE_DEFAULTS,
+    LOG_LEVEL_ENV,
+    Closing,
+    as_cli_args,
+    check_model_dir,
+    default_cpu_bind,
+    free_port,
+    quiet_log_level,
+    vllm_env,
+)
+from r3lab.rollout.types import RolloutError, RolloutResult, SamplingConfig, validate_engine_routes
 
 __all__ = ["RolloutServer", "parse_completion"]
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-class RolloutServer:
+class RolloutServer(Closing):
     """Start vLLM's OpenAI-compatible server on ``host`` (loopback by default) and request completions.
 
     CPU defaults mirror :class:`~r3lab.rollout.RolloutEngine` (bf16, eager, a 128 MiB KV cache, one
@@ -56,29 +63,30 @@ class RolloutServer:
                  max_model_len: int | None = None, extra_args: Sequence[str] = (), startup_timeout: float = 600.0,
                  max_routes_bytes: int = DEFAULT_MAX_BYTES, log_path: str | os.PathLike | None = None,
                  cpu_threads_bind: str | None = None):
-        self.model_dir = Path(model)
-        self.layout = MoELayout.from_model_dir(self.model_dir)
-        if not list(self.model_dir.glob("*.safetensors")):
-            raise ModelConfigError(f"model path {str(self.model_dir)!r} has no .safetensors weights")
-        if not (self.model_dir / "tokenizer.json").is_file() and not (self.model_dir / "tokenizer_config.json").is_file():
-            raise ModelConfigError(f"{str(self.model_dir)!r} ships no tokenizer; the completions endpoint needs one")
+        self.model_dir, self.layout = check_model_dir(model, need_tokenizer=True)
         self.max_model_len = int(max_model_len or self.layout.max_position_embeddings or 2048)
         self.max_routes_bytes = int(max_routes_bytes)
-        self.host, self.port = host, int(port or _free_port(host))
+        self.host, self.port = host, int(port or free_port(host))
         self.url = f"http://{host}:{self.port}"
         self.served_name = str(self.model_dir)
-        from vllm.platforms import current_platform
+        with vllm_env():
+            from vllm.platforms import current_platform
 
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
-               "--host", host, "--port", str(self.port), "--seed", str(seed), "--dtype", "bfloat16",
+               "--host", host, "--port", str(self.port), "--seed", str(seed), *as_cli_args(ENGINE_DEFAULTS),
                "--max-model-len", str(self.max_model_len), "--enable-return-routed-experts",
                "--disable-log-stats"]
         env = dict(os.environ)
+        if quiet_log_level() is not None:  # the user did not choose a level: only warnings and errors
+            env[LOG_LEVEL_ENV] = quiet_log_level()
+            cmd += ["--uvicorn-log-level", "warning"]
         if current_platform.is_cpu():
-            cmd += ["--enforce-eager", "--kv-cache-memory-bytes", str(128 << 20), "--max-num-seqs", "64"]
+            cmd += as_cli_args(CPU_DEFAULTS)
             env["VLLM_CPU_OMP_THREADS_BIND"] = default_cpu_bind(cpu_threads_bind)
-        cmd += list(extra_args)
-        self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="r3lab-vllm-server-", suffix=".log")[1])
+        cmd += list(extra_args)  # last: the caller's flags win
+        if log_path is None:
+            log_path = tempfile.mkstemp(prefix="r3lab-vllm-server-", suffix=".log")[1]
+        self.log_path = Path(log_path)
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in close()
         t0 = time.perf_counter()
         self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
@@ -110,12 +118,6 @@ class RolloutServer:
         except OSError:
             return "(no log)"
 
-    def __enter__(self) -> RolloutServer:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
     def close(self) -> None:
         proc = self.__dict__.pop("_proc", None)
         if proc is not None and proc.poll() is None:
@@ -136,7 +138,8 @@ class RolloutServer:
     def request(self, body: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:
         """POST ``body`` to ``/v1/completions`` and return the parsed JSON (HTTP errors raise RolloutError)."""
         data = json.dumps(body).encode()
-        req = urllib.request.Request(self.url + "/v1/completions", data=data, headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(self.url + "/v1/completions", data=data,
+                                     headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 raw = r.read(4 * self.max_routes_bytes + (1 << 20))
@@ -159,13 +162,14 @@ class RolloutServer:
         ids = []
         for i, p in enumerate(prompts):
             if isinstance(p, str):
-                raise RolloutError(f"prompt {i}: the server client takes token ids (the engine's tokenizer decides text)")
+                raise RolloutError(f"prompt {i}: the server client takes token ids "
+                                   "(the engine's tokenizer decides text)")
             arr = [int(t) for t in p]
             if not arr:
                 raise RolloutError(f"prompt {i} is empty (no tokens)")
             if len(arr) + sampling.max_tokens > self.max_model_len:
-                raise RolloutError(f"prompt {i} has {len(arr)} tokens; with max_tokens={sampling.max_tokens} it exceeds "
-                                   f"the context length {self.max_model_len}")
+                raise RolloutError(f"prompt {i} has {len(arr)} tokens; with max_tokens={sampling.max_tokens} "
+                                   f"it exceeds the context length {self.max_model_len}")
             if not 0 <= routes_prompt_start <= len(arr):
                 raise RolloutError(f"prompt {i}: routes_prompt_start={routes_prompt_start} outside [0, {len(arr)}]")
             ids.append(arr)

@@ -1,7 +1,7 @@
 """Values of the capture stage: sampling settings, one sample's result, and the checks on engine routes.
 
-Shared by the in-process engine (:mod:`r3lab.rollout`) and the server client
-(:mod:`r3lab.rollout_server`); import them from :mod:`r3lab.rollout`, which re-exports them.
+Shared by the in-process engine (:mod:`r3lab.rollout.engine`) and the server client
+(:mod:`r3lab.rollout.server`); import them from :mod:`r3lab.rollout`, which re-exports them.
 Row convention: a sample of P prompt and R response tokens has ``P + R - 1`` route rows (row t routes
 token t); the last sampled token is never fed through the model and has no row.
 """
@@ -18,7 +18,14 @@ from r3lab.errors import R3LabError
 from r3lab.moe_layout import MoELayout
 from r3lab.routes import Routes, check_distinct_rows
 
-__all__ = ["RolloutError", "SamplingConfig", "RolloutResult", "validate_engine_routes", "append_last_row", "assemble_turns"]
+__all__ = [
+    "RolloutError",
+    "SamplingConfig",
+    "RolloutResult",
+    "validate_engine_routes",
+    "append_last_row",
+    "assemble_turns",
+]
 
 
 class RolloutError(R3LabError, ValueError):

@@ -1,0 +1,39 @@
+"""Capture (inference side): generate with vLLM and return tokens, engine log-probabilities and routes.
+
+    from r3lab.rollout import RolloutEngine, SamplingConfig
+
+    with RolloutEngine("data/models/tiny-qwen3-moe", seed=0) as eng:
+        results = eng.generate(["ka lo mi"], SamplingConfig(max_tokens=32, seed=0))
+
+Modules: :mod:`~r3lab.rollout.engine` (vLLM in this process), :mod:`~r3lab.rollout.server` (vLLM's
+OpenAI-compatible server on loopback, and the client that decodes its routes), :mod:`~r3lab.rollout.types`
+(sampling settings, one sample's result, the checks on engine routes; shared by both paths).
+Importing this package does not import vLLM (the engine and the server import it when they start),
+and nothing here imports the trainer side (slicing, replay).
+"""
+
+from r3lab.moe_layout import ModelConfigError, MoELayout
+from r3lab.rollout.engine import RolloutEngine
+from r3lab.rollout.server import RolloutServer, parse_completion
+from r3lab.rollout.types import (
+    RolloutError,
+    RolloutResult,
+    SamplingConfig,
+    append_last_row,
+    assemble_turns,
+    validate_engine_routes,
+)
+
+__all__ = [
+    "RolloutEngine",
+    "RolloutServer",
+    "RolloutResult",
+    "SamplingConfig",
+    "RolloutError",
+    "ModelConfigError",
+    "MoELayout",
+    "validate_engine_routes",
+    "append_last_row",
+    "assemble_turns",
+    "parse_completion",
+]
