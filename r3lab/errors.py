@@ -15,3 +15,7 @@ class RouteFormatError(R3LabError, ValueError):
     ids out of range, cu_seqlens that are not monotone or do not end at the token count, repeated
     ids inside a top-k row, and payloads over the size cap. The message names what is wrong.
     """
+
+
+class ConfigError(R3LabError, ValueError):
+    """An experiment's configuration is invalid (a field out of range, an unknown mode or dtype); names the field."""

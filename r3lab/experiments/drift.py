@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from r3lab import metrics
-from r3lab.errors import R3LabError
+from r3lab.errors import ConfigError
 from r3lab.paths import MODELS, model_dir
 from r3lab.replay.hf import load_hf_model, token_logprobs
 from r3lab.rollout import RolloutEngine, RolloutResult, SamplingConfig, append_last_row
@@ -55,17 +55,17 @@ class DriftConfig:
 
     def __post_init__(self) -> None:
         if not self.models:
-            raise R3LabError("DriftConfig.models is empty")
+            raise ConfigError("DriftConfig.models is empty")
         for name in ("prompts", "max_tokens", "prompt_words"):
             if int(getattr(self, name)) < 1:
-                raise R3LabError(f"DriftConfig.{name} must be >= 1, got {getattr(self, name)!r}")
+                raise ConfigError(f"DriftConfig.{name} must be >= 1, got {getattr(self, name)!r}")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
-            raise R3LabError(f"DriftConfig.seeds must be distinct and non-empty, got {self.seeds!r}")
+            raise ConfigError(f"DriftConfig.seeds must be distinct and non-empty, got {self.seeds!r}")
         if self.temperature <= 0:
-            raise R3LabError(f"DriftConfig.temperature must be > 0, got {self.temperature!r}")
+            raise ConfigError(f"DriftConfig.temperature must be > 0, got {self.temperature!r}")
         bad = [d for d in self.trainer_dtypes if d not in TRAINER_DTYPES]
         if bad or not self.trainer_dtypes:
-            raise R3LabError(f"trainer dtypes must be among {sorted(TRAINER_DTYPES)}, got {list(self.trainer_dtypes)}")
+            raise ConfigError(f"trainer dtypes must be among {sorted(TRAINER_DTYPES)}, got {list(self.trainer_dtypes)}")
 
     @classmethod
     def quick(cls, **overrides: Any) -> DriftConfig:

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from r3lab import metrics
-from r3lab.errors import R3LabError
+from r3lab.errors import ConfigError, R3LabError
 from r3lab.paths import model_dir
 from r3lab.replay import hf_replay
 from r3lab.replay.hf import load_hf_model
@@ -75,23 +75,23 @@ class RLConfig:
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise R3LabError(f"RLConfig.mode must be one of {MODES}, got {self.mode!r}")
+            raise ConfigError(f"RLConfig.mode must be one of {MODES}, got {self.mode!r}")
         for name in ("steps", "prompts_per_step", "samples_per_prompt", "max_tokens", "prompt_words", "mini_batches"):
             if int(getattr(self, name)) < 1:
-                raise R3LabError(f"RLConfig.{name} must be >= 1, got {getattr(self, name)!r}")
+                raise ConfigError(f"RLConfig.{name} must be >= 1, got {getattr(self, name)!r}")
         if self.samples_per_prompt < 2:
-            raise R3LabError("RLConfig.samples_per_prompt must be >= 2 (GRPO normalizes within a group)")
+            raise ConfigError("RLConfig.samples_per_prompt must be >= 2 (GRPO normalizes within a group)")
         if (self.prompts_per_step * self.samples_per_prompt) % self.mini_batches:
-            raise R3LabError(f"the batch of {self.prompts_per_step * self.samples_per_prompt} samples does not split "
+            raise ConfigError(f"the batch of {self.prompts_per_step * self.samples_per_prompt} samples does not split "
                              f"into {self.mini_batches} mini-batches")
         if self.staleness < 0:
-            raise R3LabError(f"RLConfig.staleness must be >= 0, got {self.staleness}")
+            raise ConfigError(f"RLConfig.staleness must be >= 0, got {self.staleness}")
         if self.tis_cap is not None and self.tis_cap <= 1:
-            raise R3LabError(f"RLConfig.tis_cap must be > 1 (or None), got {self.tis_cap}")
+            raise ConfigError(f"RLConfig.tis_cap must be > 1 (or None), got {self.tis_cap}")
         if self.trainer_dtype not in ("float32", "bfloat16") or self.engine_dtype not in ("float32", "bfloat16"):
-            raise R3LabError("engine_dtype and trainer_dtype must be 'float32' or 'bfloat16'")
+            raise ConfigError("engine_dtype and trainer_dtype must be 'float32' or 'bfloat16'")
         if len(self.target_letter) != 1:
-            raise R3LabError(f"target_letter must be one character, got {self.target_letter!r}")
+            raise ConfigError(f"target_letter must be one character, got {self.target_letter!r}")
 
     @classmethod
     def quick(cls, **overrides: Any) -> RLConfig:

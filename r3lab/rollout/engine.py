@@ -185,6 +185,30 @@ class RolloutEngine(Closing):
                 results.append(RolloutResult(i, j, list(ids[i]), resp, lp, routes, c.finish_reason, s))
         return results
 
+    def score(self, sequences: Sequence[Sequence[int]], *, start: int | Sequence[int] = 1) -> list[np.ndarray]:
+        """The engine's log-probability of each token of each sequence given the tokens before it (prefill).
+
+        Returns, per sequence, float32 ``log p(token t | tokens < t)`` for ``t`` in ``[start, len)``. Scoring
+        sampled tokens again in another batch composition (prefill instead of decode) gives the engine's own
+        noise floor: the drift an engine has against itself.
+        """
+        from vllm.inputs import TokensPrompt
+
+        ids = self.encode_prompts(list(sequences), 1)
+        starts = _per_prompt(start, len(ids))
+        for i, (s, p) in enumerate(zip(starts, ids, strict=True)):
+            if not 1 <= s <= len(p):
+                raise RolloutError(f"sequence {i}: start={s} outside [1, {len(p)}] (token 0 has no log-prob)")
+        params = SamplingConfig(max_tokens=1, extra={"prompt_logprobs": 0}).to_vllm()
+        outs = self._llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], params, use_tqdm=False)
+        result = []
+        for i, (out, s) in enumerate(zip(outs, starts, strict=True)):
+            plp = out.prompt_logprobs
+            if plp is None or len(plp) != len(ids[i]):
+                raise RolloutError(f"sequence {i}: the engine returned no prompt log-probs for its {len(ids[i])} tokens")
+            result.append(_sampled_logprobs(plp[s:], ids[i][s:], where=f"sequence {i}"))
+        return result
+
     @staticmethod
     def stack_routes(results: Sequence[RolloutResult]) -> Routes:
         """Pack the routes of many results into one Routes (one sequence per result)."""
