@@ -101,7 +101,7 @@ class MegatronReplay:
         orphans: what to do with RouterReplay instances in the global registry that belong to no router of
             ``model`` (earlier model builds): ``"raise"`` (default), ``"prune"`` (drop them from the registry)
             or ``"ignore"`` (a second live model, e.g. a reference model, legitimately owns them; this class
-            sets ids per router, so they never receive this model's ids).
+            sets and clears ids per router, so they never receive this model's ids and keep their own state).
     """
 
     def __init__(
@@ -166,6 +166,7 @@ class MegatronReplay:
                 "them, or orphans='ignore' if another live model owns them"
             )
         if found and orphans == "prune":
+            # upstream leaves no choice: RouterReplay can only clear the whole registry, not drop one instance
             registry[:] = [rr for rr in registry if all(rr is not o for o in found)]
         reg_ids = {id(rr) for rr in registry}
         missing = [g for g, r in routers.items() if id(r.router_replay) not in reg_ids]
@@ -229,7 +230,12 @@ class MegatronReplay:
         for rr, t in zip(self._replays, tensors, strict=True):
             rr.set_target_indices(t)  # what RouterReplay.set_replay_data does, but in *this model's* layer order
             if forward_only:
-                rr.replay_backward_list.pop()
+                # upstream leaves no choice: set_target_indices always queues the ids for REPLAY_BACKWARD and
+                # RouterReplay has no public way to set only the forward target or to drop one queued entry
+                queue = rr.replay_backward_list
+                if not queue or queue[-1] is not t:
+                    raise ReplayError("RouterReplay.set_target_indices did not queue the ids (megatron-core changed?)")
+                queue.pop()
         self._set_action(self._A.REPLAY_FORWARD)
 
     def after_forward(self) -> dict[int, torch.Tensor] | None:
@@ -301,14 +307,14 @@ class MegatronReplay:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        # undo exactly what this context set: its own routers' actions and ids, through RouterReplay's public
+        # per-instance methods; the rest of the global registry (another live model's routers) is left alone
         self._active = False
         while self._hooks:
             self._hooks.pop().remove()
         for rr in self._replays:
             rr.clear_router_replay_action()
             rr.clear_indices()
-        self._RR.clear_global_router_replay_action()
-        self._RR.clear_global_indices()
 
 
 @contextmanager
@@ -320,6 +326,6 @@ def megatron_replay(
     num_experts: int | None = None,
     orphans: str = "raise",
 ) -> Iterator[MegatronReplay]:
-    """Context manager form of :class:`MegatronReplay`; actions, ids and hooks are cleared on exit, always."""
+    """Context manager form of :class:`MegatronReplay`; this model's actions, ids and hooks are cleared on exit."""
     with MegatronReplay(model, per_microbatch_routes, mode, num_experts=num_experts, orphans=orphans) as rep:
         yield rep
