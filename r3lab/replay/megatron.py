@@ -1,111 +1,36 @@
-"""Trainer-side routing replay: inject recorded expert ids into the trainer's routers (or record its own).
+"""Routing replay for Megatron-core (>= 0.16, ``moe_enable_routing_replay=True``).
 
-Two backends share one validation (:func:`check_route_tensor`) and one exception (:class:`ReplayError`):
+:func:`megatron_replay` / :class:`MegatronReplay` drive
+``megatron.core.transformer.moe.router_replay.RouterReplay`` around a training step, one micro-batch at
+a time, router by router: only the RouterReplay instances of the given model are set, read and cleared,
+so the routers of another live model (a reference model, say) keep their state.
 
-* Megatron-core (>= 0.16, ``moe_enable_routing_replay=True``): :func:`megatron_replay` /
-  :class:`MegatronReplay` drive ``megatron.core.transformer.moe.router_replay.RouterReplay`` around a
-  training step, one micro-batch at a time.
-* transformers: :func:`hf_replay` / :class:`HFReplay` (defined in :mod:`r3lab.replay_hf`, re-exported
-  here lazily) hook each MoE router of Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, GPT-OSS, DeepSeek-V3 and
-  GLM-4-MoE models.
+Layer ids are the 0-based global decoder-layer index (as in :class:`r3lab.routes.Routes`); Megatron's
+1-based ``layer_number`` ``n`` is layer id ``n - 1``.
 
-Layer ids are the 0-based global decoder-layer index everywhere (as in :class:`r3lab.routes.Routes`);
-Megatron's 1-based ``layer_number`` ``n`` is layer id ``n - 1``.
-
-Megatron usage, one training step (works with or without activation recomputation)::
+One training step (works with or without activation recomputation)::
 
     with megatron_replay(model, per_microbatch_routes) as rep:   # routes: shard() output per micro-batch
         forward_backward_func(forward_step_func=rep.wrap_forward_step(forward_step), ...)
 
 or drive it by hand: ``rep.begin_microbatch()`` before each micro-batch forward, ``rep.after_forward()``
 right after it (switches to REPLAY_BACKWARD so a recomputation in backward pops the same ids).
+megatron-core is imported when a replay is built, not when this module is imported.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import numpy as np
 import torch
 
-from r3lab.errors import R3LabError
+from r3lab.replay.common import ReplayError, check_route_tensor
 
-if TYPE_CHECKING:  # re-exported lazily by __getattr__ below (transformers is optional)
-    from r3lab.replay_hf import ROUTER_RULES, HFReplay, count_replay_hooks, find_hf_routers, hf_replay
-
-__all__ = [
-    "ReplayError",
-    "check_route_tensor",
-    "MegatronReplay",
-    "megatron_replay",
-    "megatron_routers",
-    "find_orphaned_router_replays",
-    # lazily from r3lab.replay_hf:
-    "hf_replay",
-    "HFReplay",
-    "find_hf_routers",
-    "count_replay_hooks",
-    "ROUTER_RULES",
-]
-
-_HF_NAMES = {"hf_replay", "HFReplay", "find_hf_routers", "count_replay_hooks", "ROUTER_RULES"}
+__all__ = ["MegatronReplay", "megatron_replay", "megatron_routers", "find_orphaned_router_replays"]
 
 
-def __getattr__(name: str) -> Any:  # keep transformers-free imports of r3lab.replay cheap
-    if name in _HF_NAMES:
-        from r3lab import replay_hf
-
-        return getattr(replay_hf, name)
-    raise AttributeError(f"module 'r3lab.replay' has no attribute {name!r}")
-
-
-class ReplayError(R3LabError):
-    """Replay cannot be set up or would be wrong: bad ids, wrong layer/token count, unsupported config."""
-
-
-# ---- validation shared by both backends ------------------------------------------------------
-def check_route_tensor(ids: Any, *, top_k: int | None, num_experts: int, what: str = "ids", allow_3d: bool = True) -> torch.Tensor:
-    """Validate one router's replay ids and return them as an int64 tensor ``[tokens, top_k]``.
-
-    Accepts a torch tensor or a numpy array of any integer dtype (uint8/uint16 from the wire included),
-    ``[tokens, top_k]`` or, with ``allow_3d``, ``[B, S, top_k]`` (flattened row-major); ``top_k=None``
-    takes it from the array. Raises :class:`ReplayError` naming
-    ``what`` for a wrong rank or top_k, a non-integer dtype, ids outside ``[0, num_experts)`` and rows
-    that repeat an id (duplicates break Megatron's dispatcher split sizes).
-    """
-    if isinstance(ids, np.ndarray):
-        if ids.dtype.kind not in "iu":
-            raise ReplayError(f"{what}: ids must have an integer dtype, got {ids.dtype}")
-        t = torch.from_numpy(np.ascontiguousarray(ids).astype(np.int64, copy=False))
-    elif isinstance(ids, torch.Tensor):
-        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-            raise ReplayError(f"{what}: ids must have an integer dtype, got {ids.dtype}")
-        t = ids.detach().to(torch.int64)
-    else:
-        raise ReplayError(f"{what}: ids must be a torch.Tensor or numpy array, got {type(ids).__name__}")
-    if t.ndim == 3 and allow_3d:
-        t = t.reshape(-1, t.shape[-1])
-    if top_k is None and t.ndim == 2:
-        top_k = int(t.shape[1])
-    if t.ndim != 2 or t.shape[1] != top_k or top_k < 1:
-        raise ReplayError(f"{what}: ids must be [tokens, top_k={top_k}], got shape {tuple(ids.shape)}")
-    if t.numel():
-        lo, hi = int(t.min()), int(t.max())
-        if lo < 0 or hi >= num_experts:
-            bad = lo if lo < 0 else hi
-            raise ReplayError(f"{what}: expert id {bad} out of range [0, {num_experts})")
-        if top_k > 1:
-            s = t.sort(dim=1).values
-            dup = (s[:, 1:] == s[:, :-1]).any(dim=1)
-            if bool(dup.any()):
-                row = int(dup.nonzero()[0, 0])
-                raise ReplayError(f"{what}: repeated expert id in row {row}: {t[row].tolist()}")
-    return t.contiguous()
-
-
-# ---- Megatron backend -----------------------------------------------------------------------
 def _megatron_classes() -> tuple[type, type, Any]:
     try:
         from megatron.core.transformer.moe.router import TopKRouter
@@ -165,7 +90,8 @@ class MegatronReplay:
 
     Args:
         model: the model, a list of its VPP chunks, or ``None`` to drive the global registry blindly
-            (then no config, orphan or per-layer checks are possible and ``num_experts`` is required).
+            (then no config, orphan or per-layer checks are possible, ``num_experts`` is required, and every
+            instance in the registry is set and, on exit, cleared).
         per_microbatch_routes: for ``mode="replay"``, one entry per micro-batch, each a list of int
             ``[tokens, top_k]`` arrays (one per decoder router on this rank, increasing global layer
             order, i.e. ``r3lab.slicing.shard()`` output) or a mapping ``{layer_id: array}``. May be
@@ -175,7 +101,7 @@ class MegatronReplay:
         orphans: what to do with RouterReplay instances in the global registry that belong to no router of
             ``model`` (earlier model builds): ``"raise"`` (default), ``"prune"`` (drop them from the registry)
             or ``"ignore"`` (a second live model, e.g. a reference model, legitimately owns them; this class
-            sets ids per router, so they never receive this model's ids).
+            sets and clears ids per router, so they never receive this model's ids and keep their own state).
     """
 
     def __init__(
@@ -240,6 +166,7 @@ class MegatronReplay:
                 "them, or orphans='ignore' if another live model owns them"
             )
         if found and orphans == "prune":
+            # upstream leaves no choice: RouterReplay can only clear the whole registry, not drop one instance
             registry[:] = [rr for rr in registry if all(rr is not o for o in found)]
         reg_ids = {id(rr) for rr in registry}
         missing = [g for g, r in routers.items() if id(r.router_replay) not in reg_ids]
@@ -259,12 +186,16 @@ class MegatronReplay:
                 raise ReplayError(f"ids given for layers {keys}; this rank's MoE routers are layers {self.layer_ids}")
             routes = [routes[g] if g in routes else routes[str(g)] for g in self.layer_ids]
         elif isinstance(routes, (str, bytes)) or not isinstance(routes, Sequence):
-            raise ReplayError(f"micro-batch routes must be a list or mapping of per-router ids, got {type(routes).__name__}")
+            raise ReplayError(
+                f"micro-batch routes must be a list or mapping of per-router ids, got {type(routes).__name__}"
+            )
         if len(routes) != n:
             raise ReplayError(f"{len(routes)} id tensors for {n} routers on this rank (layers {self.layer_ids})")
         out, tokens = [], None
         for g, ids in zip(self.layer_ids, routes, strict=True):
-            t = check_route_tensor(ids, top_k=self.top_k, num_experts=self.num_experts, what=f"layer {g}", allow_3d=False)
+            t = check_route_tensor(
+                ids, top_k=self.top_k, num_experts=self.num_experts, what=f"layer {g}", allow_3d=False
+            )
             if tokens is not None and t.shape[0] != tokens:
                 raise ReplayError(f"layer {g} has {t.shape[0]} token rows, layer {self.layer_ids[0]} has {tokens}")
             tokens = t.shape[0]
@@ -299,7 +230,12 @@ class MegatronReplay:
         for rr, t in zip(self._replays, tensors, strict=True):
             rr.set_target_indices(t)  # what RouterReplay.set_replay_data does, but in *this model's* layer order
             if forward_only:
-                rr.replay_backward_list.pop()
+                # upstream leaves no choice: set_target_indices always queues the ids for REPLAY_BACKWARD and
+                # RouterReplay has no public way to set only the forward target or to drop one queued entry
+                queue = rr.replay_backward_list
+                if not queue or queue[-1] is not t:
+                    raise ReplayError("RouterReplay.set_target_indices did not queue the ids (megatron-core changed?)")
+                queue.pop()
         self._set_action(self._A.REPLAY_FORWARD)
 
     def after_forward(self) -> dict[int, torch.Tensor] | None:
@@ -348,7 +284,9 @@ class MegatronReplay:
                 want = rr.target_topk_idx
             elif act == A.REPLAY_BACKWARD:
                 if not rr.replay_backward_list:
-                    raise ReplayError(f"layer {g}: REPLAY_BACKWARD with an empty queue (more recomputations than micro-batches)")
+                    raise ReplayError(
+                        f"layer {g}: REPLAY_BACKWARD with an empty queue (more recomputations than micro-batches)"
+                    )
                 want = rr.replay_backward_list[0]
             else:
                 return
@@ -369,14 +307,14 @@ class MegatronReplay:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        # undo exactly what this context set: its own routers' actions and ids, through RouterReplay's public
+        # per-instance methods; the rest of the global registry (another live model's routers) is left alone
         self._active = False
         while self._hooks:
             self._hooks.pop().remove()
         for rr in self._replays:
             rr.clear_router_replay_action()
             rr.clear_indices()
-        self._RR.clear_global_router_replay_action()
-        self._RR.clear_global_indices()
 
 
 @contextmanager
@@ -388,6 +326,6 @@ def megatron_replay(
     num_experts: int | None = None,
     orphans: str = "raise",
 ) -> Iterator[MegatronReplay]:
-    """Context manager form of :class:`MegatronReplay`; actions, ids and hooks are cleared on exit, always."""
+    """Context manager form of :class:`MegatronReplay`; this model's actions, ids and hooks are cleared on exit."""
     with MegatronReplay(model, per_microbatch_routes, mode, num_experts=num_experts, orphans=orphans) as rep:
         yield rep

@@ -1,17 +1,24 @@
 """Run megatron-core 0.16.1 on CPU ranks (gloo, loopback): tiny MoE GPT models for tests and benches.
 
-Megatron assumes CUDA and Transformer Engine in a few places; :func:`patch_megatron_for_cpu` bypasses
-them (``torch.cuda.current_device``, the CUDA RNG tracker's ``add``/``fork``, ``moe_utils.te_general_gemm``).
+A test harness, not part of the R3 path: it patches process-wide state. Megatron assumes CUDA and
+Transformer Engine in a few places; :func:`patch_megatron_for_cpu` bypasses them for the whole process
+(``torch.cuda.current_device``, the CUDA RNG tracker's ``add``/``fork``, ``moe_utils.te_general_gemm``),
+and :func:`launch` hands results back from spawned ranks by pickling them.
 The model uses the local (non-TE) layer spec with a plain RMSNorm module (the local spec's
 ``WrappedTorchNorm`` refuses sequence parallelism), learned-absolute positions, an explicit attention
 mask and the ``allgather`` token dispatcher. Context parallelism needs Transformer Engine attention and
 does not run here.
 
+The parallel layout of a model is an :class:`r3lab.slicing.ParallelLayout` (the one set of layout
+fields: the same object tells :func:`r3lab.slicing.shard` what each rank's routers see); a
+:class:`TinyGPTSpec` adds the model's sizes to it.
+
 Typical single-process use (world size 1)::
 
-    from r3lab import megatron_cpu as mc
+    from r3lab.slicing import ParallelLayout
+    from r3lab.testing import megatron as mc
     mc.init_cpu_parallel()                      # gloo on a free loopback port if needed
-    (model,) = mc.build_tiny_gpt(mc.TinyGPTSpec(num_layers=2))
+    (model,) = mc.build_tiny_gpt(mc.TinyGPTSpec(ParallelLayout(num_layers=2)))
     logits = mc.forward_tokens(model, tokens)   # tokens: int64 [B, S]
     mc.destroy_cpu_parallel()
 
@@ -28,7 +35,6 @@ import dataclasses
 import os
 import pickle
 import re
-import socket
 import tempfile
 import warnings
 import zlib
@@ -36,6 +42,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+from r3lab._process import free_port
+from r3lab.errors import R3LabError
+from r3lab.slicing import ParallelLayout
 
 __all__ = [
     "TinyGPTSpec",
@@ -48,7 +58,6 @@ __all__ = [
     "forward_tokens",
     "pipeline_forward",
     "router_layer_numbers",
-    "free_port",
     "launch",
 ]
 
@@ -99,44 +108,36 @@ def patch_megatron_for_cpu() -> None:
     _PATCHED = True
 
 
-def free_port() -> int:
-    """A free TCP port on the loopback interface."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def init_cpu_parallel(layout: ParallelLayout | None = None, *, etp: int | None = None, seed: int = 1234) -> None:
+    """Initialize Megatron's model-parallel groups for ``layout`` on CPU (a 1-rank gloo group if none exists).
 
-
-def init_cpu_parallel(
-    tp: int = 1,
-    pp: int = 1,
-    *,
-    vpp: int | None = None,
-    cp: int = 1,
-    ep: int = 1,
-    etp: int | None = None,
-    seed: int = 1234,
-) -> None:
-    """Initialize Megatron's model-parallel groups on CPU (and a 1-rank gloo group when none exists).
-
-    The world size must be a multiple of ``tp * pp * cp``; the rest is data parallel. Re-initializing
+    ``layout`` (default: one rank) gives tp, pp, vpp, cp and ep; ``etp`` is the expert tensor-parallel
+    size (Megatron's default when None). The world size must equal ``layout.world_size``. Re-initializing
     destroys the previous groups first, so one process can run several layouts in turn.
     """
     patch_megatron_for_cpu()
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
+    layout = layout if layout is not None else ParallelLayout(num_layers=1)
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
         dist.init_process_group("gloo", rank=0, world_size=1)
+    if dist.get_world_size() != layout.world_size:
+        raise R3LabError(
+            f"the layout needs {layout.world_size} ranks (tp*pp*cp*dp = {layout.tp}*{layout.pp}*{layout.cp}*"
+            f"{layout.dp}), torch.distributed has {dist.get_world_size()}: set the layout's dp to "
+            "world_size // (tp*pp*cp)"
+        )
     if parallel_state.model_parallel_is_initialized():
         destroy_cpu_parallel(keep_process_group=True)
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp if (vpp or 1) > 1 else None,
-        context_parallel_size=cp,
-        expert_model_parallel_size=ep,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=etp,
     )
     torch.manual_seed(seed)
@@ -165,51 +166,52 @@ class CPURMSNorm(torch.nn.RMSNorm):
 
 @dataclasses.dataclass
 class TinyGPTSpec:
-    """A tiny MoE GPT. ``moe_layer_freq`` is Megatron's: an int N (MoE every N layers) or a 0/1 list per layer.
+    """A tiny MoE GPT: its parallel ``layout`` plus model sizes.
 
-    ``dense_leading`` is a shortcut for DeepSeek-style leading dense layers (overrides moe_layer_freq).
+    The layout gives the layers (``num_layers``; ``moe_layer_ids`` have a router, the others are dense,
+    e.g. DeepSeek-style leading dense layers) and tp/pp/vpp/cp/ep, sequence parallelism and uneven
+    first/last pipeline stages. ``etp``: expert tensor-parallel size (None: tp), a Megatron knob that
+    slicing does not need. ``extra_config`` goes to ``TransformerConfig`` last.
     """
 
-    num_layers: int = 2
+    layout: ParallelLayout
     hidden_size: int = 32
     num_attention_heads: int = 4
     ffn_hidden_size: int = 64
     num_experts: int = 8
     topk: int = 2
     moe_ffn_hidden_size: int = 32
-    moe_layer_freq: int | list[int] = 1
-    dense_leading: int = 0
     vocab_size: int = 128
     max_sequence_length: int = 256
-    tp: int = 1
-    pp: int = 1
-    vpp: int | None = None
-    cp: int = 1
-    ep: int = 1
     etp: int | None = None
-    sequence_parallel: bool = False
-    first_stage_layers: int | None = None
-    last_stage_layers: int | None = None
     params_dtype: torch.dtype = torch.float32
     extra_config: dict = dataclasses.field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.layout, ParallelLayout):
+            raise R3LabError(
+                f"TinyGPTSpec.layout must be an r3lab.slicing.ParallelLayout, got {type(self.layout).__name__}"
+            )
+
+    @property
+    def num_layers(self) -> int:
+        return self.layout.num_layers
+
     def layer_pattern(self) -> list[int]:
-        """0/1 per global layer (1 = MoE), as Megatron parses moe_layer_freq."""
-        if self.dense_leading:
-            return [0] * self.dense_leading + [1] * (self.num_layers - self.dense_leading)
-        if isinstance(self.moe_layer_freq, int):
-            return [1 if i % self.moe_layer_freq == 0 else 0 for i in range(self.num_layers)]
-        return list(self.moe_layer_freq)
+        """0/1 per global layer (1 = MoE): Megatron's ``moe_layer_freq`` as a list."""
+        moe = set(self.layout.moe_layer_ids)
+        return [1 if i in moe else 0 for i in range(self.layout.num_layers)]
 
     def moe_layer_ids(self) -> list[int]:
         """0-based global ids of the MoE layers (Megatron's layer_number - 1)."""
-        return [i for i, m in enumerate(self.layer_pattern()) if m]
+        return list(self.layout.moe_layer_ids)
 
     def transformer_config(self):
         from megatron.core.transformer import TransformerConfig
 
+        lay = self.layout
         kw = dict(
-            num_layers=self.num_layers,
+            num_layers=lay.num_layers,
             hidden_size=self.hidden_size,
             num_attention_heads=self.num_attention_heads,
             ffn_hidden_size=self.ffn_hidden_size,
@@ -222,15 +224,15 @@ class TinyGPTSpec:
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
             moe_grouped_gemm=False,
-            tensor_model_parallel_size=self.tp,
-            pipeline_model_parallel_size=self.pp,
-            virtual_pipeline_model_parallel_size=self.vpp if (self.vpp or 1) > 1 else None,
-            context_parallel_size=self.cp,
-            expert_model_parallel_size=self.ep,
-            expert_tensor_parallel_size=self.etp if self.etp is not None else self.tp,
-            sequence_parallel=self.sequence_parallel and self.tp > 1,
-            num_layers_in_first_pipeline_stage=self.first_stage_layers,
-            num_layers_in_last_pipeline_stage=self.last_stage_layers,
+            tensor_model_parallel_size=lay.tp,
+            pipeline_model_parallel_size=lay.pp,
+            virtual_pipeline_model_parallel_size=lay.vpp if lay.vpp > 1 else None,
+            context_parallel_size=lay.cp,
+            expert_model_parallel_size=lay.ep,
+            expert_tensor_parallel_size=self.etp if self.etp is not None else lay.tp,
+            sequence_parallel=lay.sequence_parallel and lay.tp > 1,
+            num_layers_in_first_pipeline_stage=lay.first_stage_layers,
+            num_layers_in_last_pipeline_stage=lay.last_stage_layers,
             normalization="RMSNorm",
             add_bias_linear=False,
             hidden_dropout=0.0,
@@ -265,17 +267,17 @@ def _block_spec(config, vp_stage: int | None):
 def build_tiny_gpt(spec: TinyGPTSpec, *, seed: int = 0, init_parallel: bool = True) -> list[torch.nn.Module]:
     """Build this rank's model chunks (one per virtual pipeline stage) in eval mode with deterministic weights.
 
-    With ``init_parallel`` (default) the model-parallel groups are (re)initialized from ``spec`` first.
+    With ``init_parallel`` (default) the model-parallel groups are (re)initialized from ``spec.layout`` first.
     Routers register their ``RouterReplay`` in construction order: chunk 0's layers, then chunk 1's, ...
     """
     patch_megatron_for_cpu()
     if init_parallel:
-        init_cpu_parallel(spec.tp, spec.pp, vpp=spec.vpp, cp=spec.cp, ep=spec.ep, etp=spec.etp)
+        init_cpu_parallel(spec.layout, etp=spec.etp)
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
     config = spec.transformer_config()
-    vpp = spec.vpp if (spec.vpp or 1) > 1 else None
+    vpp = spec.layout.vpp if spec.layout.vpp > 1 else None
     pp_rank, pp = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
     chunks = []
     for vp in range(vpp or 1):
@@ -371,7 +373,9 @@ def causal_mask(seq_len: int, segment_ids: torch.Tensor | None = None, batch: in
     ``segment_ids`` ``[B, S]`` emulates a packed (THD) micro-batch with the local attention: tokens
     attend only to earlier tokens of the same segment.
     """
-    m = torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool), diagonal=1)[None, None].expand(batch, 1, seq_len, seq_len)
+    m = torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool), diagonal=1)[None, None].expand(
+        batch, 1, seq_len, seq_len
+    )
     if segment_ids is not None:
         m = m | (segment_ids[:, None, :, None] != segment_ids[:, None, None, :])
     return m.contiguous()
@@ -393,14 +397,14 @@ def forward_tokens(
     ``position_ids`` default to ``arange(S)``; ``attention_mask`` to :func:`causal_mask`.
     """
     if tokens is None and input_tensor is None:
-        raise ValueError("forward_tokens needs tokens (first stage) or input_tensor (later stages)")
+        raise R3LabError("forward_tokens needs tokens (first stage) or input_tensor (later stages)")
     if tokens is not None:
         B, S = tokens.shape
     else:
         B = input_tensor.shape[1]
         S = attention_mask.shape[-1] if attention_mask is not None else None
         if S is None:
-            raise ValueError("later pipeline stages need tokens or attention_mask to know the sequence length")
+            raise R3LabError("later pipeline stages need tokens or attention_mask to know the sequence length")
     if position_ids is None:
         position_ids = torch.arange(S, dtype=torch.long)[None].expand(B, S)
     if attention_mask is None:
@@ -440,7 +444,9 @@ def pipeline_forward(
             if not first:
                 inp = torch.empty(seq_local, B, hidden_size, dtype=chunks[0].config.params_dtype)
                 dist.recv(inp, src=ps.get_pipeline_model_parallel_prev_rank())
-            y = forward_tokens(model, tokens, position_ids=position_ids, attention_mask=attention_mask, input_tensor=inp)
+            y = forward_tokens(
+                model, tokens, position_ids=position_ids, attention_mask=attention_mask, input_tensor=inp
+            )
             if last:
                 out = y
             else:
@@ -477,7 +483,13 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="r3lab_launch_") as outdir:
-        mp.start_processes(_worker, args=(world_size, free_port(), outdir, fn, args), nprocs=world_size, join=True, start_method="spawn")
+        mp.start_processes(
+            _worker,
+            args=(world_size, free_port(), outdir, fn, args),
+            nprocs=world_size,
+            join=True,
+            start_method="spawn",
+        )
         results = []
         for r in range(world_size):
             with open(os.path.join(outdir, f"{r}.pkl"), "rb") as f:

@@ -1,0 +1,54 @@
+"""Trainer-side routing replay: inject recorded expert ids into the trainer's routers (or record its own).
+
+Two backends share one validation (:func:`check_route_tensor`) and one exception (:class:`ReplayError`),
+both in :mod:`r3lab.replay.common`:
+
+* :mod:`r3lab.replay.megatron`: Megatron-core (>= 0.16, ``moe_enable_routing_replay=True``);
+  :func:`megatron_replay` / :class:`MegatronReplay` drive ``RouterReplay`` around a training step, one
+  micro-batch at a time.
+* :mod:`r3lab.replay.hf`: transformers; :func:`hf_replay` / :class:`HFReplay` hook each MoE router of
+  Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, GPT-OSS, DeepSeek-V3 and GLM-4-MoE models, and the same hooks
+  record; :func:`token_logprobs` is the log-prob forward, :func:`recompute_routes` the engine-convention
+  recomputation, :func:`load_hf_model` a checkpoint with fp32 routers.
+
+Importing this package imports torch, not megatron-core or transformers (each is imported when used).
+Layer ids are the 0-based global decoder-layer index everywhere (as in :class:`r3lab.routes.Routes`).
+"""
+
+from r3lab.replay.common import ReplayError, check_route_tensor
+from r3lab.replay.hf import (
+    ROUTER_RULES,
+    HFReplay,
+    RouterCasts,
+    count_replay_hooks,
+    count_router_cast_hooks,
+    find_hf_routers,
+    hf_replay,
+    keep_routers_fp32,
+    load_hf_model,
+    recompute_routes,
+    remove_router_casts,
+    token_logprobs,
+)
+from r3lab.replay.megatron import MegatronReplay, find_orphaned_router_replays, megatron_replay, megatron_routers
+
+__all__ = [
+    "ReplayError",
+    "check_route_tensor",
+    "MegatronReplay",
+    "megatron_replay",
+    "megatron_routers",
+    "find_orphaned_router_replays",
+    "hf_replay",
+    "HFReplay",
+    "find_hf_routers",
+    "count_replay_hooks",
+    "ROUTER_RULES",
+    "RouterCasts",
+    "keep_routers_fp32",
+    "remove_router_casts",
+    "count_router_cast_hooks",
+    "load_hf_model",
+    "token_logprobs",
+    "recompute_routes",
+]
