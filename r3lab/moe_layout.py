@@ -24,8 +24,14 @@ class ModelConfigError(R3LabError, ValueError):
 # family -> (experts key, rule); rules give whether global layer l has a routed MoE block
 _QWEN = ("qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_vl_moe_text")
 _DEEPSEEK = ("deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "kimi_k2", "glm_moe_dsa")
-_ALL_LAYERS = {"mixtral": "num_local_experts", "gpt_oss": "num_local_experts", "olmoe": "num_experts",
-               "phimoe": "num_local_experts", "granitemoe": "num_local_experts", "minimax": "num_local_experts"}
+_ALL_LAYERS = {
+    "mixtral": "num_local_experts",
+    "gpt_oss": "num_local_experts",
+    "olmoe": "num_experts",
+    "phimoe": "num_local_experts",
+    "granitemoe": "num_local_experts",
+    "minimax": "num_local_experts",
+}
 _DENSE_HINTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
@@ -43,11 +49,17 @@ class MoELayout:
 
     def __post_init__(self) -> None:
         if not self.moe_layer_ids:
-            raise ModelConfigError(f"{self.architecture}: no MoE layer among {self.num_hidden_layers} layers (a dense model)")
+            raise ModelConfigError(
+                f"{self.architecture}: no MoE layer among {self.num_hidden_layers} layers (a dense model)"
+            )
         if not 1 <= self.top_k <= self.num_experts:
-            raise ModelConfigError(f"{self.architecture}: top_k={self.top_k} outside [1, num_experts={self.num_experts}]")
+            raise ModelConfigError(
+                f"{self.architecture}: top_k={self.top_k} outside [1, num_experts={self.num_experts}]"
+            )
         if min(self.moe_layer_ids) < 0 or max(self.moe_layer_ids) >= self.num_hidden_layers:
-            raise ModelConfigError(f"{self.architecture}: MoE layer ids {self.moe_layer_ids} outside [0, {self.num_hidden_layers})")
+            raise ModelConfigError(
+                f"{self.architecture}: MoE layer ids {self.moe_layer_ids} outside [0, {self.num_hidden_layers})"
+            )
 
     @property
     def dense_layer_ids(self) -> tuple[int, ...]:
@@ -59,7 +71,9 @@ class MoELayout:
         p = Path(path)
         cfg_path = p / "config.json"
         if not p.is_dir():
-            raise ModelConfigError(f"model path {str(p)!r} is not a directory (r3lab builds models locally; no hub downloads)")
+            raise ModelConfigError(
+                f"model path {str(p)!r} is not a directory (r3lab builds models locally; no hub downloads)"
+            )
         if not cfg_path.is_file():
             raise ModelConfigError(f"model path {str(p)!r} has no config.json")
         try:

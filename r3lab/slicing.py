@@ -143,7 +143,9 @@ class ParallelLayout:
                 raise LayoutError("seq_length applies to padded micro-batches only (packed=False)")
             _pos_int("seq_length", self.seq_length)
             if self.seq_length % self.seq_alignment:
-                raise LayoutError(f"seq_length={self.seq_length} must be a multiple of seq_alignment={self.seq_alignment}")
+                raise LayoutError(
+                    f"seq_length={self.seq_length} must be a multiple of seq_alignment={self.seq_alignment}"
+                )
         self._check_stages()
 
     # ---- derived ------------------------------------------------------------------------------
@@ -153,7 +155,8 @@ class ParallelLayout:
 
     @property
     def seq_alignment(self) -> int:
-        """Multiple every padded sequence length has: tp * 2cp (zigzag, cp > 1), tp * cp (contiguous), lcm'd with extra_alignment."""
+        """Multiple every padded sequence length has: tp * 2cp (zigzag, cp > 1), tp * cp (contiguous),
+        lcm'd with extra_alignment."""
         base = self.tp * (2 * self.cp if self.cp > 1 and self.cp_mode == "zigzag" else self.cp)
         return math.lcm(base, self.extra_alignment)
 
@@ -210,7 +213,9 @@ class ParallelLayout:
                 n, off = self._stage_count_offset(r, vp)
                 owned.extend(range(off, off + n))
         if sorted(owned) != list(range(L)):
-            raise LayoutError(f"stage layout pp={pp} vpp={vpp} first={first} last={last} does not partition {L} layers exactly")
+            raise LayoutError(
+                f"stage layout pp={pp} vpp={vpp} first={first} last={last} does not partition {L} layers exactly"
+            )
 
     def stage_layers(self, pp_rank: int, vpp_chunk: int = 0) -> range:
         """0-based global ids of the decoder layers that pipeline rank ``pp_rank`` builds in ``vpp_chunk``."""
@@ -267,7 +272,10 @@ def dp_sequence_ids(num_seqs: int, layout: ParallelLayout, dp_rank: int) -> list
         return [share[i : i + mbs] for i in range(0, share.size, mbs)] or [share]
     if n % (dp * mbs):
         raise SlicingError(f"dp_split='strided' needs num_seqs divisible by dp*micro_batch_size={dp * mbs}, got {n}")
-    return [np.arange((m * dp + dp_rank) * mbs, (m * dp + dp_rank + 1) * mbs, dtype=np.int64) for m in range(n // (dp * mbs))]
+    return [
+        np.arange((m * dp + dp_rank) * mbs, (m * dp + dp_rank + 1) * mbs, dtype=np.int64)
+        for m in range(n // (dp * mbs))
+    ]
 
 
 def dp_share(routes: Routes, layout: ParallelLayout, dp_rank: int, *, pp_rank: int | None = None) -> Routes:
@@ -277,7 +285,11 @@ def dp_share(routes: Routes, layout: ParallelLayout, dp_rank: int, *, pp_rank: i
     memory-mapped global ``routes`` is read only where this rank needs it.
     """
     seqs = np.concatenate(dp_sequence_ids(len(routes), layout, dp_rank))
-    cols = _layer_columns(routes, layout.router_layer_ids(pp_rank)) if pp_rank is not None else np.arange(routes.num_layers)
+    cols = (
+        _layer_columns(routes, layout.router_layer_ids(pp_rank))
+        if pp_rank is not None
+        else np.arange(routes.num_layers)
+    )
     lens = routes.lengths[seqs]
     out = np.empty((int(lens.sum()), cols.size, routes.top_k), dtype=routes.values.dtype)
     csel = _as_slice(cols)
@@ -395,7 +407,9 @@ def _segments(lens: np.ndarray, layout: ParallelLayout, cp_rank: int, tp_rank: i
     return o * B, segs
 
 
-def token_rows(lengths: Sequence[int] | np.ndarray, layout: ParallelLayout, *, cp_rank: int = 0, tp_rank: int = 0) -> np.ndarray:
+def token_rows(
+    lengths: Sequence[int] | np.ndarray, layout: ParallelLayout, *, cp_rank: int = 0, tp_rank: int = 0
+) -> np.ndarray:
     """Rows a router on rank ``(cp_rank, tp_rank)`` sees for a micro-batch, in Megatron's order.
 
     Entry j is the micro-batch token index behind the router's row j, or -1 for a padding row:
@@ -447,7 +461,11 @@ def shard_local(
 ) -> list[np.ndarray]:
     """Like :func:`shard`, from a DP rank's own share (:func:`dp_share`: its sequences in micro-batch order)."""
     n, mbs = len(share), layout.micro_batch_size
-    plan = [np.arange(n, dtype=np.int64)] if mbs is None else [np.arange(i, min(i + mbs, n), dtype=np.int64) for i in range(0, n, mbs)]
+    plan = (
+        [np.arange(n, dtype=np.int64)]
+        if mbs is None
+        else [np.arange(i, min(i + mbs, n), dtype=np.int64) for i in range(0, n, mbs)]
+    )
     return _shard_seqs(share, layout, _pick(plan or [np.arange(0)], micro_batch), pp_rank, cp_rank, tp_rank, vpp_chunk)
 
 
@@ -463,7 +481,10 @@ def _layer_columns(routes: Routes, layer_ids: Sequence[int]) -> np.ndarray:
     pos = {int(g): j for j, g in enumerate(routes.layer_ids.tolist())}
     missing = [g for g in layer_ids if g not in pos]
     if missing:
-        raise SlicingError(f"routes lack the global layers {missing} this rank's routers need (routes have {routes.layer_ids.tolist()})")
+        raise SlicingError(
+            f"routes lack the global layers {missing} this rank's routers need "
+            f"(routes have {routes.layer_ids.tolist()})"
+        )
     return np.asarray([pos[g] for g in layer_ids], dtype=np.int64)
 
 

@@ -38,10 +38,10 @@ def check(ok: bool, what: str, failures: list[str]) -> None:
 def run_model(model_dir: Path, args, failures: list[str]) -> None:
     import torch
 
-    from r3lab.hf_routes import load_reference_model, permuted_experts, recompute_routes
     from r3lab.metrics import route_agreement
+    from r3lab.replay import load_hf_model, recompute_routes
     from r3lab.rollout import RolloutEngine, SamplingConfig, assemble_turns
-    from r3lab.testing import corpus_prompts
+    from r3lab.testing import corpus_prompts, permuted_experts
 
     print(f"\n== {model_dir}")
     kw = dict(json.loads(args.engine_kwargs or "{}"))
@@ -71,11 +71,13 @@ def run_model(model_dir: Path, args, failures: list[str]) -> None:
 
         # independent recomputation
         t0 = time.perf_counter()
-        ref_model = load_reference_model(model_dir, args.ref_dtype)
+        ref_model = load_hf_model(model_dir, args.ref_dtype)
         if torch.cuda.is_available() and not args.ref_on_cpu:
             ref_model = ref_model.to("cuda")
         ref = _recompute(model_dir, ref_model, [r.token_ids for r in res], args.ref_dtype, recompute_routes)
         got = RolloutEngine.stack_routes(res)
+        if got.layer_ids.tolist() != ref.layer_ids.tolist() or got.num_experts != ref.num_experts:
+            failures.append(f"{model_dir.name}: engine routes {got!r} and the recomputation {ref!r} differ in layers")
         agg = route_agreement(got.values, ref.values, got.num_experts, got.layer_ids)
         print(f"  transformers ({args.ref_dtype}) recomputation in {time.perf_counter() - t0:.1f} s; "
               "set agreement per layer:")

@@ -31,9 +31,9 @@ import pytest
 
 from r3lab.compaction import read_vllm_npy_base64
 from r3lab.errors import R3LabError
-from r3lab.hf_routes import recompute_routes
 from r3lab.metrics import route_agreement
 from r3lab.moe_layout import ModelConfigError, MoELayout
+from r3lab.replay import recompute_routes
 from r3lab.rollout import (
     RolloutEngine,
     RolloutError,
@@ -254,7 +254,7 @@ def test_multi_turn_incremental_equals_single_shot(engines):
 def test_weight_update_in_place(engines, name):
     """Permute the experts (router rows, expert bias, expert weights) of some layers: same function,
     relabelled routes. Layers left out of the update keep their weights and route as before."""
-    from r3lab.hf_routes import permuted_experts
+    from r3lab.testing import permuted_experts
 
     eng = engines(name)
     moe = list(eng.layout.moe_layer_ids)

@@ -22,7 +22,7 @@ import numpy as np
 from r3lab import metrics
 from r3lab.errors import ConfigError
 from r3lab.paths import MODELS, model_dir
-from r3lab.replay.hf import load_hf_model, token_logprobs
+from r3lab.replay import load_hf_model, token_logprobs
 from r3lab.rollout import RolloutEngine, RolloutResult, SamplingConfig, append_last_row
 from r3lab.testing.corpus import corpus_prompts
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,8 +35,7 @@ import numpy as np
 from r3lab import metrics
 from r3lab.errors import ConfigError, R3LabError
 from r3lab.paths import model_dir
-from r3lab.replay import hf_replay
-from r3lab.replay.hf import load_hf_model
+from r3lab.replay import load_hf_model, score_batch
 from r3lab.rollout import RolloutEngine, RolloutResult, SamplingConfig, append_last_row
 from r3lab.routes import Routes
 from r3lab.runs import RunWriter
@@ -71,6 +69,7 @@ class RLConfig:
     target_letter: str = "m"
     seed: int = 0
     token_steps: int = 0  # also write per-token tables every this many steps (0: first and last step only)
+    noise_every: int = 10  # score the engine's samples again by prefill every this many steps (0: never)
     data: str | None = None
 
     def __post_init__(self) -> None:
@@ -153,27 +152,6 @@ def _make_batch(results: Sequence[RolloutResult], rewards: np.ndarray, group: in
     return _Batch(ids, mask, response, logp, routes, adv, rewards)
 
 
-def _forward(model: Any, ids: Any, mask: Any, response: Any, *, replay: Routes | None = None, record: bool = False,
-             grad: bool = False):
-    """Log-probs of the sampled tokens (sample-major, flat), the per-position logits' entropy there, and, with
-    ``record``, the routes the routers chose (one sequence per row, padding dropped)."""
-    import torch
-
-    if replay is not None and record:
-        raise R3LabError("a forward either replays or records")
-    ctx = (hf_replay(model, replay, attention_mask=mask) if replay is not None
-           else hf_replay(model, mode="record") if record else nullcontext())
-    with torch.set_grad_enabled(grad), ctx as state:
-        logits = model(input_ids=ids, attention_mask=mask).logits.float()
-    lp_all = torch.log_softmax(logits[:, :-1], dim=-1)
-    tgt = ids[:, 1:]
-    sel = response[:, 1:]
-    logp = lp_all.gather(2, tgt[..., None])[..., 0][sel]
-    ent = -(lp_all.exp() * lp_all).sum(-1)[sel]
-    routes = state.to_routes(attention_mask=mask) if record else None
-    return logp, ent, routes
-
-
 def _state_for_engine(model: Any) -> dict[str, Any]:
     """The trainer's weights in the checkpoint's layout and names (what the engine loads), detached CPU copies.
 
@@ -234,7 +212,14 @@ def run_rl(config: RLConfig, *, engine: RolloutEngine | None = None, runs_root: 
             t_gen = time.perf_counter() - t0
             rewards = np.array([task.reward(r.response_ids) for r in results])
             batch = _make_batch(results, rewards, G)
+            if config.noise_every and step % config.noise_every == 0:
+                # the engine against itself: the sampled tokens scored again by prefill, in another batch
+                again = engine.score([r.token_ids for r in results], start=[len(r.prompt_ids) for r in results])
+                noise = metrics.k3_kl(np.concatenate(again).astype(np.float64), batch.logp_infer)
+            else:
+                noise = None
             rec = _train_step(model, opt, batch, config, rng, step)
+            rec["noise/k3_kl_engine_vs_engine"] = noise
             rec.update(step=step, reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
                        engine_weight_version=engine.weight_version, time_generate_s=t_gen)
             snapshots.append(_state_for_engine(model))
@@ -273,13 +258,14 @@ def _train_step(model: Any, opt: Any, batch: _Batch, config: RLConfig, rng: np.r
 
     B = batch.ids.shape[0]
     # the old policy, routing natively: its routes are R2's replay data and the engine-vs-trainer comparison
-    logp_native, _, native_routes = _forward(model, batch.ids, batch.mask, batch.response, record=True)
+    native = score_batch(model, batch.ids, batch.mask, batch.response, record=True)
+    native_routes = native.routes
+    logp_native = native.logprobs.double().cpu().numpy()
     if config.mode == "R3":
-        logp_old, _, _ = _forward(model, batch.ids, batch.mask, batch.response, replay=batch.engine_routes)
+        logp_old = score_batch(model, batch.ids, batch.mask, batch.response, routes=batch.engine_routes).logprobs
+        logp_old = logp_old.double().cpu().numpy()
     else:
         logp_old = logp_native
-    logp_old = logp_old.detach().double().numpy()
-    logp_native = logp_native.detach().double().numpy()
     rec: dict[str, Any] = {}
     rec.update({f"mismatch/{k}": v for k, v in metrics.mismatch_metrics(
         logp_old, batch.logp_infer, cu_seqlens=_response_cu(batch), tis_cap=config.tis_cap or 2.0).items()})
@@ -304,13 +290,14 @@ def _train_step(model: Any, opt: Any, batch: _Batch, config: RLConfig, rng: np.r
     tok_sample = torch.as_tensor(np.repeat(np.arange(B), batch.response.sum(1).numpy()))
     stats: dict[str, list[float]] = {k: [] for k in ("loss", "clip_frac", "approx_kl", "grad_norm", "entropy",
                                                       "route_change", "tis_weight_mean")}
-    first_mb_gap = 0.0
+    first_mb_gap = trainer_floor = 0.0
     for mb, idx in enumerate(chunks):
         idx_t = torch.as_tensor(np.sort(idx))
         ids, mask, resp = batch.ids[idx_t], batch.mask[idx_t], batch.response[idx_t]
         sel = torch.isin(tok_sample, idx_t)
         # what the current policy would route natively, against the old policy's routes (what R2 freezes)
-        logp_now, _, now_routes = _forward(model, ids, mask, resp, record=True)
+        now = score_batch(model, ids, mask, resp, record=True)
+        now_routes = now.routes
         old_sub = native_routes.take(np.sort(idx))
         stats["route_change"].append(float(metrics.set_differs(old_sub.values, now_routes.values).mean()))
         replay = None
@@ -318,9 +305,11 @@ def _train_step(model: Any, opt: Any, batch: _Batch, config: RLConfig, rng: np.r
             replay = old_sub
         elif config.mode == "R3":
             replay = batch.engine_routes.take(np.sort(idx))
-        logp, ent, _ = _forward(model, ids, mask, resp, replay=replay, grad=True)
+        cur = score_batch(model, ids, mask, resp, routes=replay, grad=True, entropy=True)
+        logp, ent = cur.logprobs, cur.entropy
         if mb == 0:  # the policy is still the old one: R2 must equal no replay here (its definition)
-            first_mb_gap = float((logp.detach() - logp_now).abs().max())
+            first_mb_gap = float((logp.detach() - now.logprobs).abs().max())
+            trainer_floor = metrics.k3_kl(now.logprobs.double().cpu().numpy(), logp_native[sel.numpy()])
         ratio = torch.exp(logp - old_t[sel])
         a = adv[tok_sample[sel]]
         unclipped = ratio * a
@@ -352,6 +341,8 @@ def _train_step(model: Any, opt: Any, batch: _Batch, config: RLConfig, rng: np.r
                       "logp_native": logp_native, "flipped": flipped, "reward": batch.rewards[sample],
                       "first_mb_sample": np.isin(sample, np.sort(chunks[0]))}
     rec["train/first_mb_logp_gap_to_native"] = first_mb_gap
+    # the trainer against itself: the same tokens under the same weights, scored in another batch composition
+    rec["noise/k3_kl_trainer_vs_trainer"] = trainer_floor
     return rec
 
 

@@ -8,26 +8,25 @@ both in :mod:`r3lab.replay.common`:
   micro-batch at a time.
 * :mod:`r3lab.replay.hf`: transformers; :func:`hf_replay` / :class:`HFReplay` hook each MoE router of
   Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, GPT-OSS, DeepSeek-V3 and GLM-4-MoE models, and the same hooks
-  record; :func:`token_logprobs` is the log-prob forward, :func:`recompute_routes` the engine-convention
-  recomputation, :func:`load_hf_model` a checkpoint with fp32 routers.
+  record. :mod:`r3lab.replay.hf_model`: :func:`score_batch` is the trainer's one log-prob forward
+  (:func:`token_logprobs` one sequence of it), :func:`recompute_routes` the engine-convention recomputation,
+  :func:`load_hf_model` a checkpoint with fp32 routers.
 
 Importing this package imports torch, not megatron-core or transformers (each is imported when used).
 Layer ids are the 0-based global decoder-layer index everywhere (as in :class:`r3lab.routes.Routes`).
 """
 
 from r3lab.replay.common import ReplayError, check_route_tensor
-from r3lab.replay.hf import (
-    ROUTER_RULES,
-    HFReplay,
+from r3lab.replay.hf import ROUTER_RULES, HFReplay, count_replay_hooks, find_hf_routers, hf_replay
+from r3lab.replay.hf_model import (
     RouterCasts,
-    count_replay_hooks,
+    Scores,
     count_router_cast_hooks,
-    find_hf_routers,
-    hf_replay,
     keep_routers_fp32,
     load_hf_model,
     recompute_routes,
     remove_router_casts,
+    score_batch,
     token_logprobs,
 )
 from r3lab.replay.megatron import MegatronReplay, find_orphaned_router_replays, megatron_replay, megatron_routers
@@ -49,6 +48,8 @@ __all__ = [
     "remove_router_casts",
     "count_router_cast_hooks",
     "load_hf_model",
+    "Scores",
+    "score_batch",
     "token_logprobs",
     "recompute_routes",
 ]

@@ -205,7 +205,8 @@ class RolloutEngine(Closing):
         for i, (out, s) in enumerate(zip(outs, starts, strict=True)):
             plp = out.prompt_logprobs
             if plp is None or len(plp) != len(ids[i]):
-                raise RolloutError(f"sequence {i}: the engine returned no prompt log-probs for its {len(ids[i])} tokens")
+                raise RolloutError(f"sequence {i}: the engine returned no prompt log-probs for its {len(ids[i])} "
+                                   "tokens")
             result.append(_sampled_logprobs(plp[s:], ids[i][s:], where=f"sequence {i}"))
         return result
 
