@@ -23,7 +23,7 @@ BENCHMARKS = {
     "replay": "forward+backward overhead of replay",
     "drift": "the drift experiment, writing the committed table bench/results/drift.md",
 }
-COMMANDS = ("drift", "bench", *[b for b in BENCHMARKS if b != "drift"])
+MODES = ("none", "R2", "R3")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,6 +40,27 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--data", help="the data folder with models/ and corpus/ (default: the checkout's data/)")
     d.add_argument("--out", help="also write the markdown table to this file")
     d.add_argument("--no-progress", action="store_true", help="no progress bars")
+    d.add_argument("--runs", help="write the run here (default: <data>/runs; $R3LAB_RUNS)")
+    d.add_argument("--name", help="the run's folder name (default: drift-<time>)")
+    r = sub.add_parser("rl", help="GRPO on CPU comparing replay modes (none, R2, R3) over seeds; writes runs")
+    r.add_argument("--quick", action="store_true", help="a smoke run: 8 steps of 4 prompts x 4 samples, one seed")
+    r.add_argument("--model", default="tiny-qwen3-moe", help="shipped model name or model directory")
+    r.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    r.add_argument("--seeds", type=int, nargs="+", help="seeds (default 0 1 2; --quick: 0)")
+    r.add_argument("--steps", type=int, help="rollout batches per run")
+    r.add_argument("--lr", type=float, help="learning rate (AdamW)")
+    r.add_argument("--mini-batches", type=int, help="policy updates per rollout batch")
+    r.add_argument("--temperature", type=float, help="sampling temperature")
+    r.add_argument("--engine-dtype", choices=("bfloat16", "float32"))
+    r.add_argument("--trainer-dtype", choices=("bfloat16", "float32"), help="bfloat16 keeps routers in fp32")
+    r.add_argument("--staleness", type=int, help="rollouts from a policy this many updates behind (fully async)")
+    r.add_argument("--tis-cap", type=float, help="truncated importance sampling with this cap (default: off)")
+    r.add_argument("--runs", help="write runs here (default: <data>/runs; $R3LAB_RUNS)")
+    r.add_argument("--name", help="prefix of the runs' folder names (default: rl-<model>-<time>)")
+    r.add_argument("--data", help="the data folder with models/ and corpus/ (default: the checkout's data/)")
+    r.add_argument("--no-progress", action="store_true", help="no progress bars")
+    ls = sub.add_parser("runs", help="list the runs in a folder")
+    ls.add_argument("folder", nargs="?", help="default: <data>/runs; $R3LAB_RUNS")
     b = sub.add_parser("bench", help="run a benchmark from a source checkout's bench/ folder")
     b.add_argument("name", choices=sorted(BENCHMARKS), help="; ".join(f"{k}: {v}" for k, v in BENCHMARKS.items()))
     b.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark (e.g. --quick)")
@@ -69,12 +90,53 @@ def _drift(args: argparse.Namespace) -> None:
     config = DriftConfig.quick(**overrides) if args.quick else DriftConfig(**overrides)
     for m in config.models:  # fail before any engine starts
         model_dir(m, config.data)
-    rows = run_drift(config, progress=not args.no_progress)
+    from r3lab.paths import runs_dir
+
+    rows = run_drift(config, progress=not args.no_progress, runs_root=runs_dir(args.runs), run_name=args.name)
     table = drift_table(rows, config, command="r3lab drift" + (" --quick" if args.quick else ""))
     print(table)
     if args.out:
         Path(args.out).write_text(table)
         print(f"wrote {args.out}", file=sys.stderr)
+    if rows and rows[0].run_path is not None:
+        print(f"run: {rows[0].run_path}", file=sys.stderr)
+
+
+def _rl(args: argparse.Namespace) -> None:
+    from r3lab.experiments.rl import RLConfig, comparison_rows, comparison_table, run_comparison
+    from r3lab.paths import model_dir, runs_dir
+
+    fields = {"steps": args.steps, "lr": args.lr, "mini_batches": args.mini_batches, "temperature": args.temperature,
+              "engine_dtype": args.engine_dtype, "trainer_dtype": args.trainer_dtype, "staleness": args.staleness,
+              "tis_cap": args.tis_cap, "data": args.data}
+    overrides = {k: v for k, v in fields.items() if v is not None}
+    base = RLConfig.quick(model=args.model, **overrides) if args.quick else RLConfig(model=args.model, **overrides)
+    model_dir(base.model, base.data)  # fail before any engine starts
+    seeds = args.seeds or ([0] if args.quick else [0, 1, 2])
+    root = runs_dir(args.runs)
+    runs = run_comparison(base, modes=args.modes, seeds=seeds, runs_root=root, prefix=args.name,
+                          progress=not args.no_progress)
+    print(comparison_table(comparison_rows([(r.config, r.steps) for r in runs])))
+    for r in runs:
+        print(f"run: {r.path}", file=sys.stderr)
+
+
+def _runs(args: argparse.Namespace) -> None:
+    from r3lab.paths import runs_dir
+    from r3lab.runs import RunFormatError, list_runs
+
+    root = runs_dir(args.folder)
+    found = list_runs(root)
+    if not found:
+        print(f"no runs in {root}")
+        return
+    print(f"{'run':48s} {'kind':6s} {'steps':>5s}  state")
+    for path, run in found:
+        if isinstance(run, RunFormatError):
+            print(f"{path.name:48s} {'?':6s} {'':>5s}  unreadable: {run}")
+        else:
+            state = "finished" if run.finished else "running or stopped"
+            print(f"{path.name:48s} {run.kind:6s} {len(run.step_records):5d}  {state}")
 
 
 def _bench(name: str, rest: list[str]) -> None:
@@ -97,6 +159,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.command == "drift":
             _drift(args)
+        elif args.command == "rl":
+            _rl(args)
+        elif args.command == "runs":
+            _runs(args)
         elif args.command == "bench":
             _bench(args.name, args.args)
         else:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from r3lab.errors import R3LabError
 
-__all__ = ["data_dir", "model_dir", "corpus_path", "MODELS"]
+__all__ = ["data_dir", "model_dir", "corpus_path", "runs_dir", "MODELS"]
 
 MODELS = ("tiny-qwen3-moe", "tiny-glm4-moe")  # the shipped checkpoints, in data/models/
 
@@ -54,3 +54,15 @@ def corpus_path(data: str | os.PathLike | None = None) -> Path:
     if not p.is_file():
         raise R3LabError(f"corpus {str(p)!r} is missing")
     return p
+
+
+def runs_dir(override: str | os.PathLike | None = None) -> Path:
+    """Where runs are written and listed: ``override``, else ``$R3LAB_RUNS``, else ``<data>/runs``, else ``./runs``."""
+    if override:
+        return Path(override)
+    if os.environ.get("R3LAB_RUNS"):
+        return Path(os.environ["R3LAB_RUNS"])
+    try:
+        return data_dir() / "runs"
+    except R3LabError:
+        return Path("runs")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,8 +23,9 @@ import numpy as np
 from r3lab import metrics
 from r3lab.errors import ConfigError
 from r3lab.paths import MODELS, model_dir
-from r3lab.replay import load_hf_model, token_logprobs
+from r3lab.replay import load_hf_model, score_batch, token_logprobs
 from r3lab.rollout import RolloutEngine, RolloutResult, SamplingConfig, append_last_row
+from r3lab.runs import RunWriter
 from r3lab.testing.corpus import corpus_prompts
 
 __all__ = [
@@ -84,6 +86,8 @@ class DriftSample:
     logp_none: np.ndarray  # trainer, its own routing
     logp_r3: np.ndarray  # trainer, replaying the engine's routes
     flipped: np.ndarray  # the token's input position was routed differently in some layer
+    logp_none_batched: np.ndarray | None = None  # trainer, own routing, the whole set in one padded batch
+    logp_engine_again: np.ndarray | None = None  # the engine scoring its own samples again (prefill)
 
 
 @dataclass(frozen=True)
@@ -94,14 +98,21 @@ class DriftRow:
     trainer_dtype: str
     seed: int
     summary: dict[str, float] = field(default_factory=dict)
+    run_path: Any = None  # the run folder the row was written to, if any
 
 
-def replay_drift(model: Any, results: Sequence[RolloutResult], *, progress: bool = False) -> list[DriftSample]:
-    """Score every sample without replay and with R3; flips are set-based, on the token's input position."""
+def replay_drift(model: Any, results: Sequence[RolloutResult], *, progress: bool = False,
+                 engine_again: Sequence[np.ndarray] | None = None) -> list[DriftSample]:
+    """Score every sample without replay and with R3; flips are set-based, on the token's input position.
+
+    Noise floors ride along: the trainer scores the whole set once more in one padded batch (its drift
+    against itself), and ``engine_again`` (the engine's prefill scores of the same tokens) is kept.
+    """
     from tqdm.auto import tqdm
 
+    batched = _batched_native(model, results)
     samples = []
-    for r in tqdm(results, desc="scoring", unit="sample", disable=not progress, leave=False):
+    for i, r in enumerate(tqdm(results, desc="scoring", unit="sample", disable=not progress, leave=False)):
         ids = list(r.prompt_ids) + list(r.response_ids)
         P = len(r.prompt_ids)
         engine_routes = append_last_row(r.routes)  # the last sampled token has no engine row
@@ -110,33 +121,64 @@ def replay_drift(model: Any, results: Sequence[RolloutResult], *, progress: bool
         own_values = own.select_layers(engine_routes.layer_ids).values
         flips = metrics.token_route_flips(engine_routes.values, own_values)
         logp_infer = np.asarray(r.logprobs, dtype=np.float64)
-        samples.append(DriftSample(logp_infer, logp_none, logp_r3, flips[P - 1 : len(ids) - 1]))
+        again = None if engine_again is None else np.asarray(engine_again[i], dtype=np.float64)
+        samples.append(DriftSample(logp_infer, logp_none, logp_r3, flips[P - 1 : len(ids) - 1], batched[i], again))
     return samples
 
 
+def _batched_native(model: Any, results: Sequence[RolloutResult]) -> list[np.ndarray]:
+    """Every sample's response log-probs from one right-padded batch forward (the trainer's own routing)."""
+    import torch
+
+    seqs = [list(r.prompt_ids) + list(r.response_ids) for r in results]
+    S = max(len(q) for q in seqs)
+    ids = torch.zeros((len(seqs), S), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    scored = torch.zeros_like(ids, dtype=torch.bool)
+    for b, (q, r) in enumerate(zip(seqs, results, strict=True)):
+        ids[b, : len(q)] = torch.tensor(q)
+        mask[b, : len(q)] = 1
+        scored[b, len(r.prompt_ids) : len(q)] = True
+    flat = score_batch(model, ids, mask, scored).logprobs.double().cpu().numpy()
+    return np.split(flat, np.cumsum([len(r.response_ids) for r in results])[:-1])
+
+
 def drift_summary(samples: Sequence[DriftSample]) -> dict[str, float]:
-    """k3 KL without replay and with R3, overall and split by routed-flipped vs agreeing tokens."""
+    """k3 KL and F(2) without replay and with R3, overall and split by route-flipped vs agreeing tokens, with
+    the noise floors: the trainer against itself (batched vs one by one) and the engine against itself."""
     inf = np.concatenate([s.logp_infer for s in samples])
     none = np.concatenate([s.logp_none for s in samples])
     r3 = np.concatenate([s.logp_r3 for s in samples])
     flip = np.concatenate([s.flipped for s in samples])
-    out = {
-        "tokens": int(inf.size),
-        "flipped_share": float(flip.mean()),
-        "k3_none": metrics.k3_kl(none, inf),
-        "k3_r3": metrics.k3_kl(r3, inf),
-    }
+    out = {"tokens": int(inf.size), "flipped_share": float(flip.mean()),
+           "k3_none": metrics.k3_kl(none, inf), "k3_r3": metrics.k3_kl(r3, inf),
+           "f2_none": metrics.extreme_token_fraction(none, inf, 2.0),
+           "f2_r3": metrics.extreme_token_fraction(r3, inf, 2.0),
+           "abs_diff_none": float(np.mean(np.abs(none - inf))), "abs_diff_r3": float(np.mean(np.abs(r3 - inf)))}
     for name, m in (("flipped", flip), ("agreeing", ~flip)):
         if m.any():
             out[f"k3_{name}_none"] = metrics.k3_kl(none[m], inf[m])
             out[f"k3_{name}_r3"] = metrics.k3_kl(r3[m], inf[m])
+    if all(s.logp_none_batched is not None for s in samples):
+        out["k3_trainer_floor"] = metrics.k3_kl(np.concatenate([s.logp_none_batched for s in samples]), none)
+    if all(s.logp_engine_again is not None for s in samples):
+        out["k3_engine_floor"] = metrics.k3_kl(np.concatenate([s.logp_engine_again for s in samples]), inf)
     return out
 
 
 def run_drift(
-    config: DriftConfig | None = None, *, progress: bool = True, on_row: Callable[[DriftRow], None] | None = None
+    config: DriftConfig | None = None,
+    *,
+    progress: bool = True,
+    on_row: Callable[[DriftRow], None] | None = None,
+    runs_root: Any = None,
+    run_name: str | None = None,
 ) -> list[DriftRow]:
-    """Run the drift experiment: per model, one engine sampling pass, then one scoring pass per trainer dtype."""
+    """Run the drift experiment: per model, one engine sampling pass, then one scoring pass per trainer dtype.
+
+    With ``runs_root`` the experiment is written as a run (``r3lab.runs``): one step line per (model,
+    trainer dtype, seed) cell, its per-token table, and the engine's routes.
+    """
     import torch
     from tqdm.auto import tqdm
 
@@ -144,22 +186,53 @@ def run_drift(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the tiny models score fastest on one thread, beside vLLM's pinned core
     rows: list[DriftRow] = []
+    writer = None
+    if runs_root is not None:
+        writer = RunWriter(runs_root, run_name or f"drift-{time.strftime('%Y%m%d-%H%M%S')}", "drift",
+                           config.to_dict())
     try:
         for name in tqdm(config.models, desc="models", unit="model", disable=not progress):
             path = model_dir(name, config.data)
             with RolloutEngine(path) as engine:
                 results = {s: engine.generate(*_seed_inputs(config, s)) for s in config.seeds}
+                again = {s: engine.score([r.token_ids for r in res], start=[len(r.prompt_ids) for r in res])
+                         for s, res in results.items()}
+            label = os.path.basename(str(name).rstrip("/"))
             for dtype in config.trainer_dtypes:
                 model = load_hf_model(path, dtype)
                 for s in config.seeds:
-                    samples = replay_drift(model, results[s], progress=progress)
-                    row = DriftRow(os.path.basename(str(name).rstrip("/")), dtype, s, drift_summary(samples))
+                    samples = replay_drift(model, results[s], progress=progress, engine_again=again[s])
+                    row = DriftRow(label, dtype, s, drift_summary(samples), writer.path if writer else None)
                     rows.append(row)
+                    if writer is not None:
+                        _write_cell(writer, len(rows) - 1, row, samples, results[s])
                     if on_row is not None:
                         on_row(row)
+        if writer is not None:
+            writer.finish({"cells": [dict(model=r.model, trainer_dtype=r.trainer_dtype, seed=r.seed, **r.summary)
+                                     for r in rows], "spread": drift_spread(rows)})
     finally:
         torch.set_num_threads(threads)
+        if writer is not None:
+            writer.close()
     return rows
+
+
+def _write_cell(writer: RunWriter, step: int, row: DriftRow, samples: Sequence[DriftSample],
+                results: Sequence[RolloutResult]) -> None:
+    writer.log_step({"step": step, "model": row.model, "trainer_dtype": row.trainer_dtype, "seed": row.seed,
+                     **row.summary})
+    n = [s.logp_infer.size for s in samples]
+    writer.write_tokens(step, {
+        "sample": np.repeat(np.arange(len(samples)), n),
+        "position": np.concatenate([np.arange(k) for k in n]),
+        "logp_infer": np.concatenate([s.logp_infer for s in samples]),
+        "logp_none": np.concatenate([s.logp_none for s in samples]),
+        "logp_r3": np.concatenate([s.logp_r3 for s in samples]),
+        "flipped": np.concatenate([s.flipped for s in samples]),
+    })
+    if row.trainer_dtype == "bfloat16" or step == 0:
+        writer.write_routes(step, "engine", RolloutEngine.stack_routes(results))
 
 
 def _seed_inputs(config: DriftConfig, seed: int) -> tuple[list[str], SamplingConfig]:
@@ -230,8 +303,8 @@ def drift_table(rows: Sequence[DriftRow], config: DriftConfig, *, command: str =
         "## Every cell",
         "",
         "| model | trainer | seed | tokens | route-flipped | k3 none | k3 R3 | flipped: none | flipped: R3 "
-        "| agreeing: none | agreeing: R3 |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| agreeing: none | agreeing: R3 | F(2) none | F(2) R3 | floor: trainer | floor: engine |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         s = r.summary
@@ -239,6 +312,13 @@ def drift_table(rows: Sequence[DriftRow], config: DriftConfig, *, command: str =
             f"| {r.model} | {TRAINER_DTYPES[r.trainer_dtype]} | {r.seed} | {s['tokens']} | {s['flipped_share']:.1%} | "
             f"{s['k3_none']:.2e} | {s['k3_r3']:.2e} | {s.get('k3_flipped_none', nan):.2e} | "
             f"{s.get('k3_flipped_r3', nan):.2e} | {s.get('k3_agreeing_none', nan):.2e} | "
-            f"{s.get('k3_agreeing_r3', nan):.2e} |"
+            f"{s.get('k3_agreeing_r3', nan):.2e} | {s['f2_none']:.2%} | {s['f2_r3']:.2%} | "
+            f"{s.get('k3_trainer_floor', nan):.1e} | {s.get('k3_engine_floor', nan):.1e} |"
         )
+    lines += [
+        "",
+        "F(2): share of tokens whose trainer/engine probability ratio is beyond 2 either way. Noise floors (k3 KL of "
+        "a scorer against itself on the same tokens): trainer = one padded batch vs one sequence at a time; engine = "
+        "vLLM's prefill scores vs the log-probs it returned while sampling.",
+    ]
     return "\n".join(lines) + "\n"

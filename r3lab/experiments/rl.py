@@ -41,7 +41,16 @@ from r3lab.routes import Routes
 from r3lab.runs import RunWriter
 from r3lab.testing.corpus import corpus_prompts
 
-__all__ = ["MODES", "RLConfig", "LetterTask", "RLRun", "run_rl"]
+__all__ = [
+    "MODES",
+    "RLConfig",
+    "LetterTask",
+    "RLRun",
+    "run_rl",
+    "run_comparison",
+    "comparison_rows",
+    "comparison_table",
+]
 
 MODES = ("none", "R2", "R3")
 
@@ -375,3 +384,67 @@ def _summary(history: Sequence[dict[str, Any]]) -> dict[str, Any]:
     out["reward_first_quarter"] = float(r[:q].mean())
     out["reward_last_quarter"] = float(r[-q:].mean())
     return out
+
+
+def run_comparison(base: RLConfig, *, modes: Sequence[str] = MODES, seeds: Sequence[int] = (0, 1, 2),
+                   runs_root: Any = None, prefix: str | None = None, progress: bool = True) -> list[RLRun]:
+    """Every (mode, seed) of ``base`` on one engine start, written to ``runs_root`` as ``<prefix>-<mode>-s<seed>``."""
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise ConfigError(f"modes must be among {MODES}, got {list(modes)}")
+    path = model_dir(base.model, base.data)
+    prefix = prefix or f"rl-{path.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out = []
+    with RolloutEngine(path, seed=base.seed, dtype=base.engine_dtype) as engine:
+        for seed in seeds:
+            for mode in modes:
+                cfg = dataclasses.replace(base, mode=mode, seed=int(seed))
+                out.append(run_rl(cfg, engine=engine, runs_root=runs_root, run_name=f"{prefix}-{mode}-s{seed}",
+                                  progress=progress))
+    return out
+
+
+COMPARISON_METRICS = (
+    ("reward_mean", "reward", ".3f"),
+    ("mismatch/k3_kl", "k3 KL", ".2e"),
+    ("mismatch/extreme_frac_tau2", "F(2)", ".4f"),
+    ("mismatch/logprob_abs_diff_mean", "mean abs dlogp", ".4f"),
+    ("routing/route_change_last_mb", "route change (last mini-batch)", ".3f"),
+    ("train/clip_frac", "clip frac", ".3f"),
+)
+
+
+def comparison_rows(steps_by_run: Sequence[tuple[RLConfig | dict, Sequence[dict[str, Any]]]]) -> list[dict[str, Any]]:
+    """Per (model, mode): each metric's run mean, as min / median / max over seeds, plus the reward's rise."""
+    groups: dict[tuple[str, str], list[Sequence[dict[str, Any]]]] = {}
+    for cfg, steps in steps_by_run:
+        c = cfg if isinstance(cfg, dict) else cfg.to_dict()
+        groups.setdefault((c["model"], c["mode"]), []).append(steps)
+    rows = []
+    for (model, mode), runs in sorted(groups.items(), key=lambda kv: (kv[0][0], MODES.index(kv[0][1]))):
+        row: dict[str, Any] = {"model": model, "mode": mode, "seeds": len(runs), "steps": len(runs[0])}
+        for key, _, _ in COMPARISON_METRICS:
+            means = [float(np.mean([s[key] for s in steps if s.get(key) is not None])) for steps in runs]
+            row[key] = (min(means), float(np.median(means)), max(means))
+        q = max(1, len(runs[0]) // 4)
+        rise = [float(np.mean([s["reward_mean"] for s in st[-q:]]) - np.mean([s["reward_mean"] for s in st[:q]]))
+                for st in runs]
+        row["reward_rise"] = (min(rise), float(np.median(rise)), max(rise))
+        rows.append(row)
+    return rows
+
+
+def comparison_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Markdown: one line per (model, mode), every cell min / median / max over seeds of the run's mean."""
+    head = ["model", "mode", "seeds x steps", *[label for _, label, _ in COMPARISON_METRICS],
+            "reward rise (last - first quarter)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["model"], r["mode"], f"{r['seeds']} x {r['steps']}"]
+        for key, _, fmt in COMPARISON_METRICS:
+            lo, mid, hi = r[key]
+            cells.append(f"{mid:{fmt}} ({lo:{fmt}} - {hi:{fmt}})")
+        lo, mid, hi = r["reward_rise"]
+        cells.append(f"{mid:+.3f} ({lo:+.3f} - {hi:+.3f})")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
