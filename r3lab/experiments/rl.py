@@ -231,11 +231,11 @@ def run_rl(config: RLConfig, *, engine: RolloutEngine | None = None, runs_root: 
             rec["noise/k3_kl_engine_vs_engine"] = noise
             rec.update(step=step, reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
                        engine_weight_version=engine.weight_version, time_generate_s=t_gen)
-            snapshots.append(_state_for_engine(model))
+            snapshots.append(_state_for_engine(model))  # weights after update step + 1
             behind = min(config.staleness, len(snapshots) - 1)
             t1 = time.perf_counter()
-            engine.update_weights(snapshots[-1 - behind], version=len(snapshots) - 1 - behind)
-            snapshots = snapshots[-(config.staleness + 1):]
+            engine.update_weights(snapshots[-1 - behind], version=step + 1 - behind)
+            snapshots = snapshots[-(config.staleness + 1) :]
             rec["time_weight_sync_s"] = time.perf_counter() - t1
             rec["time_step_s"] = time.perf_counter() - t0
             history.append(rec)
