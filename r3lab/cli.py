@@ -73,26 +73,20 @@ def _parser() -> argparse.ArgumentParser:
 
 def _drift(args: argparse.Namespace) -> None:
     from r3lab.experiments import DriftConfig, drift_table, run_drift
-    from r3lab.paths import model_dir
+    from r3lab.paths import model_dir, runs_dir
 
-    overrides = {
-        k: v
-        for k, v in (
-            ("prompts", args.prompts),
-            ("max_tokens", args.tokens),
-            ("sampling_seed", args.seed),
-            ("data", args.data),
-        )
-        if v is not None
-    }
+    overrides = {k: v for k, v in (("prompts", args.prompts), ("max_tokens", args.tokens), ("data", args.data))
+                 if v is not None}
+    if args.seeds:
+        overrides["seeds"] = tuple(args.seeds)
     if args.models:
         overrides["models"] = tuple(args.models)
     config = DriftConfig.quick(**overrides) if args.quick else DriftConfig(**overrides)
     for m in config.models:  # fail before any engine starts
         model_dir(m, config.data)
-    from r3lab.paths import runs_dir
 
-    rows = run_drift(config, progress=not args.no_progress, runs_root=runs_dir(args.runs), run_name=args.name)
+    rows = run_drift(config, progress=not args.no_progress, runs_root=runs_dir(args.runs, args.data),
+                     run_name=args.name)
     table = drift_table(rows, config, command="r3lab drift" + (" --quick" if args.quick else ""))
     print(table)
     if args.out:
@@ -113,7 +107,7 @@ def _rl(args: argparse.Namespace) -> None:
     base = RLConfig.quick(model=args.model, **overrides) if args.quick else RLConfig(model=args.model, **overrides)
     model_dir(base.model, base.data)  # fail before any engine starts
     seeds = args.seeds or ([0] if args.quick else [0, 1, 2])
-    root = runs_dir(args.runs)
+    root = runs_dir(args.runs, args.data)
     runs = run_comparison(base, modes=args.modes, seeds=seeds, runs_root=root, prefix=args.name,
                           progress=not args.no_progress)
     print(comparison_table(comparison_rows([(r.config, r.steps) for r in runs])))

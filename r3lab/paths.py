@@ -56,13 +56,13 @@ def corpus_path(data: str | os.PathLike | None = None) -> Path:
     return p
 
 
-def runs_dir(override: str | os.PathLike | None = None) -> Path:
+def runs_dir(override: str | os.PathLike | None = None, data: str | os.PathLike | None = None) -> Path:
     """Where runs are written and listed: ``override``, else ``$R3LAB_RUNS``, else ``<data>/runs``, else ``./runs``."""
     if override:
         return Path(override)
     if os.environ.get("R3LAB_RUNS"):
         return Path(os.environ["R3LAB_RUNS"])
     try:
-        return data_dir() / "runs"
+        return data_dir(data) / "runs"
     except R3LabError:
         return Path("runs")

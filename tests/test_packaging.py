@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -18,8 +19,12 @@ def installed(tmp_path_factory):
     """A fresh venv holding only the r3lab wheel; its dependencies come from this environment's site-packages."""
     tmp = tmp_path_factory.mktemp("wheel")
     run = dict(check=True, capture_output=True, text=True, timeout=600)
+    src = tmp / "src"  # a clean copy: an in-tree build/ folder could carry modules deleted since
+    shutil.copytree(ROOT / "r3lab", src / "r3lab", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp), str(src)],
         **run,
     )
     (wheel,) = tmp.glob("r3lab-*.whl")
@@ -82,6 +87,6 @@ def test_python_m_r3lab_runs_the_drift_experiment_from_the_wheel(installed):
     )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     rows = [ln for ln in r.stdout.splitlines() if ln.startswith("| tiny-qwen3-moe |")]
-    assert len(rows) == 2, r.stdout  # bf16 and fp32 trainers
+    assert len(rows) == 4, r.stdout  # bf16 and fp32 trainers: the spread over seeds, and every cell
     info = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith("INFO")]
     assert not info, info[:5]  # vLLM logs at WARNING unless the user asks for more

@@ -275,7 +275,7 @@ def drift_table(rows: Sequence[DriftRow], config: DriftConfig, *, command: str =
     nan = float("nan")
 
     def span(t: tuple[float, float, float], fmt: str) -> str:
-        return f"{t[0]:{fmt}} / {t[1]:{fmt}} / {t[2]:{fmt}}" if len(rows) > 1 else f"{t[1]:{fmt}}"
+        return f"{t[0]:{fmt}} / {t[1]:{fmt}} / {t[2]:{fmt}}" if len(config.seeds) > 1 else f"{t[1]:{fmt}}"
 
     lines = [
         "# What replay changes: train-inference k3 KL on the shipped tiny models",
