@@ -13,7 +13,7 @@ from r3lab.paths import model_dir
 from r3lab.rollout import RolloutEngine
 from r3lab.runs import load
 
-QUICK = RLConfig.quick(lr=3e-3)
+QUICK = RLConfig.quick()
 TIMING = ("time_generate_s", "time_weight_sync_s", "time_step_s")
 
 
@@ -60,7 +60,7 @@ def test_quick_loop_learns_and_writes_a_readable_run(engine, tmp_path):
     assert back.routes(0, "engine").num_experts == 16
     assert back.summary["reward_last_quarter"] > back.summary["reward_first_quarter"]
     table = comparison_table(comparison_rows([(run.config, run.steps)]))
-    assert "| tiny-qwen3-moe | R3 | 1 x 8 |" in table
+    assert "| tiny-qwen3-moe | R3 | 1 x 10 |" in table
 
 
 def test_same_seed_same_numbers(engine):
