@@ -462,3 +462,19 @@ def test_rollout_package_layout():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+def test_reload_noise_filter_drops_only_the_benign_reload_warnings():
+    import logging
+
+    from r3lab.rollout.engine import _ReloadNoise
+
+    def rec(msg):
+        return logging.LogRecord("vllm.x", logging.WARNING, "f", 1, msg, None, None)
+
+    f = _ReloadNoise()
+    fused = "Following weights were not loaded from checkpoint: {'model.layers.0.mlp.experts.routed_experts.w13_weight', " \
+            "'model.layers.0.mlp.experts.routed_experts.w2_weight'}"
+    partial = "Following weights were not loaded from checkpoint: {'model.layers.0.self_attn.qkv_proj.weight'}"
+    assert not f.filter(rec(fused)) and not f.filter(rec("RotaryEmbedding: Failed to load weights"))
+    assert f.filter(rec(partial)) and f.filter(rec("QKVParallelLinear: Failed to load weights"))
