@@ -474,7 +474,8 @@ def test_reload_noise_filter_drops_only_the_benign_reload_warnings():
 
     f = _ReloadNoise()
     fused = ("Following weights were not loaded from checkpoint: "
-             "{'model.layers.0.mlp.experts.routed_experts.w13_weight', 'model.layers.0.mlp.experts.routed_experts.w2_weight'}")
+             "{'model.layers.0.mlp.experts.routed_experts.w13_weight', "
+             "'model.layers.0.mlp.experts.routed_experts.w2_weight'}")
     partial = "Following weights were not loaded from checkpoint: {'model.layers.0.self_attn.qkv_proj.weight'}"
     assert not f.filter(rec(fused)) and not f.filter(rec("RotaryEmbedding: Failed to load weights"))
     assert f.filter(rec(partial)) and f.filter(rec("QKVParallelLinear: Failed to load weights"))
