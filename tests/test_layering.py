@@ -33,3 +33,10 @@ def test_an_arrow_from_the_inference_side_to_the_trainer_side_breaks_the_contrac
     r = _lint(tmp_path)
     assert r.returncode != 0, r.stdout
     assert "BROKEN" in r.stdout and "r3lab.rollout" in r.stdout and "r3lab.replay" in r.stdout, r.stdout
+
+
+def test_ruff_is_clean():
+    """The style rules in pyproject.toml (line length 120 included) hold over the whole tree."""
+    ruff = Path(sys.executable).parent / "ruff"
+    r = subprocess.run([str(ruff), "check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
