@@ -52,7 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--mini-batches", type=int, help="policy updates per rollout batch")
     r.add_argument("--temperature", type=float, help="sampling temperature")
     r.add_argument("--engine-dtype", choices=("bfloat16", "float32"))
-    r.add_argument("--trainer-dtype", choices=("bfloat16", "float32"), help="bfloat16 keeps routers in fp32")
+    r.add_argument("--trainer-dtype", choices=("bfloat16", "float32"), help="bfloat16: routers per --router-dtype")
+    r.add_argument("--router-dtype", choices=("bfloat16", "float32"), help="with a bf16 trainer (default float32)")
     r.add_argument("--staleness", type=int, help="rollouts from a policy this many updates behind (fully async)")
     r.add_argument("--tis-cap", type=float, help="truncated importance sampling with this cap (default: off)")
     r.add_argument("--runs", help="write runs here (default: <data>/runs; $R3LAB_RUNS)")
@@ -101,8 +102,9 @@ def _rl(args: argparse.Namespace) -> None:
     from r3lab.paths import model_dir, runs_dir
 
     fields = {"steps": args.steps, "lr": args.lr, "mini_batches": args.mini_batches, "temperature": args.temperature,
-              "engine_dtype": args.engine_dtype, "trainer_dtype": args.trainer_dtype, "staleness": args.staleness,
-              "tis_cap": args.tis_cap, "data": args.data}
+              "engine_dtype": args.engine_dtype, "trainer_dtype": args.trainer_dtype,
+              "router_dtype": args.router_dtype, "staleness": args.staleness, "tis_cap": args.tis_cap,
+              "data": args.data}
     overrides = {k: v for k, v in fields.items() if v is not None}
     base = RLConfig.quick(model=args.model, **overrides) if args.quick else RLConfig(model=args.model, **overrides)
     model_dir(base.model, base.data)  # fail before any engine starts

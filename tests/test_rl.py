@@ -121,6 +121,17 @@ def test_r3_forward_uses_the_engine_routes(engine):
     assert not torch.equal(out.logprobs, own.logprobs) or own.routes == out.routes
 
 
+def test_truncated_importance_sampling_and_bf16_routers(engine):
+    cfg = dataclasses.replace(QUICK, steps=2, tis_cap=1.01, trainer_dtype="bfloat16", router_dtype="bfloat16")
+    steps = run_rl(cfg, engine=engine, progress=False).steps
+    for s in steps:
+        assert 0 < s["train/tis_weight_mean"] <= 1.01  # min(pi_trainer / pi_engine, cap) per token
+        assert 0 <= s["mismatch/tis_clipfrac"] <= 1
+    plain = run_rl(dataclasses.replace(cfg, tis_cap=None), engine=engine, progress=False).steps
+    assert plain[0]["train/tis_weight_mean"] is None
+    assert plain[0]["train/loss"] != steps[0]["train/loss"]  # the weights change the loss
+
+
 def test_config_refuses_nonsense():
     with pytest.raises(ConfigError, match="mode"):
         RLConfig(mode="R4")
@@ -130,3 +141,5 @@ def test_config_refuses_nonsense():
         RLConfig(tis_cap=0.5)
     with pytest.raises(ConfigError, match="samples_per_prompt"):
         RLConfig(samples_per_prompt=1)
+    with pytest.raises(ConfigError, match="bf16 trainer"):
+        RLConfig(router_dtype="bfloat16")

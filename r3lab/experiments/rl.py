@@ -37,7 +37,7 @@ import numpy as np
 from r3lab import metrics
 from r3lab.errors import ConfigError, R3LabError
 from r3lab.paths import model_dir
-from r3lab.replay import load_hf_model, score_batch
+from r3lab.replay import load_hf_model, remove_router_casts, score_batch
 from r3lab.rollout import RolloutEngine, RolloutResult, SamplingConfig, append_last_row
 from r3lab.routes import Routes
 from r3lab.runs import RunWriter
@@ -75,7 +75,8 @@ class RLConfig:
     tis_cap: float | None = None  # truncated importance sampling off
     temperature: float = 1.0
     engine_dtype: str = "bfloat16"
-    trainer_dtype: str = "float32"  # "bfloat16": bf16 weights with fp32 routers (as the field runs them)
+    trainer_dtype: str = "float32"  # "bfloat16": bf16 weights, routers as router_dtype
+    router_dtype: str = "float32"  # with a bf16 trainer: fp32 routers (as the field runs them) or "bfloat16"
     staleness: int = 0  # rollouts come from a policy this many updates behind the trainer (fully async)
     target_letter: str = "m"
     seed: int = 0
@@ -98,8 +99,11 @@ class RLConfig:
             raise ConfigError(f"RLConfig.staleness must be >= 0, got {self.staleness}")
         if self.tis_cap is not None and self.tis_cap <= 1:
             raise ConfigError(f"RLConfig.tis_cap must be > 1 (or None), got {self.tis_cap}")
-        if self.trainer_dtype not in ("float32", "bfloat16") or self.engine_dtype not in ("float32", "bfloat16"):
-            raise ConfigError("engine_dtype and trainer_dtype must be 'float32' or 'bfloat16'")
+        dtypes = (self.engine_dtype, self.trainer_dtype, self.router_dtype)
+        if any(d not in ("float32", "bfloat16") for d in dtypes):
+            raise ConfigError(f"engine, trainer and router dtypes must be 'float32' or 'bfloat16', got {dtypes}")
+        if self.trainer_dtype == "float32" and self.router_dtype != "float32":
+            raise ConfigError("an fp32 trainer has fp32 routers: router_dtype='bfloat16' needs a bf16 trainer")
         if len(self.target_letter) != 1:
             raise ConfigError(f"target_letter must be one character, got {self.target_letter!r}")
 
@@ -206,6 +210,8 @@ def run_rl(config: RLConfig, *, engine: RolloutEngine | None = None, runs_root: 
     writer = None
     try:
         model = load_hf_model(path, config.trainer_dtype)
+        if config.router_dtype == "bfloat16":
+            remove_router_casts(model)  # routers back in the checkpoint's own dtype (GLM keeps its fp32 bias)
         model.train()
         checkpoint = _state_for_engine(model)
         engine.update_weights(checkpoint, version=0)  # a shared engine starts from the checkpoint too
@@ -288,6 +294,8 @@ def _train_step(model: Any, opt: Any, batch: _Batch, config: RLConfig, rng: np.r
     eng = batch.engine_routes.select_layers(native_routes.layer_ids).values
     differs = metrics.set_differs(eng, native_routes.values)
     rec["routing/engine_trainer_disagreement"] = float(differs.mean())
+    rec["routing/engine_trainer_disagreement_per_layer"] = {
+        int(g): float(v) for g, v in zip(native_routes.layer_ids, differs.mean(axis=0), strict=True)}
     rec["routing/engine_trainer_token_any"] = float(differs.any(axis=1).mean())
     flipped = _response_rows(batch, differs.any(axis=1))
     for name, m in (("flipped", flipped), ("agreeing", ~flipped)):
@@ -304,7 +312,7 @@ def _train_step(model: Any, opt: Any, batch: _Batch, config: RLConfig, rng: np.r
     infer_t = torch.as_tensor(batch.logp_infer, dtype=torch.float32)
     tok_sample = torch.as_tensor(np.repeat(np.arange(B), batch.response.sum(1).numpy()))
     stats: dict[str, list[float]] = {k: [] for k in ("loss", "clip_frac", "approx_kl", "grad_norm", "entropy",
-                                                      "route_change", "tis_weight_mean")}
+                                                      "route_change", "used_route_change", "tis_weight_mean")}
     first_mb_gap = trainer_floor = 0.0
     for mb, idx in enumerate(chunks):
         idx_t = torch.as_tensor(np.sort(idx))
@@ -322,6 +330,9 @@ def _train_step(model: Any, opt: Any, batch: _Batch, config: RLConfig, rng: np.r
             replay = batch.engine_routes.take(np.sort(idx))
         cur = score_batch(model, ids, mask, resp, routes=replay, grad=True, entropy=True)
         logp, ent = cur.logprobs, cur.entropy
+        # the routes this forward actually used, against the old policy's: 0 for R2 by construction
+        used = now_routes if replay is None else replay.select_layers(now_routes.layer_ids)
+        stats["used_route_change"].append(float(metrics.set_differs(old_sub.values, used.values).mean()))
         if mb == 0:  # the policy is still the old one: R2 must equal no replay here (its definition)
             first_mb_gap = float((logp.detach() - now.logprobs).abs().max())
             trainer_floor = metrics.k3_kl(now.logprobs.double().cpu().numpy(), logp_native[sel.numpy()])
@@ -350,10 +361,12 @@ def _train_step(model: Any, opt: Any, batch: _Batch, config: RLConfig, rng: np.r
         rec[f"train/{k}"] = float(np.mean(v)) if v else None
     rec["routing/route_change_first_mb"] = stats["route_change"][0]
     rec["routing/route_change_last_mb"] = stats["route_change"][-1]
+    rec["routing/used_route_change_last_mb"] = stats["used_route_change"][-1]
     sample = np.repeat(np.arange(B), batch.response.sum(1).numpy())
     pos = np.concatenate([np.arange(int(n)) for n in batch.response.sum(1).numpy()])
     rec["_tokens"] = {"sample": sample, "position": pos, "logp_infer": batch.logp_infer, "logp_old": logp_old,
-                      "logp_native": logp_native, "flipped": flipped, "reward": batch.rewards[sample],
+                      "logp_native": logp_native, "flipped": flipped,
+                      "flipped_layers": _response_rows(batch, differs.sum(axis=1)), "reward": batch.rewards[sample],
                       "first_mb_sample": np.isin(sample, np.sort(chunks[0]))}
     rec["train/first_mb_logp_gap_to_native"] = first_mb_gap
     # the trainer against itself: the same tokens under the same weights, scored in another batch composition
@@ -413,9 +426,11 @@ def run_comparison(base: RLConfig, *, modes: Sequence[str] = MODES, seeds: Seque
 COMPARISON_METRICS = (
     ("reward_mean", "reward", ".3f"),
     ("mismatch/k3_kl", "k3 KL", ".2e"),
-    ("mismatch/extreme_frac_tau2", "F(2)", ".4f"),
+    ("mismatch/extreme_frac_tau1.5", "F(1.5)", ".4f"),
     ("mismatch/logprob_abs_diff_mean", "mean abs dlogp", ".4f"),
-    ("routing/route_change_last_mb", "route change (last mini-batch)", ".3f"),
+    ("routing/engine_trainer_disagreement", "engine-trainer routing differs", ".3f"),
+    ("routing/route_change_last_mb", "policy route change (last mini-batch)", ".3f"),
+    ("routing/used_route_change_last_mb", "used routes vs old policy (last mini-batch)", ".3f"),
     ("train/clip_frac", "clip frac", ".3f"),
 )
 
