@@ -72,21 +72,15 @@ def test_console_script_and_missing_checkout_messages(installed):
 
 
 def test_python_m_r3lab_runs_the_drift_experiment_from_the_wheel(installed):
-    venv = installed[0]
-    r = _run(
-        installed,
-        str(venv / "bin" / "python"),
-        "-m",
-        "r3lab",
-        "--quick",
-        "--models",
-        "tiny-qwen3-moe",
-        "--data",
-        str(ROOT / "data"),
-        "--no-progress",
-    )
+    venv, work, _ = installed
+    runs = work / "runs-here"
+    args = ["-m", "r3lab", "--quick", "--models", "tiny-qwen3-moe", "--data", str(ROOT / "data"), "--runs", str(runs),
+            "--no-progress"]
+    r = _run(installed, str(venv / "bin" / "python"), *args)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     rows = [ln for ln in r.stdout.splitlines() if ln.startswith("| tiny-qwen3-moe |")]
     assert len(rows) == 4, r.stdout  # bf16 and fp32 trainers: the spread over seeds, and every cell
+    (run,) = runs.iterdir()  # the run went where it was told, not into the checkout
+    assert (run / "summary.json").is_file() and (run / "steps.jsonl").read_text().count("\n") == 2
     info = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith("INFO")]
     assert not info, info[:5]  # vLLM logs at WARNING unless the user asks for more
