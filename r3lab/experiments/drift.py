@@ -126,20 +126,26 @@ def replay_drift(model: Any, results: Sequence[RolloutResult], *, progress: bool
     return samples
 
 
-def _batched_native(model: Any, results: Sequence[RolloutResult]) -> list[np.ndarray]:
-    """Every sample's response log-probs from one right-padded batch forward (the trainer's own routing)."""
+def padded_batch(results: Sequence[RolloutResult]) -> tuple[Any, Any, Any]:
+    """Samples as the trainer's right-padded batch: ``ids [B, S]``, ``attention_mask``, and ``response``
+    (True where position t holds a sampled token, scored from the logits at t - 1)."""
     import torch
 
     seqs = [list(r.prompt_ids) + list(r.response_ids) for r in results]
     S = max(len(q) for q in seqs)
     ids = torch.zeros((len(seqs), S), dtype=torch.long)
     mask = torch.zeros_like(ids)
-    scored = torch.zeros_like(ids, dtype=torch.bool)
+    response = torch.zeros_like(ids, dtype=torch.bool)
     for b, (q, r) in enumerate(zip(seqs, results, strict=True)):
         ids[b, : len(q)] = torch.tensor(q)
         mask[b, : len(q)] = 1
-        scored[b, len(r.prompt_ids) : len(q)] = True
-    flat = score_batch(model, ids, mask, scored).logprobs.double().cpu().numpy()
+        response[b, len(r.prompt_ids) : len(q)] = True
+    return ids, mask, response
+
+
+def _batched_native(model: Any, results: Sequence[RolloutResult]) -> list[np.ndarray]:
+    """Every sample's response log-probs from one right-padded batch forward (the trainer's own routing)."""
+    flat = score_batch(model, *padded_batch(results)).logprobs.double().cpu().numpy()
     return np.split(flat, np.cumsum([len(r.response_ids) for r in results])[:-1])
 
 

@@ -36,6 +36,7 @@ import numpy as np
 
 from r3lab import metrics
 from r3lab.errors import ConfigError, R3LabError
+from r3lab.experiments.drift import padded_batch
 from r3lab.paths import model_dir
 from r3lab.replay import load_hf_model, remove_router_casts, score_batch
 from r3lab.rollout import RolloutEngine, RolloutResult, SamplingConfig, append_last_row
@@ -152,18 +153,7 @@ class _Batch:
 
 
 def _make_batch(results: Sequence[RolloutResult], rewards: np.ndarray, group: int) -> _Batch:
-    import torch
-
-    lens = [len(r.prompt_ids) + len(r.response_ids) for r in results]
-    B, S = len(results), max(lens)
-    ids = torch.zeros((B, S), dtype=torch.long)
-    mask = torch.zeros((B, S), dtype=torch.long)
-    response = torch.zeros((B, S), dtype=torch.bool)
-    for b, r in enumerate(results):
-        seq = r.prompt_ids + r.response_ids
-        ids[b, : len(seq)] = torch.tensor(seq)
-        mask[b, : len(seq)] = 1
-        response[b, len(r.prompt_ids) : len(seq)] = True
+    ids, mask, response = padded_batch(results)
     g = rewards.reshape(-1, group)
     adv = ((g - g.mean(axis=1, keepdims=True)) / (g.std(axis=1, keepdims=True) + 1e-6)).reshape(-1)
     routes = Routes.concat([append_last_row(r.routes) for r in results])
