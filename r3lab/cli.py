@@ -22,6 +22,7 @@ BENCHMARKS = {
     "slicing": "shard() throughput and per-rank memory",
     "replay": "forward+backward overhead of replay",
     "drift": "the drift experiment, writing the committed table bench/results/drift.md",
+    "rl": "none vs R2 vs R3 in the GRPO loop over seeds and knobs, writing bench/results/rl.md and reference runs",
 }
 MODES = ("none", "R2", "R3")
 
@@ -66,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("name", choices=sorted(BENCHMARKS), help="; ".join(f"{k}: {v}" for k, v in BENCHMARKS.items()))
     b.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark (e.g. --quick)")
     for name in BENCHMARKS:
-        if name != "drift":
+        if name not in ("drift", "rl"):  # those names are the experiments themselves
             s = sub.add_parser(name, help=f"= r3lab bench {name}: {BENCHMARKS[name]}")
             s.add_argument("args", nargs=argparse.REMAINDER)
     return ap

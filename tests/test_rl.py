@@ -143,3 +143,17 @@ def test_config_refuses_nonsense():
         RLConfig(samples_per_prompt=1)
     with pytest.raises(ConfigError, match="bf16 trainer"):
         RLConfig(router_dtype="bfloat16")
+
+
+def test_command_line_rl_and_runs(tmp_path, capfd):
+    from r3lab.cli import main
+
+    main(["rl", "--quick", "--modes", "R2", "--steps", "2", "--runs", str(tmp_path), "--name", "cli", "--no-progress"])
+    out = capfd.readouterr()
+    assert "| tiny-qwen3-moe | R2 | 1 x 2 |" in out.out and "run: " in out.err
+    assert load(tmp_path / "cli-R2-s0").finished
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{")
+    main(["runs", str(tmp_path)])
+    listing = capfd.readouterr().out
+    assert "cli-R2-s0" in listing and "finished" in listing and "unreadable" in listing
