@@ -1,17 +1,43 @@
 """Figures from results (never from engines): each function returns a ``plotly.graph_objects.Figure``.
 
-Figures are for notebooks and papers; nothing here calls ``.show()``. Export with
-``fig.write_image(path)`` (kaleido; set ``BROWSER_PATH`` to a Chromium binary on a machine without one of its own).
+Figures are for notebooks and papers; nothing here calls ``.show()``. They share one template
+(``"r3lab"``: fonts, white background) and one fixed colour per replay mode (:data:`MODE_COLORS`), so
+none / R2 / R3 look the same in every figure. Export with ``fig.write_image(path)`` (kaleido; set
+``BROWSER_PATH`` to a Chromium binary on a machine without one of its own).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import plotly.graph_objects as go
+import plotly.io as pio
 
-__all__ = ["transport_figure"]
+from r3lab import metrics
+from r3lab.errors import R3LabError
+from r3lab.routes import Routes
+from r3lab.runs import Run
+
+__all__ = ["MODE_COLORS", "ONE_COLUMN", "TWO_COLUMN", "transport_figure", "rl_curves_figure", "expert_load_figure",
+           "drift_figure"]
+
+MODE_COLORS = {"none": "#7f7f7f", "R2": "#1f77b4", "R3": "#d62728"}  # one colour per replay mode, everywhere
+ONE_COLUMN = {"width": 520, "height": 380}  # px at scale 1; a paper's single column
+TWO_COLUMN = {"width": 1100, "height": 460}
+_template = go.layout.Template(pio.templates["plotly_white"])  # the paper template: plotly_white, our fonts
+_template.layout.update(font={"family": "Helvetica, Arial, sans-serif", "size": 13},
+                        margin={"l": 60, "r": 20, "t": 50, "b": 50}, legend={"orientation": "h", "y": -0.25})
+pio.templates["r3lab"] = _template
+TEMPLATE = "r3lab"
+
+
+def _band(fig: go.Figure, x: np.ndarray, lo: np.ndarray, hi: np.ndarray, color: str, name: str, row: Any = None,
+          col: Any = None) -> None:
+    rgba = "rgba({},{},{},0.15)".format(*(int(color[i : i + 2], 16) for i in (1, 3, 5)))
+    fig.add_scatter(x=np.concatenate([x, x[::-1]]), y=np.concatenate([hi, lo[::-1]]), fill="toself", fillcolor=rgba,
+                    line={"width": 0}, hoverinfo="skip", showlegend=False, legendgroup=name, row=row, col=col)
 
 
 def transport_figure(records: Iterable[Mapping[str, Any]], *, popularity: str = "uniform") -> go.Figure:
@@ -35,4 +61,76 @@ def transport_figure(records: Iterable[Mapping[str, Any]], *, popularity: str = 
         width=1100,
         height=520,
     )
+    return fig
+
+
+def rl_curves_figure(runs: Sequence[Run], metric: str = "mismatch/k3_kl", *, log: bool | None = None,
+                     title: str | None = None) -> go.Figure:
+    """One metric over RL steps per replay mode: the median over seeds as a line, min - max as a band.
+
+    ``runs`` are RL runs (``r3lab.runs.load``) of one model; the metric is any key of their step records.
+    """
+    by_mode: dict[str, list[np.ndarray]] = {}
+    for r in runs:
+        if r.kind != "rl":
+            raise R3LabError(f"run {r.name!r} is a {r.kind!r} run, not an RL run")
+        vals = np.array([np.nan if s.get(metric) is None else s[metric] for s in r.step_records], dtype=np.float64)
+        if np.isnan(vals).all():
+            raise R3LabError(f"run {r.name!r} has no values of {metric!r}")
+        by_mode.setdefault(r.config["mode"], []).append(vals)
+    if not by_mode:
+        raise R3LabError("no runs to plot")
+    fig = go.Figure()
+    for mode in sorted(by_mode, key=lambda m: list(MODE_COLORS).index(m) if m in MODE_COLORS else 99):
+        n = min(len(v) for v in by_mode[mode])
+        stack = np.stack([v[:n] for v in by_mode[mode]])
+        x = np.arange(n)
+        color = MODE_COLORS.get(mode, "#2ca02c")
+        if stack.shape[0] > 1:
+            _band(fig, x, np.nanmin(stack, 0), np.nanmax(stack, 0), color, mode)
+        fig.add_scatter(x=x, y=np.nanmedian(stack, 0), mode="lines", name=f"{mode} ({stack.shape[0]} seeds)",
+                        line={"color": color, "width": 2}, legendgroup=mode)
+    use_log = metric.startswith("mismatch/k3") if log is None else log
+    fig.update_layout(template=TEMPLATE, title=title or metric, xaxis_title="RL step", yaxis_title=metric,
+                      yaxis_type="log" if use_log else "linear", **ONE_COLUMN)
+    return fig
+
+
+def expert_load_figure(routes: Routes, *, title: str = "expert load", reference: Routes | None = None) -> go.Figure:
+    """Heatmap of each layer's expert load (share of routed slots); with ``reference``, the difference to it."""
+    load = metrics.expert_load(routes.values, routes.num_experts)
+    z, scale, mid = load, "Viridis", None
+    if reference is not None:
+        if reference.num_experts != routes.num_experts or not np.array_equal(reference.layer_ids, routes.layer_ids):
+            raise R3LabError(f"cannot compare {routes!r} with {reference!r}: experts or layers differ")
+        z, scale, mid = load - metrics.expert_load(reference.values, reference.num_experts), "RdBu", 0.0
+    fig = go.Figure(go.Heatmap(z=z, x=list(range(routes.num_experts)), y=[f"layer {g}" for g in routes.layer_ids],
+                               colorscale=scale, zmid=mid, hovertemplate="%{y}, expert %{x}: %{z:.3f}<extra></extra>"))
+    vio = metrics.max_violation(load)
+    fig.update_layout(template=TEMPLATE, title=f"{title} (max_vio per layer {vio.min():.2f} - {vio.max():.2f})",
+                      xaxis_title="expert", **ONE_COLUMN)
+    return fig
+
+
+def drift_figure(run: Run) -> go.Figure:
+    """The drift experiment: k3 KL without replay and with R3, per (model, trainer), median over seeds with
+    min - max error bars, overall and on route-flipped tokens."""
+    if run.kind != "drift":
+        raise R3LabError(f"run {run.name!r} is a {run.kind!r} run, not a drift run")
+    cells: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for s in run.step_records:
+        cells.setdefault((s["model"], s["trainer_dtype"]), []).append(s)
+    labels = [f"{m}<br>{d}" for m, d in cells]
+    fig = go.Figure()
+    for key, name, color in (("k3_none", "none", MODE_COLORS["none"]), ("k3_r3", "R3", MODE_COLORS["R3"]),
+                             ("k3_flipped_none", "none, route-flipped tokens", "#bcbcbc"),
+                             ("k3_flipped_r3", "R3, route-flipped tokens", "#f4a3a3")):
+        vals = [np.array([c.get(key, np.nan) for c in cs], dtype=np.float64) for cs in cells.values()]
+        med = np.array([np.nanmedian(v) for v in vals])
+        fig.add_bar(x=labels, y=med, name=name, marker_color=color,
+                    error_y={"type": "data", "symmetric": False,
+                             "array": [np.nanmax(v) - m for v, m in zip(vals, med, strict=True)],
+                             "arrayminus": [m - np.nanmin(v) for v, m in zip(vals, med, strict=True)]})
+    fig.update_layout(template=TEMPLATE, barmode="group", yaxis_type="log", yaxis_title="train-inference k3 KL",
+                      title=f"What R3 changes ({len(next(iter(cells.values())))} seeds)", **TWO_COLUMN)
     return fig
