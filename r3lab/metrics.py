@@ -99,18 +99,22 @@ def mismatch_metrics(
     }
 
 
-def set_differs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Per (token, layer): whether two ``[T, L, K]`` route arrays chose different expert *sets* (order ignored)."""
+def _route_pair(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     a, b = np.asarray(a), np.asarray(b)
     if a.shape != b.shape or a.ndim != 3:
         raise R3LabError(f"route arrays must both be [T, L, K] of one shape, got {a.shape} and {b.shape}")
+    return a, b
+
+
+def set_differs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per (token, layer): whether two ``[T, L, K]`` route arrays chose different expert *sets* (order ignored)."""
+    a, b = _route_pair(a, b)
     return (np.sort(a, axis=2) != np.sort(b, axis=2)).any(axis=2)
 
 
 def set_overlap(a: np.ndarray, b: np.ndarray, num_experts: int) -> np.ndarray:
     """Per (token, layer): how many expert ids two ``[T, L, K]`` route arrays share (0..K, order ignored)."""
-    a, b = np.asarray(a), np.asarray(b)
-    set_differs(a, b)  # the same shape checks
+    a, b = _route_pair(a, b)
     if a.size and (max(int(a.max()), int(b.max())) >= num_experts or min(int(a.min()), int(b.min())) < 0):
         raise R3LabError(f"expert ids outside [0, {num_experts})")
     ha = np.zeros(a.shape[:2] + (num_experts,), dtype=bool)

@@ -268,6 +268,8 @@ def _train_step(model: Any, opt: Any, batch: _Batch, config: RLConfig, rng: np.r
     import torch
 
     B = batch.ids.shape[0]
+    n_resp = batch.response.sum(1).numpy()  # sampled tokens per sample
+    sample = np.repeat(np.arange(B), n_resp)  # the sample of every sampled token
     # the old policy, routing natively: its routes are R2's replay data and the engine-vs-trainer comparison
     native = score_batch(model, batch.ids, batch.mask, batch.response, record=True)
     native_routes = native.routes
@@ -277,9 +279,9 @@ def _train_step(model: Any, opt: Any, batch: _Batch, config: RLConfig, rng: np.r
         logp_old = logp_old.double().cpu().numpy()
     else:
         logp_old = logp_native
-    rec: dict[str, Any] = {}
-    rec.update({f"mismatch/{k}": v for k, v in metrics.mismatch_metrics(
-        logp_old, batch.logp_infer, cu_seqlens=_response_cu(batch), tis_cap=config.tis_cap or 2.0).items()})
+    mismatch = metrics.mismatch_metrics(logp_old, batch.logp_infer, cu_seqlens=np.concatenate([[0], np.cumsum(n_resp)]),
+                                        tis_cap=config.tis_cap or 2.0)
+    rec: dict[str, Any] = {f"mismatch/{k}": v for k, v in mismatch.items()}
     # routing: engine vs the trainer's own choice, per (token, layer), on every input position
     eng = batch.engine_routes.select_layers(native_routes.layer_ids).values
     differs = metrics.set_differs(eng, native_routes.values)
@@ -300,24 +302,24 @@ def _train_step(model: Any, opt: Any, batch: _Batch, config: RLConfig, rng: np.r
     adv = torch.as_tensor(batch.advantages, dtype=torch.float32)
     old_t = torch.as_tensor(logp_old, dtype=torch.float32)
     infer_t = torch.as_tensor(batch.logp_infer, dtype=torch.float32)
-    tok_sample = torch.as_tensor(np.repeat(np.arange(B), batch.response.sum(1).numpy()))
+    tok_sample = torch.as_tensor(sample)
     stats: dict[str, list[float]] = {k: [] for k in ("loss", "clip_frac", "approx_kl", "grad_norm", "entropy",
                                                       "route_change", "used_route_change", "tis_weight_mean")}
     first_mb_gap = trainer_floor = 0.0
-    for mb, idx in enumerate(chunks):
-        idx_t = torch.as_tensor(np.sort(idx))
+    for mb, idx in enumerate(np.sort(c) for c in chunks):
+        idx_t = torch.as_tensor(idx)
         ids, mask, resp = batch.ids[idx_t], batch.mask[idx_t], batch.response[idx_t]
         sel = torch.isin(tok_sample, idx_t)
         # what the current policy would route natively, against the old policy's routes (what R2 freezes)
         now = score_batch(model, ids, mask, resp, record=True)
         now_routes = now.routes
-        old_sub = native_routes.take(np.sort(idx))
+        old_sub = native_routes.take(idx)
         stats["route_change"].append(float(metrics.set_differs(old_sub.values, now_routes.values).mean()))
         replay = None
         if config.mode == "R2":
             replay = old_sub
         elif config.mode == "R3":
-            replay = batch.engine_routes.take(np.sort(idx))
+            replay = batch.engine_routes.take(idx)
         cur = score_batch(model, ids, mask, resp, routes=replay, grad=True, entropy=True)
         logp, ent = cur.logprobs, cur.entropy
         # the routes this forward actually used, against the old policy's: 0 for R2 by construction
@@ -352,8 +354,7 @@ def _train_step(model: Any, opt: Any, batch: _Batch, config: RLConfig, rng: np.r
     rec["routing/route_change_first_mb"] = stats["route_change"][0]
     rec["routing/route_change_last_mb"] = stats["route_change"][-1]
     rec["routing/used_route_change_last_mb"] = stats["used_route_change"][-1]
-    sample = np.repeat(np.arange(B), batch.response.sum(1).numpy())
-    pos = np.concatenate([np.arange(int(n)) for n in batch.response.sum(1).numpy()])
+    pos = np.concatenate([np.arange(int(n)) for n in n_resp])
     rec["_tokens"] = {"sample": sample, "position": pos, "logp_infer": batch.logp_infer, "logp_old": logp_old,
                       "logp_native": logp_native, "flipped": flipped,
                       "flipped_layers": _response_rows(batch, differs.sum(axis=1)), "reward": batch.rewards[sample],
@@ -362,11 +363,6 @@ def _train_step(model: Any, opt: Any, batch: _Batch, config: RLConfig, rng: np.r
     # the trainer against itself: the same tokens under the same weights, scored in another batch composition
     rec["noise/k3_kl_trainer_vs_trainer"] = trainer_floor
     return rec
-
-
-def _response_cu(batch: _Batch) -> np.ndarray:
-    n = batch.response.sum(1).numpy()
-    return np.concatenate([[0], np.cumsum(n)]).astype(np.int64)
 
 
 def _response_rows(batch: _Batch, per_row: np.ndarray) -> np.ndarray:
