@@ -13,7 +13,7 @@ fi
 STAMP="$VENV/.r3lab-installed"
 WANT="$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
-  echo "[r3lab] installing r3lab[cpu,lab,dev] into $VENV (a few minutes on a fresh machine)" >&2
+  echo "[r3lab] installing r3lab[cpu,lab,ray,dev] into $VENV (a few minutes on a fresh machine)" >&2
   "$VENV/bin/python" -m pip install -q --upgrade pip
   # torch first and alone: pip takes the CPU 2.13.0 wheel from this machine's find-links
   "$VENV/bin/python" -m pip install -q "torch==2.13.0"
@@ -22,5 +22,7 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   echo "$WANT" > "$STAMP"
 fi
+# the system Chromium: kaleido's figure export and the real-browser test use it (no browser download)
+source "$ROOT/scripts/chromium.sh"
 export PATH="$VENV/bin:$PATH"
 export VIRTUAL_ENV="$VENV"
