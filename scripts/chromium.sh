@@ -11,8 +11,8 @@ _r3lab_find_chromium() {
 if [ -z "$(_r3lab_find_chromium)" ] && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
   echo "[r3lab] installing Debian's chromium (figure export and the browser test need it)" >&2
   export DEBIAN_FRONTEND=noninteractive
-  apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1 \
-    || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends chromium >/dev/null; } \
+  apt-get install -y -q chromium >/dev/null 2>&1 \
+    || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null; } \
     || echo "[r3lab] could not install chromium with apt-get; figure export and the browser test will say so" >&2
 fi
 if [ -n "$(_r3lab_find_chromium)" ]; then
