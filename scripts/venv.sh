@@ -20,6 +20,8 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   "$VENV/bin/python" -m pip install -q -e "$ROOT[cpu,lab,dev]"
   # the index's torchvision/torchaudio are CUDA builds that break `import transformers` beside CPU torch
   "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  # the notebooks' kernel, inside the venv (no user-wide kernelspec): notebooks are committed with it
+  "$VENV/bin/python" -m ipykernel install --sys-prefix --name r3lab --display-name "r3lab (Python 3.11)" >/dev/null
   echo "$WANT" > "$STAMP"
 fi
 # the system Chromium: kaleido's figure export and the real-browser test use it (no browser download)
