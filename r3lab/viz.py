@@ -2,13 +2,16 @@
 
 Figures are for notebooks and papers; nothing here calls ``.show()``. They share one template
 (``"r3lab"``: fonts, white background) and one fixed colour per replay mode (:data:`MODE_COLORS`), so
-none / R2 / R3 look the same in every figure. Export with ``fig.write_image(path)`` (kaleido; set
-``BROWSER_PATH`` to a Chromium binary on a machine without one of its own).
+none / R2 / R3 look the same in every figure. :func:`export` writes a figure as PNG, SVG and PDF through
+kaleido with the system's Chromium (:func:`find_chromium`; no browser is downloaded).
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,8 +23,8 @@ from r3lab.errors import R3LabError
 from r3lab.routes import Routes
 from r3lab.runs import Run
 
-__all__ = ["MODE_COLORS", "ONE_COLUMN", "TWO_COLUMN", "transport_figure", "rl_curves_figure", "expert_load_figure",
-           "drift_figure"]
+__all__ = ["MODE_COLORS", "ONE_COLUMN", "TWO_COLUMN", "EXPORT_FORMATS", "find_chromium", "export", "transport_figure",
+           "rl_curves_figure", "expert_load_figure", "drift_figure"]
 
 MODE_COLORS = {"none": "#7f7f7f", "R2": "#1f77b4", "R3": "#d62728"}  # one colour per replay mode, everywhere
 ONE_COLUMN = {"width": 520, "height": 380}  # px at scale 1; a paper's single column
@@ -31,6 +34,54 @@ _template.layout.update(font={"family": "Helvetica, Arial, sans-serif", "size": 
                         margin={"l": 60, "r": 20, "t": 50, "b": 50}, legend={"orientation": "h", "y": -0.25})
 pio.templates["r3lab"] = _template
 TEMPLATE = "r3lab"
+
+
+EXPORT_FORMATS = ("png", "svg", "pdf")
+_CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
+_NO_CHROMIUM = ("figure export needs a Chromium binary and none was found: install Debian's package "
+                "(`sudo apt-get install chromium`, which `bash scripts/test.sh` does by itself when run as root) "
+                "or point BROWSER_PATH at a Chromium or Chrome executable")
+
+
+def find_chromium() -> str:
+    """The system Chromium kaleido should drive: ``$BROWSER_PATH`` if set, else the first on ``PATH``.
+
+    Raises :class:`R3LabError` saying how to install one; r3lab never downloads a browser.
+    """
+    env = os.environ.get("BROWSER_PATH")
+    if env:
+        if not (os.path.isfile(env) and os.access(env, os.X_OK)):
+            raise R3LabError(f"BROWSER_PATH={env!r} is not an executable file; {_NO_CHROMIUM}")
+        return env
+    for name in _CHROMIUM_NAMES:
+        found = shutil.which(name)
+        if found:
+            return found
+    raise R3LabError(_NO_CHROMIUM)
+
+
+def export(fig: go.Figure, path: str | os.PathLike, *, formats: Sequence[str] = EXPORT_FORMATS,
+           scale: float = 2.0) -> list[Path]:
+    """Write ``fig`` as ``path`` with each suffix of ``formats`` (PNG, SVG and PDF by default); returns the files.
+
+    ``path``'s own suffix, if any, is replaced. The figure's layout size is kept (the paper sizes
+    :data:`ONE_COLUMN` / :data:`TWO_COLUMN`); ``scale`` only sharpens the PNG.
+    """
+    bad = [f for f in formats if f not in EXPORT_FORMATS]
+    if bad or not formats:
+        raise R3LabError(f"export formats must be among {EXPORT_FORMATS}, got {list(formats)}")
+    os.environ["BROWSER_PATH"] = find_chromium()  # kaleido reads it when it starts its browser
+    base = Path(path)
+    base = base.with_suffix("") if base.suffix.lower().lstrip(".") in EXPORT_FORMATS else base
+    base.parent.mkdir(parents=True, exist_ok=True)
+    out = []
+    for fmt in formats:
+        target = base.with_name(f"{base.name}.{fmt}")
+        fig.write_image(target, format=fmt, scale=scale if fmt == "png" else 1)
+        if not target.is_file() or target.stat().st_size == 0:
+            raise R3LabError(f"kaleido wrote nothing to {target}")
+        out.append(target)
+    return out
 
 
 def _band(fig: go.Figure, x: np.ndarray, lo: np.ndarray, hi: np.ndarray, color: str, name: str, row: Any = None,
