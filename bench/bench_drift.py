@@ -1,18 +1,22 @@
 """What R3 changes on the shipped tiny models: train-inference k3 KL without replay and with the engine's routes.
 
-Regenerates the committed table bench/results/drift.md from ``r3lab.experiments.run_drift`` (the main
-job, ``r3lab drift``, prints the same table and never writes here). Run: ``python bench/bench_drift.py [--quick]``.
+Regenerates the committed table bench/results/drift.md and the reference run bench/results/drift-run/ (read
+by ``r3lab figures``) from ``r3lab.experiments.run_drift``. The main job, ``r3lab drift``, prints the same
+table and never writes here. Run: ``python bench/bench_drift.py [--quick]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from r3lab.experiments import DriftConfig, drift_table, run_drift
 
 RESULTS = Path(__file__).resolve().parent / "results" / "drift.md"
+REFERENCE = RESULTS.parent / "drift-run"  # the reference run: regenerated whole by this script only
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -20,11 +24,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="8 prompts x 16 tokens (smoke run); writes nothing")
     args = ap.parse_args(argv)
     config = DriftConfig.quick() if args.quick else DriftConfig()
-    table = drift_table(run_drift(config), config, command="python bench/bench_drift.py")
-    print(table)
-    if not args.quick:
-        RESULTS.write_text(table)
-        print(f"wrote {RESULTS}", file=sys.stderr)
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = run_drift(config, runs_root=tmp, run_name=REFERENCE.name)
+        table = drift_table(rows, config, command="python bench/bench_drift.py")
+        print(table)
+        if not args.quick:
+            RESULTS.write_text(table)
+            if REFERENCE.exists():
+                shutil.rmtree(REFERENCE)  # the reference is regenerated whole, never merged with an older one
+            shutil.copytree(Path(tmp) / REFERENCE.name, REFERENCE)
+            print(f"wrote {RESULTS} and {REFERENCE}", file=sys.stderr)
 
 
 if __name__ == "__main__":

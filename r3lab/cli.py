@@ -63,6 +63,10 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--no-progress", action="store_true", help="no progress bars")
     ls = sub.add_parser("runs", help="list the runs in a folder")
     ls.add_argument("folder", nargs="?", help="default: <data>/runs; $R3LAB_RUNS")
+    f = sub.add_parser("figures", help="regenerate every paper figure from committed results (PNG, SVG, PDF)")
+    f.add_argument("--results", help="the committed results folder (default: the checkout's bench/results)")
+    f.add_argument("--out", help="where figures go (default: the checkout's docs/figures)")
+    f.add_argument("--formats", nargs="+", choices=("png", "svg", "pdf"), help="default: all three")
     b = sub.add_parser("bench", help="run a benchmark from a source checkout's bench/ folder")
     b.add_argument("name", choices=sorted(BENCHMARKS), help="; ".join(f"{k}: {v}" for k, v in BENCHMARKS.items()))
     b.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark (e.g. --quick)")
@@ -136,6 +140,19 @@ def _runs(args: argparse.Namespace) -> None:
             print(f"{path.name:48s} {run.kind:6s} {len(run.step_records):5d}  {state}")
 
 
+def _figures(args: argparse.Namespace) -> None:
+    from r3lab.viz import EXPORT_FORMATS, paper_figures
+
+    checkout = Path(__file__).resolve().parent.parent
+    results = Path(args.results) if args.results else checkout / "bench" / "results"
+    if not results.is_dir():
+        raise R3LabError(f"no results folder at {results}: `r3lab figures` reads a source checkout's bench/results "
+                         "(or pass --results DIR)")
+    out = Path(args.out) if args.out else checkout / "docs" / "figures"
+    for path in paper_figures(results, out, formats=args.formats or EXPORT_FORMATS):
+        print(f"wrote {path}")
+
+
 def _bench(name: str, rest: list[str]) -> None:
     script = Path(__file__).resolve().parent.parent / "bench" / f"bench_{name}.py"
     if not script.is_file():
@@ -160,6 +177,8 @@ def main(argv: list[str] | None = None) -> None:
             _rl(args)
         elif args.command == "runs":
             _runs(args)
+        elif args.command == "figures":
+            _figures(args)
         elif args.command == "bench":
             _bench(args.name, args.args)
         else:

@@ -185,3 +185,51 @@ def drift_figure(run: Run) -> go.Figure:
     fig.update_layout(template=TEMPLATE, barmode="group", yaxis_type="log", yaxis_title="train-inference k3 KL",
                       title=f"What R3 changes ({len(next(iter(cells.values())))} seeds)", **TWO_COLUMN)
     return fig
+
+
+def paper_figures(results: str | os.PathLike, out: str | os.PathLike, *,
+                  formats: Sequence[str] = EXPORT_FORMATS) -> list[Path]:
+    """Every paper figure, rebuilt from committed results (``bench/results`` of a checkout) into ``out``.
+
+    Reads only files: ``transport.json``, the reference drift run ``drift-run/`` and the reference RL runs
+    ``rl/``. Returns the files written (each figure as PNG, SVG and PDF). A missing input is an error that
+    names it and the command that regenerates it, never a silently skipped figure.
+    """
+    import orjson
+
+    from r3lab.runs import RunFormatError, list_runs, load
+
+    results, out = Path(results), Path(out)
+
+    def need(path: Path, command: str) -> Path:
+        if not path.exists():
+            raise R3LabError(f"{path} is missing: `{command}` regenerates it")
+        return path
+
+    transport = orjson.loads(need(results / "transport.json", "python bench/bench_transport.py").read_bytes())
+    drift = load(need(results / "drift-run", "python bench/bench_drift.py"))
+    rl_found = list_runs(need(results / "rl", "python bench/bench_rl.py"))
+    bad = [f"{p.name}: {r}" for p, r in rl_found if isinstance(r, RunFormatError)]
+    if bad:
+        raise R3LabError("unreadable reference RL runs: " + "; ".join(bad))
+    figures: dict[str, go.Figure] = {
+        "transport": transport_figure(transport, popularity="uniform"),
+        "drift": drift_figure(drift),
+    }
+    cell = next((i for i, s in enumerate(drift.step_records)
+                 if s["model"] == "tiny-glm4-moe" and s["trainer_dtype"] == "bfloat16"), None)
+    if cell is None:
+        raise R3LabError(f"{drift.path} has no tiny-glm4-moe bf16 cell for the expert-load figure")
+    step = drift.step_records[cell]["step"]
+    figures["expert_load_glm4"] = expert_load_figure(
+        drift.routes(step, "engine"), title=f"tiny-glm4-moe, engine routes (seed {drift.step_records[cell]['seed']})")
+    for model in ("tiny-qwen3-moe", "tiny-glm4-moe"):
+        runs = [r for _, r in rl_found if r.name.startswith(f"{model}-default-")]
+        if not runs:
+            raise R3LabError(f"no reference RL runs of {model} in {results / 'rl'}: `python bench/bench_rl.py`")
+        figures[f"rl_k3_{model.split('-')[1]}"] = rl_curves_figure(
+            runs, title=f"{model}: train-inference k3 KL per RL step")
+    written: list[Path] = []
+    for name, fig in figures.items():
+        written += export(fig, out / name, formats=formats)
+    return written
