@@ -40,3 +40,35 @@ def test_drift_config_refuses_nonsense():
     with pytest.raises(ValueError, match="prompts"):
         DriftConfig(prompts=0)
     assert np.isclose(DriftConfig.quick().prompts, 8)
+
+
+def test_the_committed_reference_drift_run_is_consistent():
+    """bench/results/drift-run (read by `r3lab figures`): its routes, tokens and steps say the same thing."""
+    from pathlib import Path
+
+    from r3lab import metrics
+    from r3lab.runs import load
+
+    run = load(Path(__file__).resolve().parent.parent / "bench" / "results" / "drift-run")
+    assert run.kind == "drift" and run.finished
+    assert len(run.step_records) == len(run.config["models"]) * len(run.config["trainer_dtypes"]) * len(
+        run.config["seeds"])
+    engine = {}
+    for s in run.step_records:
+        tokens = run.tokens([s["step"]])
+        trainer = run.routes(s["step"], "trainer")
+        key = (s["model"], s["seed"])
+        if s["trainer_dtype"] == "bfloat16" or key not in engine:
+            engine[key] = run.routes(s["step"], "engine")
+        eng = engine[key]
+        assert trainer.num_experts == eng.num_experts and list(trainer.layer_ids) == list(eng.layer_ids)
+        assert list(trainer.cu_seqlens) == list(eng.cu_seqlens)
+        # the per-token "flipped" column is recomputed exactly from the two route sets: rows P-1 .. P+R-2
+        flips = metrics.token_route_flips(eng.values, trainer.values)
+        lengths = tokens.groupby("sample").size().to_numpy()
+        response_rows = np.concatenate([np.arange(end - n, end) for end, n in zip(eng.cu_seqlens[1:], lengths,
+                                                                                   strict=True)])
+        assert np.array_equal(flips[response_rows], tokens["flipped"].to_numpy()), s["step"]
+        assert abs(tokens["flipped"].mean() - s["flipped_share"]) < 1e-12
+        assert abs(metrics.k3_kl(tokens["logp_none"].to_numpy(), tokens["logp_infer"].to_numpy())
+                   - s["k3_none"]) < 1e-12 * max(1.0, s["k3_none"])
