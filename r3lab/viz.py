@@ -28,7 +28,7 @@ __all__ = ["MODE_COLORS", "ONE_COLUMN", "TWO_COLUMN", "EXPORT_FORMATS", "find_ch
            "rl_curves_figure", "expert_load_figure", "drift_figure", "route_view_figure", "codec_figure",
            "expert_load_comparison_figure", "layer_disagreement_figure", "load_imbalance_figure", "load_shift_figure",
            "prob_density_figure", "extreme_fraction_figure", "delta_histogram_figure", "flip_split_figure",
-           "layer_drift_figure", "response_differs"]
+           "layer_drift_figure", "response_differs", "rl_token_logprobs", "export_figures"]
 
 MODE_COLORS = {"none": "#7f7f7f", "R2": "#1f77b4", "R3": "#d62728"}  # one colour per replay mode, everywhere
 ONE_COLUMN = {"width": 520, "height": 380}  # px at scale 1; a paper's single column
@@ -361,26 +361,35 @@ def load_shift_figure(runs: Sequence[Run], *, what: str = "engine") -> go.Figure
 
 
 # ---- log-prob drift ----------------------------------------------------------------------------------------------
-def _modes(logp_train: Mapping[str, Any], logp_infer: Any) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    inf = np.asarray(logp_infer, dtype=np.float64)
+def _modes(logp_train: Mapping[str, Any], logp_infer: Any) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """``{mode: (trainer, engine)}`` log-probs: each value is the trainer's array (against the shared
+    ``logp_infer``) or its own ``(logp_train, logp_infer)`` pair (modes scored on different samples, e.g. RL runs)."""
     if not logp_train:
         raise R3LabError("no trainer log-probs to plot (pass {mode: logp_train})")
     out = {}
     for mode, v in logp_train.items():
-        a = np.asarray(v, dtype=np.float64)
-        if a.shape != inf.shape or a.ndim != 1 or a.size == 0:
-            raise R3LabError(f"trainer log-probs of {mode!r} have shape {a.shape}; the engine's have {inf.shape}")
-        out[mode] = a
-    return inf, out
+        if isinstance(v, tuple):
+            if len(v) != 2:
+                raise R3LabError(f"{mode!r}: pass (logp_train, logp_infer), got a tuple of {len(v)}")
+            v, inf = v
+        elif logp_infer is None:
+            raise R3LabError(f"{mode!r} has no engine log-probs: pass logp_infer or a (logp_train, logp_infer) pair")
+        else:
+            inf = logp_infer
+        a, b = np.asarray(v, dtype=np.float64), np.asarray(inf, dtype=np.float64)
+        if a.shape != b.shape or a.ndim != 1 or a.size == 0:
+            raise R3LabError(f"trainer log-probs of {mode!r} have shape {a.shape}; the engine's have {b.shape}")
+        out[mode] = (a, b)
+    return out
 
 
 def prob_density_figure(logp_infer: Any, logp_train: Mapping[str, Any], *, bins: int = 60) -> go.Figure:
     """Trainer vs engine probability of every sampled token as a density (2-D histogram, log counts) per mode,
     against the diagonal."""
-    inf, modes = _modes(logp_train, logp_infer)
+    modes = _modes(logp_train, logp_infer)
     fig = make_subplots(rows=1, cols=len(modes), shared_yaxes=True, subplot_titles=list(modes))
     edges = np.linspace(0.0, 1.0, bins + 1)
-    for i, (mode, lt) in enumerate(modes.items(), 1):
+    for i, (mode, (lt, inf)) in enumerate(modes.items(), 1):
         h, _, _ = np.histogram2d(np.exp(inf), np.exp(lt), bins=[edges, edges])
         mids = (edges[:-1] + edges[1:]) / 2
         fig.add_heatmap(x=mids, y=mids, z=np.where(h.T > 0, np.log10(np.maximum(h.T, 1)), np.nan),
@@ -391,8 +400,8 @@ def prob_density_figure(logp_infer: Any, logp_train: Mapping[str, Any], *, bins:
                         "width": 1}, name=f"{mode}: y = x", showlegend=False, row=1, col=i)
         fig.update_xaxes(title_text="engine probability", range=[0, 1], row=1, col=i)
     fig.update_yaxes(title_text="trainer probability", range=[0, 1], row=1, col=1)
-    fig.update_layout(template=TEMPLATE, title=f"trainer vs engine probability ({inf.size} sampled tokens)",
-                      **TWO_COLUMN)
+    n = "/".join(str(k) for k in sorted({inf.size for _, inf in modes.values()}))
+    fig.update_layout(template=TEMPLATE, title=f"trainer vs engine probability ({n} sampled tokens)", **TWO_COLUMN)
     return fig
 
 
@@ -401,10 +410,10 @@ def extreme_fraction_figure(logp_infer: Any, logp_train: Mapping[str, Any], *,
                             taus: Any = None) -> go.Figure:
     """F(tau) over tau (share of tokens whose trainer/engine probability ratio is beyond tau either way) per mode,
     and the noise floors (``floors``: name -> (scores, reference scores) of a scorer against itself) dashed."""
-    inf, modes = _modes(logp_train, logp_infer)
+    modes = _modes(logp_train, logp_infer)
     t = np.geomspace(1.001, 4.0, 120) if taus is None else np.asarray(taus, dtype=np.float64)
     fig = go.Figure()
-    for mode, lt in modes.items():
+    for mode, (lt, inf) in modes.items():
         fig.add_scatter(x=t, y=metrics.extreme_fraction_curve(lt, inf, t), mode="lines", name=mode,
                         line={"color": _mode_color(mode), "width": 2})
     for i, (name, (a, b)) in enumerate((floors or {}).items()):
@@ -418,8 +427,7 @@ def extreme_fraction_figure(logp_infer: Any, logp_train: Mapping[str, Any], *,
 
 def delta_histogram_figure(logp_infer: Any, logp_train: Mapping[str, Any], *, bins: int = 80) -> go.Figure:
     """Histogram of Δ log p = trainer - engine per mode, on shared bins, log counts."""
-    inf, modes = _modes(logp_train, logp_infer)
-    deltas = {m: lt - inf for m, lt in modes.items()}
+    deltas = {m: lt - inf for m, (lt, inf) in _modes(logp_train, logp_infer).items()}
     lim = max(float(np.abs(d).max()) for d in deltas.values()) or 1e-6
     edges = np.linspace(-lim, lim, bins + 1)
     fig = go.Figure()
@@ -435,15 +443,17 @@ def delta_histogram_figure(logp_infer: Any, logp_train: Mapping[str, Any], *, bi
 
 def flip_split_figure(logp_infer: Any, logp_train: Mapping[str, Any], flipped: Any) -> go.Figure:
     """k3 KL per mode on route-flipped and on agreeing tokens (a token is route-flipped when engine and trainer
-    chose a different expert set in some layer at its input position)."""
-    inf, modes = _modes(logp_train, logp_infer)
-    f = np.asarray(flipped, dtype=bool)
-    if f.shape != inf.shape:
-        raise R3LabError(f"flipped has shape {f.shape}; the log-probs have {inf.shape}")
-    groups = [(f"route-flipped ({int(f.sum())})", f), (f"agreeing ({int((~f).sum())})", ~f), ("all", np.ones_like(f))]
+    chose a different expert set in some layer at its input position). ``flipped``: one array for all modes, or
+    ``{mode: array}`` when the modes scored different samples."""
+    modes = _modes(logp_train, logp_infer)
     fig = go.Figure()
-    for mode, lt in modes.items():
+    for mode, (lt, inf) in modes.items():
+        f = np.asarray(flipped[mode] if isinstance(flipped, Mapping) else flipped, dtype=bool)
+        if f.shape != inf.shape:
+            raise R3LabError(f"flipped has shape {f.shape}; the log-probs of {mode!r} have {inf.shape}")
+        groups = (("route-flipped", f), ("agreeing", ~f), ("all", np.ones_like(f)))
         fig.add_bar(x=[g for g, _ in groups], name=mode, marker_color=_mode_color(mode),
+                    customdata=[int(m.sum()) for _, m in groups], hovertemplate="%{x}: %{y:.3g} (%{customdata} tokens)",
                     y=[metrics.k3_kl(lt[m], inf[m]) if m.any() else None for _, m in groups])
     fig.update_layout(template=TEMPLATE, barmode="group", yaxis_type="log", yaxis_title="k3 KL",
                       title="drift on route-flipped vs agreeing tokens", **ONE_COLUMN)
@@ -462,17 +472,15 @@ def layer_drift_figure(differs: Any, logp_infer: Any, logp_train: Mapping[str, A
                        layer_ids: Sequence[int] | None = None) -> go.Figure:
     """Per-layer disagreement against drift: for each layer, the share of sampled tokens routed differently there
     (bars) and the k3 KL of those tokens per mode (markers), beside the k3 of the tokens that agreed there."""
-    inf, modes = _modes(logp_train, logp_infer)
+    modes = _modes(logp_train, logp_infer)
     f = np.asarray(differs, dtype=bool)
     lids = list(range(f.shape[1])) if layer_ids is None else [int(g) for g in layer_ids]
     if f.ndim != 2 or len(lids) != f.shape[1]:
         raise R3LabError(f"differs must be [tokens, layers] with {len(lids)} layers, got shape {f.shape}")
     labels = [f"layer {g}" for g in lids]
     fig = make_subplots(specs=[[{"secondary_y": True}]])
-    first = next(iter(modes.values()))
-    fig.add_bar(x=labels, y=metrics.per_layer_flip_drift(f, first, inf)["disagreement"], name="tokens flipped here",
-                marker_color="#dddddd", secondary_y=False)
-    for mode, lt in modes.items():
+    fig.add_bar(x=labels, y=f.mean(axis=0), name="tokens flipped here", marker_color="#dddddd", secondary_y=False)
+    for mode, (lt, inf) in modes.items():
         d = metrics.per_layer_flip_drift(f, lt, inf)
         c = _mode_color(mode)
         fig.add_scatter(x=labels, y=d["k3_flipped"], mode="markers+lines", name=f"{mode}: k3 of flipped",
@@ -484,3 +492,30 @@ def layer_drift_figure(differs: Any, logp_infer: Any, logp_train: Mapping[str, A
     fig.update_yaxes(title_text="k3 KL", type="log", secondary_y=True)
     fig.update_layout(template=TEMPLATE, title="per-layer routing disagreement against drift", **TWO_COLUMN)
     return fig
+
+
+def rl_token_logprobs(runs: Sequence[Run], step: int | None = None) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]],
+                                                                               dict[str, np.ndarray]]:
+    """Per replay mode, the sampled tokens of RL runs at one stored step (default: each run's last), seeds pooled:
+    ``({mode: (logp_old, logp_infer)}, {mode: flipped})`` for the drift figures. ``logp_old`` is the trainer's
+    old-policy log-prob the loss uses (under R3 with the engine's routes replayed)."""
+    pairs: dict[str, list[Any]] = {}
+    for r in runs:
+        if r.kind != "rl":
+            raise R3LabError(f"run {r.name!r} is a {r.kind!r} run, not an RL run")
+        have = r.token_steps()
+        if not have or (step is not None and step not in have):
+            raise R3LabError(f"run {r.name!r} has token tables at steps {have}, not at {step}")
+        t = r.tokens([have[-1] if step is None else step])
+        pairs.setdefault(r.config["mode"], []).append(t)
+    order = sorted(pairs, key=lambda m: list(MODE_COLORS).index(m) if m in MODE_COLORS else 99)
+    logps = {m: (np.concatenate([t["logp_old"] for t in pairs[m]]), np.concatenate([t["logp_infer"] for t in pairs[m]]))
+             for m in order}
+    return logps, {m: np.concatenate([t["flipped"] for t in pairs[m]]).astype(bool) for m in order}
+
+
+def export_figures(figures: Mapping[str, go.Figure], out_dir: str | os.PathLike, **kwargs: Any) -> list[Path]:
+    """:func:`export` each named figure as ``out_dir/<name>.{png,svg,pdf}``; returns every file written."""
+    if not figures:
+        raise R3LabError("no figures to export")
+    return [p for name, fig in figures.items() for p in export(fig, Path(out_dir) / name, **kwargs)]

@@ -248,7 +248,11 @@ def test_drift_figures_show_the_hand_computed_numbers():
     d = none - inf
     k3 = np.expm1(d) - d
     np.testing.assert_allclose(split.data[0].y, [k3[1:3].mean(), k3[[0, 3]].mean(), k3.mean()])
-    assert split.data[0].x[0] == "route-flipped (2)"
+    assert list(split.data[0].x) == ["route-flipped", "agreeing", "all"] and list(split.data[0].customdata) == [2, 2, 4]
+    pair = flip_split_figure(None, {"none": (none[:2], inf[:2]), "R3": (r3, inf)}, {"none": flipped[:2], "R3": flipped})
+    np.testing.assert_allclose(pair.data[0].y, [k3[1], k3[0], k3[:2].mean()])
+    with pytest.raises(R3LabError, match="no engine log-probs"):
+        flip_split_figure(None, modes, flipped)
 
     differs = np.array([[False, True], [True, False], [True, False], [False, False]])
     lay = layer_drift_figure(differs, inf, modes, layer_ids=[3, 5])
