@@ -167,6 +167,12 @@ def expert_load_figure(routes: Routes, *, title: str = "expert load", reference:
     return fig
 
 
+def _median_min_max(v: np.ndarray) -> tuple[float, float, float]:
+    """Median, min and max of the finite values (NaN, quietly, when there are none: no route-flipped tokens)."""
+    f = v[np.isfinite(v)]
+    return (float(np.median(f)), float(f.min()), float(f.max())) if f.size else (np.nan, np.nan, np.nan)
+
+
 def drift_figure(run: Run) -> go.Figure:
     """The drift experiment: k3 KL without replay and with R3, per (model, trainer), median over seeds with
     min - max error bars, overall and on route-flipped tokens."""
@@ -181,11 +187,11 @@ def drift_figure(run: Run) -> go.Figure:
                              ("k3_flipped_none", "none, route-flipped tokens", "#bcbcbc"),
                              ("k3_flipped_r3", "R3, route-flipped tokens", "#f4a3a3")):
         vals = [np.array([c.get(key, np.nan) for c in cs], dtype=np.float64) for cs in cells.values()]
-        med = np.array([np.nanmedian(v) for v in vals])
+        spread = np.array([_median_min_max(v) for v in vals]).reshape(-1, 3)  # NaN where no cell has the value
+        med = spread[:, 0]
         fig.add_bar(x=labels, y=med, name=name, marker_color=color,
-                    error_y={"type": "data", "symmetric": False,
-                             "array": [np.nanmax(v) - m for v, m in zip(vals, med, strict=True)],
-                             "arrayminus": [m - np.nanmin(v) for v, m in zip(vals, med, strict=True)]})
+                    error_y={"type": "data", "symmetric": False, "array": spread[:, 2] - med,
+                             "arrayminus": med - spread[:, 1]})
     fig.update_layout(template=TEMPLATE, barmode="group", yaxis_type="log", yaxis_title="train-inference k3 KL",
                       title=f"What R3 changes ({len(next(iter(cells.values())))} seeds)", **TWO_COLUMN)
     return fig
@@ -207,13 +213,14 @@ FLIP_COLOR = "#ffb000"  # a (token, layer) cell where engine and trainer chose d
 
 
 def route_view_figure(engine: Routes, trainer: Routes | None = None, *, sample: int = 0,
-                      tokens: Sequence[str] | None = None, start: int = 0, stop: int | None = None) -> go.Figure:
+                      tokens: Sequence[str] | None = None, start: int = 0, stop: int | None = None,
+                      prompt_len: int | None = None) -> go.Figure:
     """One sample's routes, token by layer: each cell lists the engine's experts; cells where the trainer chose a
     different expert set are highlighted (and show both); hover shows the token text.
 
     Row t of a sample routes its token t (the router input at position t). ``tokens`` are the sample's token
     strings (at least one per route row; the last sampled token has no row and is ignored); ``start``/``stop``
-    pick a window of rows.
+    pick a window of rows; ``prompt_len`` draws a line where the sampled tokens begin.
     """
     eng = engine.sequence(sample)
     if trainer is not None:
@@ -245,6 +252,9 @@ def route_view_figure(engine: Routes, trainer: Routes | None = None, *, sample: 
         y=[f"layer {int(g)}" for g in engine.layer_ids], text=text, texttemplate="%{text}", hovertext=hover,
         hovertemplate="%{hovertext}<extra></extra>", colorscale=[[0, "#f4f4f4"], [1, FLIP_COLOR]], zmin=0, zmax=1,
         showscale=False, xgap=1, ygap=1, textfont={"size": 9}))
+    if prompt_len is not None and start < prompt_len < stop:
+        fig.add_vline(x=prompt_len - start - 0.5, line={"color": "#333333", "dash": "dash", "width": 2},
+                      annotation_text="sampled →", annotation_position="top right")
     n = int(differs[start:stop].sum())
     what = f"{n} of {differs[start:stop].size} (token, layer) cells differ from the trainer" if own is not None else (
         "engine only")

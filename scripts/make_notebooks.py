@@ -96,7 +96,8 @@ trainer_routes = Routes.concat([s.trainer_routes for s in samples])
     md("## One sample, token by layer (highlighted: the trainer chose a different expert set)"),
     code("""
 tokens = engine.tokenizer.convert_ids_to_tokens(results[sample].token_ids)
-route_view = viz.route_view_figure(engine_routes, trainer_routes, sample=sample, tokens=tokens)
+route_view = viz.route_view_figure(engine_routes, trainer_routes, sample=sample, tokens=tokens,
+                                   prompt_len=len(results[sample].prompt_ids))
 route_view
 """),
     md("## Codecs: size and speed"),

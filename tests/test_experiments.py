@@ -40,3 +40,25 @@ def test_drift_config_refuses_nonsense():
     with pytest.raises(ValueError, match="prompts"):
         DriftConfig(prompts=0)
     assert np.isclose(DriftConfig.quick().prompts, 8)
+
+
+def test_a_drift_run_records_the_trainers_routes_row_for_row_and_the_floor_scores(tmp_path):
+    """The run holds engine and trainer routes of the same rows and layers; the per-token flips the experiment
+    computed are exactly where those two stored route sets differ at each sampled token's input position."""
+    import numpy as np
+
+    from r3lab import metrics
+    from r3lab.runs import load
+
+    config = DriftConfig(models=("tiny-qwen3-moe",), prompts=6, max_tokens=12, seeds=(0,), trainer_dtypes=("bfloat16",))
+    (row,) = run_drift(config, progress=False, runs_root=tmp_path, run_name="d")
+    run = load(tmp_path / "d")
+    engine, trainer = run.routes(0, "engine"), run.routes(0, "trainer")
+    assert np.array_equal(engine.cu_seqlens, trainer.cu_seqlens) and np.array_equal(engine.layer_ids, trainer.layer_ids)
+    tok = run.tokens([0])
+    rows = metrics.response_rows(engine.cu_seqlens, tok.groupby("sample").size().to_numpy())
+    differs = metrics.set_differs(engine.values[rows], trainer.values[rows])
+    np.testing.assert_array_equal(differs.any(axis=1), tok["flipped"].to_numpy())
+    assert metrics.set_differs(engine.values, trainer.values).mean() < 0.2  # the trainer's routes, not noise
+    assert metrics.k3_kl(tok["logp_none_batched"], tok["logp_none"]) == pytest.approx(row.summary["k3_trainer_floor"])
+    assert metrics.k3_kl(tok["logp_engine_again"], tok["logp_infer"]) == pytest.approx(row.summary["k3_engine_floor"])

@@ -81,3 +81,14 @@ def test_notebook_runs_top_to_bottom_and_draws_its_figures(path, tmp_path, monke
         assert f["data"][PLOTLY]["data"], "a figure without traces"
     if params.get("export"):
         assert _check_exported(out_dir), f"export=True wrote no figure files under {out_dir}"
+
+
+def test_generated_notebooks_match_their_generator():
+    """notebooks/01-03 are scripts/make_notebooks.py's output: edit the generator, then rerun it."""
+    import runpy
+
+    gen = runpy.run_path(str(ROOT / "scripts" / "make_notebooks.py"))
+    for name, (cells, ci, n) in gen["NOTEBOOKS"].items():
+        want = nbformat.writes(gen["build"](cells, ci, n))
+        have = (ROOT / "notebooks" / f"{name}.ipynb").read_text()
+        assert have.strip() == want.strip(), f"notebooks/{name}.ipynb differs from scripts/make_notebooks.py"

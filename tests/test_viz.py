@@ -116,6 +116,8 @@ def test_route_view_highlights_exactly_the_cells_whose_expert_sets_differ():
     window = route_view_figure(eng, own, sample=1, tokens=words, start=2, stop=5)
     np.testing.assert_array_equal(np.array(window.data[0].z), flip[8:11].T.astype(int))
     assert np.array(route_view_figure(eng, sample=0).data[0].z).sum() == 0  # engine only: nothing highlighted
+    marked = route_view_figure(eng, own, sample=1, prompt_len=4, start=2)
+    assert [sh.x0 for sh in marked.layout.shapes] == [1.5]  # between rows 3 and 4 of the window from row 2
     with pytest.raises(R3LabError, match="3 token strings for 9"):
         route_view_figure(eng, own, sample=1, tokens=words[:3])
     with pytest.raises(R3LabError, match="differ"):

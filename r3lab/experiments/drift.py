@@ -280,7 +280,8 @@ def drift_spread(rows: Sequence[DriftRow]) -> list[dict[str, Any]]:
                                "tokens": int(sum(r.summary["tokens"] for r in rs))}
         for k, v in ratios.items():
             arr = np.asarray(v, dtype=np.float64)
-            rec[k] = (float(np.nanmin(arr)), float(np.nanmedian(arr)), float(np.nanmax(arr)))
+            arr = arr[np.isfinite(arr)]  # a cell without route-flipped tokens has no cut: NaN, without a warning
+            rec[k] = (float(arr.min()), float(np.median(arr)), float(arr.max())) if arr.size else (np.nan,) * 3
         out.append(rec)
     return out
 
