@@ -28,7 +28,7 @@ __all__ = ["MODE_COLORS", "ONE_COLUMN", "TWO_COLUMN", "EXPORT_FORMATS", "find_ch
            "rl_curves_figure", "expert_load_figure", "drift_figure", "route_view_figure", "codec_figure",
            "expert_load_comparison_figure", "layer_disagreement_figure", "load_imbalance_figure", "load_shift_figure",
            "prob_density_figure", "extreme_fraction_figure", "delta_histogram_figure", "flip_split_figure",
-           "layer_drift_figure", "response_differs", "rl_token_logprobs", "export_figures"]
+           "layer_drift_figure", "response_differs", "most_flipped_sample", "rl_token_logprobs", "export_figures"]
 
 MODE_COLORS = {"none": "#7f7f7f", "R2": "#1f77b4", "R3": "#d62728"}  # one colour per replay mode, everywhere
 ONE_COLUMN = {"width": 520, "height": 380}  # px at scale 1; a paper's single column
@@ -263,6 +263,13 @@ def route_view_figure(engine: Routes, trainer: Routes | None = None, *, sample: 
     return fig
 
 
+def most_flipped_sample(engine: Routes, trainer: Routes) -> int:
+    """The sample with the most (token, layer) cells where engine and trainer chose different expert sets."""
+    _same_shape(engine, trainer)
+    per_row = metrics.set_differs(engine.values, trainer.values).sum(axis=1)
+    return int(np.argmax(np.add.reduceat(per_row, engine.cu_seqlens[:-1]))) if engine.total_tokens else 0
+
+
 def codec_figure(records: Iterable[Mapping[str, Any]]) -> go.Figure:
     """Codec comparison (``r3lab.compaction.measure_codecs`` records): bytes per routed id and encode + decode
     throughput per codec, one bar group per set of routes."""
@@ -419,17 +426,28 @@ def extreme_fraction_figure(logp_infer: Any, logp_train: Mapping[str, Any], *,
                             floors: Mapping[str, tuple[Any, Any]] | None = None,
                             taus: Any = None) -> go.Figure:
     """F(tau) over tau (share of tokens whose trainer/engine probability ratio is beyond tau either way) per mode,
-    and the noise floors (``floors``: name -> (scores, reference scores) of a scorer against itself) dashed."""
+    and the noise floors (``floors``: name -> (scores, reference scores) of a scorer against itself) dashed.
+
+    The x axis is ``tau - 1`` on a log scale, so small drifts (tau near 1) and the field's tau = 1.5 and 2 both
+    show; ``taus`` default: from 1 + 1e-4 to just past the largest ratio seen.
+    """
     modes = _modes(logp_train, logp_infer)
-    t = np.geomspace(1.001, 4.0, 120) if taus is None else np.asarray(taus, dtype=np.float64)
+    if taus is None:
+        top = max(float(np.abs(lt - inf).max()) for lt, inf in modes.values())
+        t = 1.0 + np.geomspace(1e-4, max(np.expm1(top) * 1.2, 2e-3), 160)
+    else:
+        t = np.asarray(taus, dtype=np.float64)
     fig = go.Figure()
     for mode, (lt, inf) in modes.items():
-        fig.add_scatter(x=t, y=metrics.extreme_fraction_curve(lt, inf, t), mode="lines", name=mode,
+        fig.add_scatter(x=t - 1, y=metrics.extreme_fraction_curve(lt, inf, t), mode="lines", name=mode,
+                        customdata=t, hovertemplate=f"{mode}<br>τ = %{{customdata:.4f}}: %{{y:.3g}}<extra></extra>",
                         line={"color": _mode_color(mode), "width": 2})
     for i, (name, (a, b)) in enumerate((floors or {}).items()):
-        fig.add_scatter(x=t, y=metrics.extreme_fraction_curve(a, b, t), mode="lines", name=f"floor: {name}",
+        fig.add_scatter(x=t - 1, y=metrics.extreme_fraction_curve(a, b, t), mode="lines", name=f"floor: {name}",
+                        customdata=t, hovertemplate=f"floor: {name}<br>τ = %{{customdata:.4f}}: %{{y:.3g}}"
+                        "<extra></extra>",
                         line={"color": ["#2ca02c", "#9467bd", "#8c564b"][i % 3], "dash": "dash", "width": 1.5})
-    fig.update_layout(template=TEMPLATE, title="extreme tokens F(τ)", xaxis_title="τ (probability ratio)",
+    fig.update_layout(template=TEMPLATE, title="extreme tokens F(τ)", xaxis_title="τ - 1 (τ: probability ratio)",
                       xaxis_type="log", yaxis_type="log", yaxis_title="share of tokens with max(ρ, 1/ρ) > τ",
                       **ONE_COLUMN)
     return fig

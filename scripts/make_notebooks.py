@@ -62,7 +62,7 @@ model = "tiny-qwen3-moe"  # a shipped model (data/models/) or a model directory
 prompts = 8
 max_tokens = 32
 seed = 0
-sample = 0  # the sample shown token by layer
+sample = None  # the sample shown token by layer; None: the one with the most engine-trainer differences
 trainer_dtype = "bfloat16"  # the trainer scoring the same tokens: "bfloat16" (fp32 routers) or "float32"
 synthetic = {"num_experts": 64, "top_k": 4, "num_layers": 46, "tokens": 32768, "seq_len": 16384, "skew": 1.0}
 repeats = 3  # timing repeats (median)
@@ -95,20 +95,22 @@ trainer_routes = Routes.concat([s.trainer_routes for s in samples])
 """),
     md("## One sample, token by layer (highlighted: the trainer chose a different expert set)"),
     code("""
-tokens = engine.tokenizer.convert_ids_to_tokens(results[sample].token_ids)
-route_view = viz.route_view_figure(engine_routes, trainer_routes, sample=sample, tokens=tokens,
-                                   prompt_len=len(results[sample].prompt_ids))
+shown = viz.most_flipped_sample(engine_routes, trainer_routes) if sample is None else sample
+tokens = engine.tokenizer.convert_ids_to_tokens(results[shown].token_ids)
+route_view = viz.route_view_figure(engine_routes, trainer_routes, sample=shown, tokens=tokens,
+                                   prompt_len=len(results[shown].prompt_ids))
 route_view
 """),
     md("## Codecs: size and speed"),
     code("""
-records = measure_codecs(engine_routes, repeats=repeats, label=f"{model}: {engine_routes.total_tokens} tokens")
-records += measure_codecs(workload_routes(**synthetic), repeats=repeats, label=f"GLM-4.7-Flash-shaped: {synthetic}")
+records = measure_codecs(engine_routes, repeats=repeats, label=f"{model}<br>{engine_routes.total_tokens} tokens")
+records += measure_codecs(workload_routes(**synthetic), repeats=repeats,
+                          label=f"GLM-4.7-Flash-shaped<br>{synthetic['tokens']} tokens")
 codecs = viz.codec_figure(records)
 codecs
 """),
     code("""
-pd.DataFrame(records).drop(columns="routes").round(3)
+pd.DataFrame(records).round(3)
 """),
     code("""
 engine.close()

@@ -122,6 +122,10 @@ def test_route_view_highlights_exactly_the_cells_whose_expert_sets_differ():
         route_view_figure(eng, own, sample=1, tokens=words[:3])
     with pytest.raises(R3LabError, match="differ"):
         route_view_figure(eng, own.take([0]))
+    from r3lab.viz import most_flipped_sample
+
+    assert most_flipped_sample(eng, own) == int(flip[6:].sum() > flip[:6].sum())
+    assert most_flipped_sample(own.take([1, 0]), eng.take([1, 0])) == int(flip[6:].sum() < flip[:6].sum())
 
 
 def test_codec_figure_from_measured_records():
@@ -238,6 +242,10 @@ def test_drift_figures_show_the_hand_computed_numbers():
 
     ef = extreme_fraction_figure(inf, modes, floors={"engine": (inf + 0.001, inf)}, taus=[1.5, 2.0, 2.8])
     np.testing.assert_allclose(ef.data[0].y, [0.5, 0.5, 0.25])  # |d| = 0, log 3, log 2.5, 0.01
+    np.testing.assert_allclose(ef.data[0].x, [0.5, 1.0, 1.8])  # tau - 1, on a log axis
+    assert ef.layout.xaxis.type == "log"
+    auto = extreme_fraction_figure(inf, modes).data[0]
+    assert auto.x[0] == pytest.approx(1e-4) and auto.x[-1] == pytest.approx((3 - 1) * 1.2) and auto.y[-1] == 0
     np.testing.assert_allclose(ef.data[1].y, [0, 0, 0])
     assert ef.data[2].name == "floor: engine" and ef.data[2].line.dash == "dash"
     assert ef.data[0].line.color == MODE_COLORS["none"]
