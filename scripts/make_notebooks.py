@@ -127,7 +127,8 @@ how often the two pick different expert sets per layer; load imbalance per layer
 the engine's expert load moves over RL steps under each replay mode (none, R2, R3).
 
 Runs are loaded from disk (`drift_run`, `rl_runs`) or, when those are `None`, run small here and written to
-`runs_dir`.
+`runs_dir`. Every RL step samples new prompts, so the load shift includes that sampling noise from step 1 on:
+compare the modes with each other, not with zero.
 """),
     params("""
 model = "tiny-qwen3-moe"
