@@ -33,14 +33,14 @@ def params(text: str):
 RL_LOAD = """
 rl = [load(p) for p in rl_runs] if rl_runs else [load(r.path) for r in run_comparison(
     RLConfig.quick(model=model, steps=rl_steps, prompts_per_step=rl_prompts, samples_per_prompt=rl_samples,
-                   token_steps=1), modes=modes, seeds=(seed,), runs_root=runs_dir, progress=True)]
+                   token_steps=1), modes=modes, seeds=(seed,), runs_root=paths.runs_dir(runs_dir), progress=True)]
 [r.name for r in rl]
 """
 
 DRIFT_LOAD = """
 config = DriftConfig(models=(model,), prompts=prompts, max_tokens=max_tokens, seeds=(seed,),
                      trainer_dtypes=(trainer_dtype,))
-run = load(drift_run or run_drift(config, runs_root=runs_dir)[0].run_path)
+run = load(drift_run or run_drift(config, runs_root=paths.runs_dir(runs_dir))[0].run_path)
 run.steps
 """
 
@@ -143,12 +143,12 @@ rl_steps = 6
 rl_prompts = 4
 rl_samples = 8
 modes = ["none", "R2", "R3"]
-runs_dir = "data/runs"  # runs made here are written to this folder
+runs_dir = None  # runs made here go here; None: r3lab's runs folder ($R3LAB_RUNS, else the checkout's data/runs)
 out_dir = "out/02_expert_distribution"
 export = False
 """),
     code("""
-from r3lab import viz
+from r3lab import paths, viz
 from r3lab.experiments import DriftConfig, run_drift
 from r3lab.experiments.rl import RLConfig, run_comparison
 from r3lab.runs import load
@@ -212,12 +212,12 @@ rl_steps = 6
 rl_prompts = 4
 rl_samples = 8
 modes = ["none", "R2", "R3"]
-runs_dir = "data/runs"
+runs_dir = None  # None: r3lab's runs folder ($R3LAB_RUNS, else the checkout's data/runs)
 out_dir = "out/03_logprob_drift"
 export = False
 """),
     code("""
-from r3lab import viz
+from r3lab import paths, viz
 from r3lab.experiments import DriftConfig, run_drift
 from r3lab.experiments.rl import RLConfig, run_comparison
 from r3lab.runs import load
