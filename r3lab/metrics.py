@@ -20,6 +20,10 @@ __all__ = [
     "route_change_rate",
     "expert_load",
     "max_violation",
+    "extreme_fraction_curve",
+    "load_shift",
+    "response_rows",
+    "per_layer_flip_drift",
 ]
 
 
@@ -188,3 +192,57 @@ def max_violation(load: np.ndarray) -> np.ndarray:
     if (mean <= 0).any():
         raise R3LabError("a layer has no load")
     return (ld.max(axis=1) - mean) / mean
+
+
+def extreme_fraction_curve(logp_train: np.ndarray, logp_infer: np.ndarray, taus: np.ndarray) -> np.ndarray:
+    """F(tau) for every ``tau`` of ``taus`` (each > 1): :func:`extreme_token_fraction` as a curve, in one sort."""
+    d = np.sort(np.abs(_deltas(logp_train, logp_infer)).ravel())
+    t = np.asarray(taus, dtype=np.float64)
+    if t.ndim != 1 or t.size == 0 or (t <= 1).any():
+        raise R3LabError(f"taus must be a non-empty 1-D array of values > 1, got {t.tolist()[:8]}")
+    return 1.0 - np.searchsorted(d, np.log(t), side="right") / d.size
+
+
+def load_shift(load: np.ndarray, reference: np.ndarray) -> np.ndarray:
+    """Per layer, the total-variation distance ``0.5 * sum |load - reference|`` of two ``[L, E]`` loads (0..1)."""
+    a, b = np.asarray(load, dtype=np.float64), np.asarray(reference, dtype=np.float64)
+    if a.shape != b.shape or a.ndim != 2:
+        raise R3LabError(f"loads must both be [L, E] of one shape, got {a.shape} and {b.shape}")
+    return 0.5 * np.abs(a - b).sum(axis=1)
+
+
+def response_rows(cu_seqlens: np.ndarray, response_lengths: np.ndarray) -> np.ndarray:
+    """Route rows (engine convention: ``P + R - 1`` per sample) of every sampled token's input position.
+
+    Sample i's sampled token r (0-based) is predicted from position ``P_i + r - 1``: row
+    ``cu_seqlens[i] + P_i - 1 + r``, with ``P_i = rows_i - R_i + 1``. Returns int64 ``[sum R_i]``, sample-major.
+    """
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    n = np.asarray(response_lengths, dtype=np.int64)
+    if cu.ndim != 1 or n.shape != (cu.size - 1,):
+        raise R3LabError(f"{n.size} response lengths for {cu.size - 1} route sequences")
+    rows = np.diff(cu)
+    if (n < 1).any() or (n > rows).any():
+        raise R3LabError("every sample needs 1 <= response tokens <= its route rows (P + R - 1 with P >= 1)")
+    starts = cu[:-1] + rows - n  # row of the first sampled token's input position
+    return np.repeat(starts - np.concatenate([[0], np.cumsum(n)[:-1]]), n) + np.arange(n.sum())
+
+
+def per_layer_flip_drift(differs: np.ndarray, logp_train: np.ndarray, logp_infer: np.ndarray) -> dict[str, np.ndarray]:
+    """Drift against routing, per layer: ``differs`` ``[N, L]`` says where engine and trainer chose different sets.
+
+    Returns ``disagreement`` (share of tokens flipped at each layer), ``k3_flipped`` / ``k3_agreeing`` (k3 KL of
+    the tokens flipped / not flipped at that layer; NaN where there are none) and ``abs_diff_flipped`` (mean
+    ``|delta|`` of the flipped ones).
+    """
+    f = np.asarray(differs, dtype=bool)
+    d = _deltas(logp_train, logp_infer)
+    if f.ndim != 2 or f.shape[0] != d.size:
+        raise R3LabError(f"differs must be [tokens, layers] with {d.size} tokens, got shape {f.shape}")
+    k3 = np.expm1(d) - d
+    out = {"disagreement": f.mean(axis=0)}
+    for name, m, vals in (("k3_flipped", f, k3), ("k3_agreeing", ~f, k3), ("abs_diff_flipped", f, np.abs(d))):
+        cnt = m.sum(axis=0)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            out[name] = np.where(cnt > 0, (vals[:, None] * m).sum(axis=0) / cnt, np.nan)
+    return out

@@ -729,3 +729,20 @@ def test_make_golden_script_adds_nothing_to_a_complete_folder_and_refuses_a_chan
     res = subprocess.run(cmd, capture_output=True, text=True, env=env)
     assert res.returncode == 1 and "REFUSED" in res.stderr and "differ   v2/e16k3.raw.r3" in res.stdout
     assert (folder / "e16k3.raw.r3").read_bytes() == b"other bytes"
+
+
+def test_measure_codecs_reports_the_real_sizes_beside_the_json_baseline():
+    import orjson
+
+    from r3lab.compaction import BASELINE, encode, measure_codecs, to_payload
+    from r3lab.testing import random_routes
+
+    r = random_routes(np.random.default_rng(7), num_experts=64, top_k=8, num_layers=3, lengths=[40, 25])
+    recs = measure_codecs(r, ["bitpack", "topk-set+zstd"], repeats=2, label="mine")
+    assert [x["codec"] for x in recs] == [BASELINE, "bitpack", "topk-set+zstd"]
+    assert recs[0]["bytes"] == len(orjson.dumps(to_payload(r))) and recs[0]["ratio_to_baseline"] == 1.0
+    assert recs[2]["bytes"] == len(encode(r, "topk-set+zstd")) and recs[2]["ids"] == r.values.size
+    assert recs[1]["ratio_to_baseline"] == pytest.approx(recs[0]["bytes"] / recs[1]["bytes"])
+    assert all(x["routes"] == "mine" and x["encode_ms"] > 0 and x["mids_per_s"] > 0 for x in recs)
+    with pytest.raises(RouteFormatError, match="repeats"):
+        measure_codecs(r, repeats=0)

@@ -65,10 +65,28 @@ def test_the_committed_reference_drift_run_is_consistent():
         assert list(trainer.cu_seqlens) == list(eng.cu_seqlens)
         # the per-token "flipped" column is recomputed exactly from the two route sets: rows P-1 .. P+R-2
         flips = metrics.token_route_flips(eng.values, trainer.values)
-        lengths = tokens.groupby("sample").size().to_numpy()
-        response_rows = np.concatenate([np.arange(end - n, end) for end, n in zip(eng.cu_seqlens[1:], lengths,
-                                                                                   strict=True)])
-        assert np.array_equal(flips[response_rows], tokens["flipped"].to_numpy()), s["step"]
+        rows = metrics.response_rows(eng.cu_seqlens, tokens.groupby("sample").size().to_numpy())
+        assert np.array_equal(flips[rows], tokens["flipped"].to_numpy()), s["step"]
         assert abs(tokens["flipped"].mean() - s["flipped_share"]) < 1e-12
-        assert abs(metrics.k3_kl(tokens["logp_none"].to_numpy(), tokens["logp_infer"].to_numpy())
-                   - s["k3_none"]) < 1e-12 * max(1.0, s["k3_none"])
+        assert metrics.k3_kl(tokens["logp_none"], tokens["logp_infer"]) == pytest.approx(s["k3_none"], rel=1e-12)
+        assert metrics.k3_kl(tokens["logp_r3"], tokens["logp_infer"]) == pytest.approx(s["k3_r3"], rel=1e-12)
+
+
+def test_a_drift_run_records_the_trainers_routes_row_for_row_and_the_floor_scores(tmp_path):
+    """The run holds engine and trainer routes of the same rows and layers; the per-token flips the experiment
+    computed are exactly where those two stored route sets differ at each sampled token's input position."""
+    from r3lab import metrics
+    from r3lab.runs import load
+
+    config = DriftConfig(models=("tiny-qwen3-moe",), prompts=6, max_tokens=12, seeds=(0,), trainer_dtypes=("bfloat16",))
+    (row,) = run_drift(config, progress=False, runs_root=tmp_path, run_name="d")
+    run = load(tmp_path / "d")
+    engine, trainer = run.routes(0, "engine"), run.routes(0, "trainer")
+    assert np.array_equal(engine.cu_seqlens, trainer.cu_seqlens) and np.array_equal(engine.layer_ids, trainer.layer_ids)
+    tok = run.tokens([0])
+    rows = metrics.response_rows(engine.cu_seqlens, tok.groupby("sample").size().to_numpy())
+    differs = metrics.set_differs(engine.values[rows], trainer.values[rows])
+    np.testing.assert_array_equal(differs.any(axis=1), tok["flipped"].to_numpy())
+    assert metrics.set_differs(engine.values, trainer.values).mean() < 0.2  # the trainer's routes, not noise
+    assert metrics.k3_kl(tok["logp_none_batched"], tok["logp_none"]) == pytest.approx(row.summary["k3_trainer_floor"])
+    assert metrics.k3_kl(tok["logp_engine_again"], tok["logp_infer"]) == pytest.approx(row.summary["k3_engine_floor"])

@@ -108,3 +108,41 @@ def test_expert_load_max_violation_and_route_change_by_hand():
     assert route_change_rate(v, after).tolist() == [0.0, 0.5]
     with pytest.raises(R3LabError, match="outside"):
         expert_load(v, 3)
+
+
+def test_extreme_fraction_curve_matches_the_pointwise_definition():
+    from r3lab.metrics import extreme_fraction_curve, extreme_token_fraction
+
+    rng = np.random.default_rng(3)
+    inf = rng.normal(-2, 1, 500)
+    train = inf + rng.normal(0, 0.4, 500)
+    taus = np.array([1.01, 1.2, 1.5, 2.0, 3.0])
+    want = [extreme_token_fraction(train, inf, t) for t in taus]
+    np.testing.assert_allclose(extreme_fraction_curve(train, inf, taus), want)
+    # by hand: deltas 0, log 1.5 (not beyond 1.5: strictly greater), log 3
+    np.testing.assert_allclose(extreme_fraction_curve(np.log([1, 1.5, 3]), np.zeros(3), [1.5, 2.0]), [1 / 3, 1 / 3])
+    with pytest.raises(R3LabError, match="> 1"):
+        extreme_fraction_curve(train, inf, [0.5])
+
+
+def test_load_shift_response_rows_and_per_layer_flip_drift_by_hand():
+    from r3lab.metrics import load_shift, per_layer_flip_drift, response_rows
+
+    a = np.array([[0.5, 0.5, 0.0], [1.0, 0.0, 0.0]])
+    b = np.array([[0.5, 0.0, 0.5], [1.0, 0.0, 0.0]])
+    np.testing.assert_allclose(load_shift(a, b), [0.5, 0.0])
+    with pytest.raises(R3LabError, match="one shape"):
+        load_shift(a, b[:1])
+    # two samples: P=3, R=2 -> 4 rows (input rows 2, 3); P=2, R=3 -> 4 rows (input rows 1, 2, 3), offset 4
+    np.testing.assert_array_equal(response_rows([0, 4, 8], [2, 3]), [2, 3, 5, 6, 7])
+    with pytest.raises(R3LabError, match="response tokens"):
+        response_rows([0, 4, 8], [2, 5])
+    differs = np.array([[True, False], [False, False], [True, True]])
+    d = np.array([0.1, 0.0, -0.2])
+    out = per_layer_flip_drift(differs, d, np.zeros(3))
+    k3 = np.expm1(d) - d
+    np.testing.assert_allclose(out["disagreement"], [2 / 3, 1 / 3])
+    np.testing.assert_allclose(out["k3_flipped"], [(k3[0] + k3[2]) / 2, k3[2]])
+    np.testing.assert_allclose(out["k3_agreeing"], [k3[1], (k3[0] + k3[1]) / 2])
+    np.testing.assert_allclose(out["abs_diff_flipped"], [0.15, 0.2])
+    assert np.isnan(per_layer_flip_drift(np.zeros((3, 1), bool), d, np.zeros(3))["k3_flipped"][0])

@@ -479,3 +479,19 @@ def test_reload_noise_filter_drops_only_the_benign_reload_warnings():
     partial = "Following weights were not loaded from checkpoint: {'model.layers.0.self_attn.qkv_proj.weight'}"
     assert not f.filter(rec(fused)) and not f.filter(rec("RotaryEmbedding: Failed to load weights"))
     assert f.filter(rec(partial)) and f.filter(rec("QKVParallelLinear: Failed to load weights"))
+
+
+def test_vllm_env_gives_vllm_a_stdout_with_a_descriptor_inside_a_jupyter_like_stream(monkeypatch):
+    """vLLM dup2()s sys.stdout.fileno() while it starts; a kernel's stream has no descriptor (notebooks failed)."""
+    import io
+    import sys
+
+    from r3lab.rollout._common import vllm_env
+
+    stream = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", stream)
+    with pytest.raises(io.UnsupportedOperation):
+        sys.stdout.fileno()
+    with vllm_env():
+        assert isinstance(sys.stdout.fileno(), int)
+    assert sys.stdout is stream

@@ -74,3 +74,216 @@ def test_expert_load_and_drift_figures(tmp_path):
     assert [t.name for t in fig.data][:2] == ["none", "R3"]
     assert list(fig.data[0].y) == [2e-4] and list(fig.data[0].error_y.array) == pytest.approx([1e-4])
     assert list(fig.data[1].error_y.arrayminus) == pytest.approx([1e-5])
+
+
+def _pair(seed=0, lengths=(6, 9), flip_share=0.3):
+    """Engine routes and trainer routes that differ from them in a known set of (token, layer) cells."""
+    import numpy as np
+    from conftest import random_routes
+
+    from r3lab.routes import Routes
+
+    rng = np.random.default_rng(seed)
+    eng = random_routes(rng, num_experts=8, top_k=2, num_layers=3, lengths=list(lengths), layer_ids=[1, 2, 3])
+    vals = eng.values.copy()
+    flip = rng.random(vals.shape[:2]) < flip_share
+    for t, j in zip(*np.nonzero(flip), strict=True):
+        other = [e for e in range(8) if e not in vals[t, j]]
+        vals[t, j, 0] = other[0]  # one expert replaced: a different set
+    swap = ~flip
+    vals[swap] = vals[swap][:, ::-1]  # same set, other order: not a flip
+    return eng, Routes(vals, eng.cu_seqlens, 8, eng.layer_ids), flip
+
+
+def test_route_view_highlights_exactly_the_cells_whose_expert_sets_differ():
+    import numpy as np
+
+    from r3lab.errors import R3LabError
+    from r3lab.viz import FLIP_COLOR, route_view_figure
+
+    eng, own, flip = _pair()
+    words = [f"w{t}" for t in range(10)]  # sample 1 has 9 route rows: the last token has none
+    fig = route_view_figure(eng, own, sample=1, tokens=words)
+    hm = fig.data[0]
+    np.testing.assert_array_equal(np.array(hm.z), flip[6:15].T.astype(int))
+    assert hm.colorscale[1][1] == FLIP_COLOR and hm.zmin == 0 and hm.zmax == 1
+    row = eng.sequence(1)
+    assert hm.text[2][4] == " ".join(str(e) for e in sorted(row[4, 2]))  # layer 3, token 4: sorted engine ids
+    assert "'w4'" in hm.hovertext[2][4] and list(hm.y) == ["layer 1", "layer 2", "layer 3"]
+    flipped_hover = [h for line in hm.hovertext for h in line if "differs" in h]
+    assert len(flipped_hover) == int(flip[6:15].sum())
+    assert f"{int(flip[6:15].sum())} of 27" in fig.layout.title.text
+    window = route_view_figure(eng, own, sample=1, tokens=words, start=2, stop=5)
+    np.testing.assert_array_equal(np.array(window.data[0].z), flip[8:11].T.astype(int))
+    assert np.array(route_view_figure(eng, sample=0).data[0].z).sum() == 0  # engine only: nothing highlighted
+    marked = route_view_figure(eng, own, sample=1, prompt_len=4, start=2)
+    assert [sh.x0 for sh in marked.layout.shapes] == [1.5]  # between rows 3 and 4 of the window from row 2
+    with pytest.raises(R3LabError, match="3 token strings for 9"):
+        route_view_figure(eng, own, sample=1, tokens=words[:3])
+    with pytest.raises(R3LabError, match="differ"):
+        route_view_figure(eng, own.take([0]))
+    from r3lab.viz import most_flipped_sample
+
+    assert most_flipped_sample(eng, own) == int(flip[6:].sum() > flip[:6].sum())
+    assert most_flipped_sample(own.take([1, 0]), eng.take([1, 0])) == int(flip[6:].sum() < flip[:6].sum())
+
+
+def test_codec_figure_from_measured_records():
+    import numpy as np
+    from conftest import random_routes
+
+    from r3lab.compaction import BASELINE, measure_codecs
+    from r3lab.errors import R3LabError
+    from r3lab.viz import codec_figure
+
+    r = random_routes(np.random.default_rng(1), num_experts=64, top_k=8, num_layers=4, lengths=[50, 70])
+    recs = measure_codecs(r, ["raw", "topk-set+zstd"], repeats=1, label="a") + measure_codecs(
+        r.take([0]), ["raw", "topk-set+zstd"], repeats=1, label="b")
+    fig = codec_figure(recs)
+    size = [t for t in fig.data if t.xaxis == "x"]
+    speed = [t for t in fig.data if t.xaxis == "x2"]
+    assert [t.name for t in size] == [BASELINE, "raw", "topk-set+zstd"] and len(speed) == 3
+    assert list(size[1].x) == ["a", "b"] and list(size[1].y) == pytest.approx([recs[1]["bytes_per_id"],
+                                                                                recs[4]["bytes_per_id"]])
+    assert size[1].marker.color == speed[1].marker.color and fig.layout.yaxis.type == "log"
+    with pytest.raises(R3LabError, match="lack"):
+        codec_figure([{"codec": "raw"}])
+
+
+def test_expert_load_comparison_disagreement_and_imbalance_by_hand():
+    import numpy as np
+
+    from r3lab import metrics
+    from r3lab.errors import R3LabError
+    from r3lab.viz import MODE_COLORS, expert_load_comparison_figure, layer_disagreement_figure, load_imbalance_figure
+
+    eng, own, flip = _pair(seed=2)
+    fig = expert_load_comparison_figure(eng, own)
+    a, b, d = (np.array(t.z) for t in fig.data)
+    counts = np.zeros((3, 8))
+    for t in range(eng.total_tokens):
+        for j in range(3):
+            for e in eng.values[t, j]:
+                counts[j, e] += 1
+    np.testing.assert_allclose(a, counts / (eng.total_tokens * 2))
+    np.testing.assert_allclose(d, b - a)
+    assert fig.data[2].zmid == 0 and fig.data[2].zmax == pytest.approx(np.abs(b - a).max())
+    dis = layer_disagreement_figure(eng, own)
+    np.testing.assert_allclose(dis.data[0].y, flip.mean(axis=0))
+    np.testing.assert_allclose(dis.data[1].y, flip.mean(axis=0) / 2)  # one of two experts replaced
+    imb = load_imbalance_figure({"engine": eng, "R3": own})
+    np.testing.assert_allclose(imb.data[0].y, (a.max(1) - a.mean(1)) / a.mean(1))
+    assert imb.data[1].line.color == MODE_COLORS["R3"] and list(imb.data[0].x) == [1, 2, 3]
+    np.testing.assert_allclose(imb.data[1].y, metrics.max_violation(b))
+    with pytest.raises(R3LabError, match="differ"):
+        expert_load_comparison_figure(eng, own.select_layers([1, 2]))
+
+
+def test_load_shift_over_rl_steps_per_mode(tmp_path):
+    import numpy as np
+    from conftest import random_routes
+
+    from r3lab.errors import R3LabError
+    from r3lab.runs import RunWriter, load
+    from r3lab.viz import MODE_COLORS, load_shift_figure
+
+    rng = np.random.default_rng(4)
+    routes = {}
+    for mode in ("R3", "none"):
+        with RunWriter(tmp_path, mode, "rl", {"mode": mode}) as w:
+            for step in range(3):
+                routes[mode, step] = random_routes(rng, num_experts=4, top_k=1, num_layers=2, lengths=[40])
+                w.write_routes(step, "engine", routes[mode, step])
+                w.log_step({"step": step})
+    runs = [load(tmp_path / m) for m in ("R3", "none")]
+    fig = load_shift_figure(runs)
+    assert [t.name for t in fig.data] == ["none (1 seeds)", "R3 (1 seeds)"]
+    assert [t.line.color for t in fig.data] == [MODE_COLORS["none"], MODE_COLORS["R3"]]
+
+    def share(r):  # expert load by hand: top-1, so the share of tokens per expert
+        return np.stack([np.bincount(r.values[:, j, 0], minlength=4) / 40 for j in range(2)])
+
+    want = [0.5 * np.abs(share(routes["R3", s]) - share(routes["R3", 0])).sum(1).mean() for s in range(3)]
+    np.testing.assert_allclose(fig.data[1].y, want)
+    assert list(fig.data[1].x) == [0, 1, 2] and fig.data[1].y[0] == 0
+    with RunWriter(tmp_path, "one", "rl", {"mode": "R2"}) as w:
+        w.write_routes(0, "engine", routes["R3", 0])
+    with pytest.raises(R3LabError, match="token_steps=1"):
+        load_shift_figure([load(tmp_path / "one")])
+
+
+def test_drift_figures_show_the_hand_computed_numbers():
+    import numpy as np
+
+    from r3lab.errors import R3LabError
+    from r3lab.viz import (
+        MODE_COLORS,
+        delta_histogram_figure,
+        extreme_fraction_figure,
+        flip_split_figure,
+        layer_drift_figure,
+        prob_density_figure,
+    )
+
+    inf = np.log(np.array([0.5, 0.25, 0.8, 0.1]))
+    none = inf + np.array([0.0, np.log(3), -np.log(2.5), 0.01])
+    r3 = inf + np.array([0.0, 0.01, -0.02, 0.0])
+    modes = {"none": none, "R3": r3}
+    dens = prob_density_figure(inf, modes, bins=4)
+    heat = [t for t in dens.data if t.type == "heatmap"]
+    # none: (0.5, 0.5) -> bin (2, 2); (0.25, 0.75) -> x bin 1, y bin 3; (0.8, 0.32) -> (3, 1); (0.1, 0.101) -> (0, 0)
+    want = np.zeros((4, 4))
+    for x, y in ((2, 2), (1, 3), (3, 1), (0, 0)):
+        want[y, x] += 1
+    np.testing.assert_array_equal(np.array(heat[0].customdata), want)
+    diag = [t for t in dens.data if t.type == "scatter"]
+    assert [t.line.color for t in diag] == [MODE_COLORS["none"], MODE_COLORS["R3"]]
+    assert list(diag[0].x) == [0, 1] and list(diag[0].y) == [0, 1]
+
+    ef = extreme_fraction_figure(inf, modes, floors={"engine": (inf + 0.001, inf)}, taus=[1.5, 2.0, 2.8])
+    np.testing.assert_allclose(ef.data[0].y, [0.5, 0.5, 0.25])  # |d| = 0, log 3, log 2.5, 0.01
+    np.testing.assert_allclose(ef.data[0].x, [0.5, 1.0, 1.8])  # tau - 1, on a log axis
+    assert ef.layout.xaxis.type == "log"
+    auto = extreme_fraction_figure(inf, modes).data[0]
+    assert auto.x[0] == pytest.approx(1e-4) and auto.x[-1] == pytest.approx((3 - 1) * 1.2) and auto.y[-1] == 0
+    np.testing.assert_allclose(ef.data[1].y, [0, 0, 0])
+    assert ef.data[2].name == "floor: engine" and ef.data[2].line.dash == "dash"
+    assert ef.data[0].line.color == MODE_COLORS["none"]
+
+    hist = delta_histogram_figure(inf, modes, bins=10)
+    assert [int(np.sum(t.y)) for t in hist.data] == [4, 4] and hist.data[1].marker.color == MODE_COLORS["R3"]
+
+    flipped = np.array([False, True, True, False])
+    split = flip_split_figure(inf, modes, flipped)
+    d = none - inf
+    k3 = np.expm1(d) - d
+    np.testing.assert_allclose(split.data[0].y, [k3[1:3].mean(), k3[[0, 3]].mean(), k3.mean()])
+    assert list(split.data[0].x) == ["route-flipped", "agreeing", "all"] and list(split.data[0].customdata) == [2, 2, 4]
+    pair = flip_split_figure(None, {"none": (none[:2], inf[:2]), "R3": (r3, inf)}, {"none": flipped[:2], "R3": flipped})
+    np.testing.assert_allclose(pair.data[0].y, [k3[1], k3[0], k3[:2].mean()])
+    with pytest.raises(R3LabError, match="no engine log-probs"):
+        flip_split_figure(None, modes, flipped)
+
+    differs = np.array([[False, True], [True, False], [True, False], [False, False]])
+    lay = layer_drift_figure(differs, inf, modes, layer_ids=[3, 5])
+    np.testing.assert_allclose(lay.data[0].y, [0.5, 0.25])
+    np.testing.assert_allclose(lay.data[1].y, [k3[1:3].mean(), k3[0]])
+    np.testing.assert_allclose(lay.data[2].y, [k3[[0, 3]].mean(), k3[1:].mean()])
+    assert list(lay.data[1].x) == ["layer 3", "layer 5"] and lay.data[3].marker.color == MODE_COLORS["R3"]
+
+    with pytest.raises(R3LabError, match="shape"):
+        prob_density_figure(inf, {"none": none[:2]})
+    with pytest.raises(R3LabError, match="flipped has shape"):
+        flip_split_figure(inf, modes, flipped[:3])
+    with pytest.raises(R3LabError, match="no trainer"):
+        delta_histogram_figure(inf, {})
+
+
+def test_response_differs_maps_sampled_tokens_to_their_input_rows():
+    import numpy as np
+
+    from r3lab.viz import response_differs
+
+    eng, own, flip = _pair(lengths=(6, 9))
+    # sample 0: 6 rows, 2 sampled tokens -> rows 4, 5; sample 1: 9 rows, 4 sampled -> rows 6+5 .. 6+8
+    np.testing.assert_array_equal(response_differs(eng, own, [2, 4]), flip[[4, 5, 11, 12, 13, 14]])

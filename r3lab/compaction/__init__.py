@@ -38,6 +38,7 @@ from r3lab.compaction.container import (
     encode,
     read_header,
 )
+from r3lab.compaction.measure import BASELINE, measure_codecs
 from r3lab.compaction.payload import (
     from_payload,
     read_sglang_base64_int32,
@@ -53,5 +54,6 @@ __all__ = [
     "read_vllm_npy_base64", "read_vllm_nested_list", "read_sglang_base64_int32",
     "Codec", "IdCodec", "ByteCodec", "RowCodec", "Raw", "BitPack", "TopKSet", "TopKGaps", "Zstd", "BitPackPlanesV1",
     "IdCoder", "SetGaps", "register_codec", "get_codec", "CODECS", "ALIASES",
+    "measure_codecs", "BASELINE",
     "MAGIC", "FORMAT_VERSION", "READ_VERSIONS", "LEGACY_BITPACK", "DEFAULT_MAX_BYTES", "RouteFormatError",
 ]

@@ -89,7 +89,7 @@ class DriftSample:
     flipped: np.ndarray  # the token's input position was routed differently in some layer
     logp_none_batched: np.ndarray | None = None  # trainer, own routing, the whole set in one padded batch
     logp_engine_again: np.ndarray | None = None  # the engine scoring its own samples again (prefill)
-    trainer_routes: Routes | None = None  # the trainer's own choices, rows and layers as the engine's routes
+    trainer_routes: Routes | None = None  # the trainer's own choice, rows and layers as the engine's routes
 
 
 @dataclass(frozen=True)
@@ -124,10 +124,10 @@ def replay_drift(model: Any, results: Sequence[RolloutResult], *, progress: bool
         flips = metrics.token_route_flips(engine_routes.values, own_values)
         logp_infer = np.asarray(r.logprobs, dtype=np.float64)
         again = None if engine_again is None else np.asarray(engine_again[i], dtype=np.float64)
-        trainer_routes = Routes.from_list([own_values[: len(ids) - 1]], num_experts=own.num_experts,
-                                          layer_ids=engine_routes.layer_ids)
+        # the engine's row convention: no row for the last sampled token
+        trainer = Routes(own_values[: len(ids) - 1], [0, len(ids) - 1], own.num_experts, engine_routes.layer_ids)
         samples.append(DriftSample(logp_infer, logp_none, logp_r3, flips[P - 1 : len(ids) - 1], batched[i], again,
-                                   trainer_routes))
+                                   trainer))
     return samples
 
 
@@ -234,17 +234,22 @@ def _write_cell(writer: RunWriter, step: int, row: DriftRow, samples: Sequence[D
     writer.log_step({"step": step, "model": row.model, "trainer_dtype": row.trainer_dtype, "seed": row.seed,
                      **row.summary})
     n = [s.logp_infer.size for s in samples]
-    writer.write_tokens(step, {
+    columns = {
         "sample": np.repeat(np.arange(len(samples)), n),
         "position": np.concatenate([np.arange(k) for k in n]),
         "logp_infer": np.concatenate([s.logp_infer for s in samples]),
         "logp_none": np.concatenate([s.logp_none for s in samples]),
         "logp_r3": np.concatenate([s.logp_r3 for s in samples]),
         "flipped": np.concatenate([s.flipped for s in samples]),
-    })
+    }
+    for col in ("logp_none_batched", "logp_engine_again"):  # the noise floors' scores, when taken
+        if all(getattr(s, col) is not None for s in samples):
+            columns[col] = np.concatenate([getattr(s, col) for s in samples])
+    writer.write_tokens(step, columns)
     if row.trainer_dtype == "bfloat16" or step == 0:
         writer.write_routes(step, "engine", RolloutEngine.stack_routes(results))
-    writer.write_routes(step, "trainer", Routes.concat([s.trainer_routes for s in samples]))
+    if all(s.trainer_routes is not None for s in samples):  # the trainer's own routes, row for row, every cell
+        writer.write_routes(step, "trainer", Routes.concat([s.trainer_routes for s in samples]))
 
 
 def _seed_inputs(config: DriftConfig, seed: int) -> tuple[list[str], SamplingConfig]:
@@ -275,7 +280,8 @@ def drift_spread(rows: Sequence[DriftRow]) -> list[dict[str, Any]]:
                                "tokens": int(sum(r.summary["tokens"] for r in rs))}
         for k, v in ratios.items():
             arr = np.asarray(v, dtype=np.float64)
-            rec[k] = (float(np.nanmin(arr)), float(np.nanmedian(arr)), float(np.nanmax(arr)))
+            arr = arr[np.isfinite(arr)]  # a cell without route-flipped tokens has no cut: NaN, without a warning
+            rec[k] = (float(arr.min()), float(np.median(arr)), float(arr.max())) if arr.size else (np.nan,) * 3
         out.append(rec)
     return out
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -92,10 +93,35 @@ def vllm_env(**values: str | None) -> Iterator[None]:
     keeps WARNING after the block). Warnings and errors still show.
     """
     level = quiet_log_level()
-    with _env(**{LOG_LEVEL_ENV: level}, **values):
+    with _env(**{LOG_LEVEL_ENV: level}, **values), _stdout_with_fd():
         if level is not None:
             logging.getLogger("vllm").setLevel(level)
         yield
+
+
+@contextmanager
+def _stdout_with_fd() -> Iterator[None]:
+    """``sys.stdout`` with a real file descriptor for the block: vLLM silences C-level prints while it builds its
+    process groups by dup2-ing ``sys.stdout.fileno()``, which a Jupyter kernel's stream (no descriptor) refuses
+    (``UnsupportedOperation: fileno``). In a kernel the process's own stdout (or /dev/null) stands in."""
+    try:
+        sys.stdout.fileno()
+        yield
+        return
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError and a ValueError
+        pass
+    saved, devnull = sys.stdout, None
+    try:
+        try:
+            sys.__stdout__.fileno()
+            sys.stdout = sys.__stdout__
+        except (AttributeError, OSError, ValueError):
+            sys.stdout = devnull = open(os.devnull, "w")  # noqa: SIM115 - closed below
+        yield
+    finally:
+        sys.stdout = saved
+        if devnull is not None:
+            devnull.close()
 
 
 @contextmanager

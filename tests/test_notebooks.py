@@ -1,0 +1,94 @@
+"""Every notebook under notebooks/ is committed clean and runs top to bottom with its CI parameters.
+
+Clean: no outputs or execution counts, the r3lab kernelspec, exactly one cell tagged ``parameters`` and it is
+the first code cell, CI parameters in ``metadata["r3lab"]``. Run: papermill on the ``r3lab`` kernel with those
+parameters (plus ``out_dir`` / ``runs_dir`` in a temporary folder); the executed notebook must hold no error
+and at least ``ci_expect_figures`` plotly figures, and any figure it exported must be a real PNG/SVG/PDF.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+PLOTLY = "application/vnd.plotly.v1+json"
+MAGIC = {"png": b"\x89PNG\r\n\x1a\n", "pdf": b"%PDF-", "svg": b"<svg"}
+
+
+def _ids(p: Path) -> str:
+    return p.stem
+
+
+def test_there_are_notebooks():
+    assert len(NOTEBOOKS) >= 3, [p.name for p in NOTEBOOKS]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids)
+def test_notebook_is_committed_clean(path):
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    assert nb.metadata.get("kernelspec", {}).get("name") == "r3lab", nb.metadata.get("kernelspec")
+    assert nb.metadata["kernelspec"].get("display_name") and nb.metadata["kernelspec"].get("language") == "python"
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    dirty = [i for i, c in enumerate(code) if c.outputs or c.execution_count is not None]
+    assert not dirty, f"code cells {dirty} hold outputs or execution counts: clear them before committing"
+    tagged = [i for i, c in enumerate(code) if "parameters" in c.metadata.get("tags", [])]
+    assert tagged == [0], f"exactly one 'parameters' cell, the first code cell; tagged: {tagged}"
+    assert "def " not in "".join(c.source for c in code), "notebooks hold no logic: define functions in r3lab"
+    meta = nb.metadata.get("r3lab", {})
+    assert isinstance(meta.get("ci_parameters"), dict) and int(meta.get("ci_expect_figures", 0)) >= 1, meta
+    params = code[0].source
+    for name in [*meta["ci_parameters"], "out_dir"]:
+        assert f"\n{name} =" in "\n" + params, f"CI parameter {name!r} is not set in the parameters cell"
+
+
+def _check_exported(folder: Path) -> list[Path]:
+    files = sorted(p for p in folder.rglob("*") if p.suffix.lstrip(".") in MAGIC)
+    for p in files:
+        head = p.read_bytes()[:4096]
+        want = MAGIC[p.suffix.lstrip(".")]
+        assert (want in head) if p.suffix == ".svg" else head.startswith(want), f"{p.name} is not a {p.suffix} file"
+        assert p.stat().st_size > 2000, f"{p.name} is only {p.stat().st_size} bytes"
+    return files
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids)
+def test_notebook_runs_top_to_bottom_and_draws_its_figures(path, tmp_path, monkeypatch):
+    import papermill  # the lab extra; a missing one fails here, loudly
+
+    # the kernel inherits this environment: make it import the r3lab of this checkout
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    nb = nbformat.read(path, as_version=4)
+    meta = nb.metadata["r3lab"]
+    out_dir = tmp_path / "out"
+    params = {**meta["ci_parameters"], "out_dir": str(out_dir)}
+    if "\nruns_dir =" in "\n" + nb.cells[[c.cell_type for c in nb.cells].index("code")].source:
+        params["runs_dir"] = str(tmp_path / "runs")
+    executed = tmp_path / path.name
+    papermill.execute_notebook(str(path), str(executed), parameters=params, kernel_name="r3lab", cwd=str(tmp_path),
+                               execution_timeout=600, progress_bar=False)
+    done = nbformat.read(executed, as_version=4)
+    errors = [o for c in done.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    assert not errors, errors[0].get("evalue")
+    figures = [o for c in done.cells if c.cell_type == "code" for o in c.outputs if PLOTLY in o.get("data", {})]
+    assert len(figures) >= int(meta["ci_expect_figures"]), f"{len(figures)} plotly figures"
+    for f in figures:
+        assert f["data"][PLOTLY]["data"], "a figure without traces"
+    if params.get("export"):
+        assert _check_exported(out_dir), f"export=True wrote no figure files under {out_dir}"
+
+
+def test_generated_notebooks_match_their_generator():
+    """notebooks/01-03 are scripts/make_notebooks.py's output: edit the generator, then rerun it."""
+    import runpy
+
+    gen = runpy.run_path(str(ROOT / "scripts" / "make_notebooks.py"))
+    for name, (cells, ci, n) in gen["NOTEBOOKS"].items():
+        want = nbformat.writes(gen["build"](cells, ci, n))
+        have = (ROOT / "notebooks" / f"{name}.ipynb").read_text()
+        assert have.strip() == want.strip(), f"notebooks/{name}.ipynb differs from scripts/make_notebooks.py"
