@@ -235,10 +235,12 @@ def run_megatron_drift(
     runs_root: Any = None,
     run_name: str | None = None,
     on_row: Callable[[DriftRow], None] | None = None,
+    on_model: Callable[[str, Any, list[RolloutResult]], None] | None = None,
 ) -> list[DriftRow]:
     """GPU only. Per model: CUDA vLLM samples every seed (routes captured natively), scores them again by prefill
     (its noise floor) and is shut down; then the megatron-bridge model scores them without replay and with R3.
-    With ``runs_root`` the rows are written as a ``drift`` run, in the CPU experiment's format."""
+    With ``runs_root`` the rows are written as a ``drift`` run, in the CPU experiment's format. ``on_model(name,
+    model, samples of the first seed)`` runs once per loaded trainer model (extra checks of a GPU script)."""
     import torch
 
     config = config or MegatronDriftConfig()
@@ -262,6 +264,8 @@ def run_megatron_drift(
             model = load_bridge_model(path, config.trainer_dtype)
             vocab = _tokenizer_vocab(Path(path))
             label = os.path.basename(str(name).rstrip("/"))
+            if on_model is not None:
+                on_model(label, model, results[config.seeds[0]])
             for s in config.seeds:
                 samples = megatron_replay_drift(model, results[s], vocab_size=vocab, engine_again=again[s])
                 row = DriftRow(label, config.trainer_dtype, s, drift_summary(samples), writer.path if writer else None)
