@@ -3,7 +3,8 @@ megatron-bridge asks for hold in what it resolves, the shipped checkpoints carry
 and the GPU check refuses a machine without CUDA with a message, not a traceback.
 
 The dry run needs the package index (as CI has); it fetches wheel metadata by HTTP range requests (pip's
-``fast-deps``: this index serves no PEP 658 metadata files), so it reads a few MB, not the multi-GB CUDA wheels.
+``fast-deps``: this index serves no PEP 658 metadata files): about 110 MB read, 90 of them index pages, and about
+1 MB of whole files, instead of several GB of CUDA wheels; about a minute.
 """
 
 from __future__ import annotations

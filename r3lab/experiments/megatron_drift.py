@@ -252,7 +252,10 @@ def run_megatron_drift(
     try:
         for name in config.models:
             path = model_dir(name, config.data)
-            with RolloutEngine(path, seed=0, gpu_memory_utilization=config.gpu_memory_utilization) as engine:
+            # the engine core in its own process: its GPU memory and its torch.distributed state leave with it,
+            # before Megatron initialises NCCL in this one
+            with RolloutEngine(path, seed=0, in_process=False,
+                               gpu_memory_utilization=config.gpu_memory_utilization) as engine:
                 results, again = {}, {}
                 for s in config.seeds:
                     prompts = corpus_prompts(config.prompts, words=config.prompt_words, seed=s, data=config.data)
