@@ -12,8 +12,13 @@ import pytest
 import torch
 
 from r3lab.errors import ConfigError
-from r3lab.experiments.drift import drift_summary
-from r3lab.experiments.megatron_drift import MegatronDriftConfig, megatron_replay_drift, megatron_token_logprobs
+from r3lab.experiments.drift import DriftRow, drift_summary
+from r3lab.experiments.megatron_drift import (
+    MegatronDriftConfig,
+    megatron_drift_table,
+    megatron_replay_drift,
+    megatron_token_logprobs,
+)
 from r3lab.replay import MegatronReplay
 from r3lab.rollout import RolloutResult
 from r3lab.routes import Routes
@@ -136,6 +141,9 @@ def test_replay_drift_flags_exactly_the_flipped_positions(model):
     np.testing.assert_array_equal(s_flip.logp_r3[:first], s_flip.logp_none[:first])
     summary = drift_summary([s_same, s_flip])
     assert summary["tokens"] == 2 * (len(SEQ) - P) and summary["flipped_share"] == pytest.approx(2 / 16)
+    table = megatron_drift_table([DriftRow("tiny", "float32", 0, summary)], MegatronDriftConfig(), device="cpu")
+    (line,) = [ln for ln in table.splitlines() if ln.startswith("| tiny |")]
+    assert f"| {summary['k3_none']:.2e} | {summary['k3_r3']:.2e} |" in line and "| 12.5% |" in line
 
 
 def test_bad_inputs_raise_clear_errors(model):
