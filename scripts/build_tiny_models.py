@@ -297,7 +297,20 @@ def save_model(model, out: Path) -> None:
     cfg_path = out / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["dtype"] = "bfloat16"  # what the engine runs; the trainer may load it in fp32
+    cfg.update(transformers4_keys(cfg))
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def transformers4_keys(cfg: dict) -> dict:
+    """The keys transformers 4.x reads where 5.x reads others (the GPU environment runs transformers 4 for
+    megatron-bridge): 4.x takes rope_theta / partial_rotary_factor at the top level and Qwen3-MoE's expert
+    count as num_experts (else its default, 128). transformers 5 reads the config identically with them."""
+    out = {"rope_theta": cfg["rope_parameters"]["rope_theta"]}
+    if "partial_rotary_factor" in cfg["rope_parameters"]:
+        out["partial_rotary_factor"] = cfg["rope_parameters"]["partial_rotary_factor"]
+    if "num_local_experts" in cfg:
+        out["num_experts"] = cfg["num_local_experts"]
+    return out
 
 
 def sha256(path: Path) -> str:

