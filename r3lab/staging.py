@@ -411,6 +411,10 @@ class LocalBackend:
         return coord.wait(stage_id, mb, timeout)
 
 
+#: the driver's coordinator actors, by (Ray job id, name)
+_RAY_COORDINATORS: dict[tuple[str, str], Any] = {}
+
+
 class RayBackend:
     """Chunks in Ray's object store as uint8 numpy arrays (out of band: a rank's ``ray.get`` maps shared
     memory, no copy). The coordinator is one named, threaded Ray actor (``coordinator_name``), created on
@@ -452,23 +456,26 @@ class RayBackend:
                 f"{len(ranks)} ranks need a coordinator with max_concurrency >= {len(ranks) + 4}, "
                 f"this RayBackend has {self.max_concurrency}: pass RayBackend(max_concurrency=...)"
             )
-        actor = (
-            ray.remote(Coordinator)
-            .options(
-                name=self.coordinator_name,
-                get_if_exists=True,
-                num_cpus=0,
-                max_concurrency=self.max_concurrency,
+        key = (ray.get_runtime_context().get_job_id(), self.coordinator_name)
+        actor = _RAY_COORDINATORS.get(key)
+        if actor is None:  # held here for the driver's lifetime: Ray ends an actor once no handle to it is left
+            actor = (
+                ray.remote(Coordinator)
+                .options(
+                    name=self.coordinator_name, get_if_exists=True, num_cpus=0, max_concurrency=self.max_concurrency
+                )
+                .remote()
             )
-            .remote()
-        )
+            _RAY_COORDINATORS[key] = actor
         ray.get(actor.open.remote(stage_id, list(ranks)), timeout=max(self.rpc_timeout, 120.0))
         return actor
 
     def release(self, stage_id: str, refs: Sequence[Any]) -> None:
         """Forget the stage on the coordinator; Ray frees each chunk once no one holds its reference."""
         ray = self._ray()
-        ray.get(ray.get_actor(self.coordinator_name).close.remote(stage_id), timeout=self.rpc_timeout)
+        actor = _RAY_COORDINATORS.get((ray.get_runtime_context().get_job_id(), self.coordinator_name))
+        if actor is not None:
+            ray.get(actor.close.remote(stage_id), timeout=self.rpc_timeout)
 
     def report(self, coord: Any, stage_id: str, mb: int, rank: str, failure: str | None, timeout: float) -> None:
         self._ray().get(coord.report.remote(stage_id, mb, rank, failure), timeout=self.rpc_timeout)

@@ -394,3 +394,19 @@ def test_ray_late_lost_or_corrupt_chunk_stops_every_worker_fast(ray_workers):
     for res in _on_workers(ray, workers, bad, plan.ranks(), 0, 10).values():
         assert not res["ok"] and name in res["message"] and "checksum mismatch" in res["message"], res
     assert time.monotonic() - t0 < 30
+
+
+def test_ray_coordinator_outlives_released_batches(ray_workers):
+    """Step after step: a released and dropped staged batch must not take the shared coordinator with it."""
+    import gc
+
+    ray, workers = ray_workers
+    routes, plan = _routes(seed=5), _plan("dp4")
+    for _ in range(2):
+        staged, _ = stage(routes, plan, RayBackend())
+        got = _on_workers(ray, workers, staged, plan.ranks(), 1, 30, return_arrays=False)
+        assert all(res["ok"] for res in got.values()), got
+        staged.release()
+        del staged
+        gc.collect()
+        time.sleep(0.5)  # give Ray time to end an actor no handle points to
