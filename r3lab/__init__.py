@@ -6,6 +6,7 @@ The package reads as the pipeline, data flowing one way::
     compaction   transport: codecs, the versioned binary container, JSON payloads, engine readers
     rollout      capture on the inference side (vLLM in-process or over HTTP)
     slicing      per-rank shards for the trainer's parallel layout          (trainer side)
+    staging      routes to many trainer ranks, one chunk per DP rank        (trainer side)
     replay       routes into the trainer's routers (Megatron, transformers) (trainer side)
     metrics      drift and routing metrics, pure functions on arrays
     experiments  joins the two sides: the drift experiment
@@ -24,7 +25,7 @@ from r3lab.errors import R3LabError, RouteFormatError
 from r3lab.routes import Routes, compact_dtype
 
 __version__ = "0.1.0"
-STAGES = ("routes", "compaction", "rollout", "slicing", "replay", "metrics", "experiments", "runs", "viz",
+STAGES = ("routes", "compaction", "rollout", "slicing", "staging", "replay", "metrics", "experiments", "runs", "viz",
           "moe_layout", "paths", "testing", "errors", "cli")
 __all__ = ["Routes", "compact_dtype", "R3LabError", "RouteFormatError", "__version__", *STAGES]
 

@@ -20,6 +20,7 @@ BENCHMARKS = {
     "transport": "codecs vs what the field sends (size and speed)",
     "rollout": "route-capture overhead of the engine",
     "slicing": "shard() throughput and per-rank memory",
+    "staging": "per-rank route staging on Ray vs whole-batch put (time, bytes moved, per-worker memory)",
     "replay": "forward+backward overhead of replay",
     "drift": "the drift experiment, writing the committed table bench/results/drift.md",
     "rl": "none vs R2 vs R3 in the GRPO loop over seeds and knobs, writing bench/results/rl.md and reference runs",
