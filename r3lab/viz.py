@@ -354,7 +354,8 @@ def expert_load_comparison_figure(engine: Routes, trainer: Routes, *, names: tup
     top = float(max(a.max(), b.max()))
     for col, z in ((1, a), (2, b)):
         fig.add_heatmap(z=z, x=x, y=y, colorscale="Viridis", zmin=0, zmax=top, row=1, col=col, showscale=col == 2,
-                        colorbar={"x": 0.645, "xanchor": "left", "len": 0.8, "thickness": 12}, hovertemplate="%{y}, expert %{x}: %{z:.3f}<extra></extra>")
+                        colorbar={"x": 0.645, "xanchor": "left", "len": 0.8, "thickness": 12},
+                        hovertemplate="%{y}, expert %{x}: %{z:.3f}<extra></extra>")
     d = b - a
     lim = float(np.abs(d).max()) or 1e-9
     fig.add_heatmap(z=d, x=x, y=y, colorscale="RdBu", zmid=0, zmin=-lim, zmax=lim, row=1, col=3,
