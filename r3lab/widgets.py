@@ -372,7 +372,7 @@ _Series = tuple[str, str, str, str, list[int], list[float | None]]  # key, label
 
 
 def _set_traces(fig: go.FigureWidget, series: Sequence[_Series]) -> None:
-    """Make ``fig`` hold ``series``, extending traces in place; a trace's key is its ``meta`` (FigureWidget owns uid)."""
+    """Make ``fig`` hold ``series``, extending traces in place; a trace is keyed by ``meta`` (FigureWidget sets uid)."""
     with fig.batch_update():
         have = {t.meta: t for t in fig.data}
         for key, label, mode, dash, x, y in series:
@@ -505,7 +505,7 @@ class AblationDashboard(widgets.VBox):
         self.export_button = widgets.Button(description="Export", icon="download")
         self.progress = widgets.IntProgress(value=0, min=0, max=1, description="steps")
         self.status = widgets.HTML("<div class='r3lab-status'>ready</div>")
-        self.log = widgets.HTML("")
+        self.messages = widgets.HTML("")
         self.curve_fig = _figure(metric, metric)
         self.layer_fig = _figure("engine-trainer routing disagreement, layer -", LAYER_METRIC)
         self.figures = {"curves": self.curve_fig, "layer": self.layer_fig}
@@ -519,7 +519,7 @@ class AblationDashboard(widgets.VBox):
             widgets.VBox([self.metric, self.layer, widgets.HBox([self.run_button, self.export_button]),
                           self.progress]),
         ])
-        super().__init__([controls, self.status, self.log,
+        super().__init__([controls, self.status, self.messages,
                           widgets.GridBox([self.curve_fig, self.layer_fig],
                                           layout=widgets.Layout(grid_template_columns="repeat(2, minmax(0, 1fr))"))])
         self.add_class("r3lab-dashboard")
@@ -549,7 +549,7 @@ class AblationDashboard(widgets.VBox):
         for fig in self.figures.values():
             fig.data = ()
         self.progress.value, self.progress.max = 0, len(job.run_names) * job.steps
-        self.log.value = ""
+        self.messages.value = ""
         self.follower = RunFollower(job.runs_root, job.prefix, job=job, interval=self.interval,
                                     on_update=self._refresh).start()
         self.status.value = f"<div class='r3lab-status'>started {html.escape(prefix)}</div>"
@@ -580,9 +580,9 @@ class AblationDashboard(widgets.VBox):
         def work() -> None:
             try:
                 files = self.export()
-                self.log.value = "wrote " + ", ".join(html.escape(str(f)) for f in files)
+                self.messages.value = "wrote " + ", ".join(html.escape(str(f)) for f in files)
             except Exception as e:  # noqa: BLE001 - shown in the widget
-                self.log.value = f"<b style='color:#d62728'>export failed: {html.escape(str(e))}</b>"
+                self.messages.value = f"<b style='color:#d62728'>export failed: {html.escape(str(e))}</b>"
 
         threading.Thread(target=work, name="r3lab-export", daemon=True).start()
 

@@ -193,7 +193,8 @@ def test_dashboard_runs_the_experiment_and_shows_exactly_what_the_runs_hold(tmp_
         layers = sorted(int(k) for k in runs[dash.job.run_names[0]].step_records[0][LAYER_METRIC])
         assert list(dash.layer.options) == layers
         dash.layer.value = layers[-1]
-        for fig, metric, layer in ((dash.curve_fig, "mismatch/k3_kl", None), (dash.layer_fig, LAYER_METRIC, layers[-1])):
+        shown = ((dash.curve_fig, "mismatch/k3_kl", None), (dash.layer_fig, LAYER_METRIC, layers[-1]))
+        for fig, metric, layer in shown:
             traces = {t.meta: t for t in fig.data}
             assert set(traces) == set(runs)
             for name, t in traces.items():
