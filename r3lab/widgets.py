@@ -29,7 +29,8 @@ import plotly.graph_objects as go
 
 from r3lab._process import Closing
 from r3lab.errors import ConfigError, R3LabError
-from r3lab.paths import MODELS, runs_dir
+from r3lab.moe_layout import MoELayout
+from r3lab.paths import MODELS, model_dir, runs_dir
 from r3lab.runs import Run, RunFormatError, load
 from r3lab.viz import MODE_COLORS, TEMPLATE, export
 
@@ -459,6 +460,14 @@ def monitor(source: str | os.PathLike | RLJob, prefix: str = "", **kwargs: Any) 
 
 # ----------------------------------------------------------------------------------------------- the dashboard
 
+
+def _moe_layers(model: str) -> list[int]:
+    """The MoE layer ids of a model from its config.json; empty (filled from the first step) if unreadable."""
+    try:
+        return list(MoELayout.from_model_dir(model_dir(model)).moe_layer_ids)
+    except R3LabError:
+        return []
+
 _DTYPE_PAIRS = (("engine bf16 / trainer fp32", ("bfloat16", "float32")),
                 ("engine bf16 / trainer bf16 (fp32 routers)", ("bfloat16", "bfloat16")),
                 ("engine fp32 / trainer fp32", ("float32", "float32")))
@@ -483,6 +492,7 @@ class AblationDashboard(widgets.VBox):
         self.job: RLJob | None = None
         self.follower: RunFollower | None = None
         self._runs = 0
+        self._draw_lock = threading.RLock()  # the follower's thread and the controls both redraw
         style = {"description_width": "120px"}
         self.model = widgets.Dropdown(options=list(dict.fromkeys([model, *MODELS])), value=model,
                                       description="model", style=style)
@@ -500,7 +510,7 @@ class AblationDashboard(widgets.VBox):
         self.steps = widgets.IntSlider(value=steps, min=1, max=200, description="steps", style=style)
         self.metric = widgets.Dropdown(options=list(dict.fromkeys([metric, *DEFAULT_METRICS])), value=metric,
                                        description="metric", style=style)
-        self.layer = widgets.Dropdown(options=[], description="layer", style=style)
+        self.layer = widgets.Dropdown(options=_moe_layers(model), description="layer", style=style)
         self.run_button = widgets.Button(description="Run", button_style="primary", icon="play")
         self.export_button = widgets.Button(description="Export", icon="download")
         self.progress = widgets.IntProgress(value=0, min=0, max=1, description="steps")
@@ -511,6 +521,7 @@ class AblationDashboard(widgets.VBox):
         self.figures = {"curves": self.curve_fig, "layer": self.layer_fig}
         self.run_button.on_click(lambda _: self._guarded(self.run))
         self.export_button.on_click(lambda _: self._export_in_background())
+        self.model.observe(lambda _: self._set_layers(_moe_layers(self.model.value)), names="value")
         self.metric.observe(lambda _: self._redraw(), names="value")
         self.layer.observe(lambda _: self._redraw(), names="value")
         controls = widgets.HBox([
@@ -592,17 +603,26 @@ class AblationDashboard(widgets.VBox):
         layers = sorted({int(k) for _, _, _, recs, _, _ in follower.snapshot() for r in recs[:1]
                          for k in (r.get(LAYER_METRIC) or {})})
         if layers and list(self.layer.options) != layers:
-            self.layer.options = layers  # observe() redraws
+            self._set_layers(layers)  # the runs' own layers win over the config's
         self._redraw()
         extra = ""
         if follower.state in ("failed", "error") and self.job is not None:
             extra = f"<pre class='r3lab-log'>{html.escape(self.job.tail())}</pre>"
         self.status.value = _status_html(follower, extra)
 
+    def _set_layers(self, layers: list[int]) -> None:
+        keep = self.layer.value
+        self.layer.options = layers
+        self.layer.value = keep if keep in layers else (layers[0] if layers else None)  # observe() redraws
+
     def _redraw(self) -> None:
         if self.follower is None:
             return
-        snap = self.follower.snapshot()
+        with self._draw_lock:
+            self._draw()
+
+    def _draw(self) -> None:
+        snap = self.follower.snapshot() if self.follower is not None else []
         metric, layer = self.metric.value, self.layer.value
         self.curve_fig.update_layout(title=metric, yaxis_title=metric,
                                      yaxis_type="log" if metric.startswith(_LOG_METRICS) else "linear")

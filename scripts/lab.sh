@@ -10,7 +10,8 @@ if ! python -m jupyter kernelspec list 2>/dev/null | grep -q '^ *r3lab '; then
 fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # the kernel imports this checkout's r3lab
 PORT="${R3LAB_LAB_PORT:-$(python -c 'from r3lab._process import free_port; print(free_port())')}"
+ROOT_FLAG=(); [ "$(id -u)" = "0" ] && ROOT_FLAG=(--allow-root)  # containers often run as root
 TOKEN="$(python -c 'import secrets; print(secrets.token_urlsafe(32))')"
 echo "[r3lab] JupyterLab on notebooks/: http://127.0.0.1:$PORT/lab?token=$TOKEN" >&2
 exec python -m jupyter lab --no-browser --ServerApp.ip=127.0.0.1 --ServerApp.port="$PORT" \
-  --ServerApp.port_retries=0 --IdentityProvider.token="$TOKEN" --ServerApp.root_dir="$ROOT/notebooks" "$@"
+  --ServerApp.port_retries=0 --IdentityProvider.token="$TOKEN" --ServerApp.root_dir="$ROOT/notebooks" "${ROOT_FLAG[@]}" "$@"

@@ -9,6 +9,7 @@ test's temporary folder. No browser is downloaded: a missing Chromium is a failu
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -42,10 +43,11 @@ def _chromium() -> str:
 
 
 def _small_notebook(root: Path, runs: Path) -> Path:
+    from papermill.iorw import load_notebook_node
     from papermill.parameterize import parameterize_notebook
 
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    nb.cells = [c for c in nb.cells if "live" not in c.metadata.get("tags", [])]
+    nb = load_notebook_node(str(NOTEBOOK))  # with the metadata papermill adds
+    nb.cells = [c for c in nb.cells if "live" not in c.metadata.tags]
     nb = parameterize_notebook(nb, {"modes": ["R3"], "live_steps": STEPS, "live_prompts_per_step": 2,
                                     "live_samples_per_prompt": 2, "live_max_tokens": 8, "out_dir": str(runs)})
     for c in nb.cells:
@@ -69,8 +71,14 @@ def lab(tmp_path):
         [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ServerApp.ip=127.0.0.1",
          f"--ServerApp.port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
          f"--ServerApp.root_dir={root}", f"--LabApp.workspaces_dir={tmp_path / 'workspaces'}",
-         f"--LabApp.user_settings_dir={tmp_path / 'settings'}"],
+         f"--LabApp.user_settings_dir={tmp_path / 'settings'}",
+         *(["--allow-root"] if os.geteuid() == 0 else [])],
         env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    settings = tmp_path / "settings"  # every cell in the DOM (no windowing), no news pop-up
+    for ext, name, value in (("notebook-extension", "tracker", {"windowingMode": "none"}),
+                             ("apputils-extension", "notification", {"fetchNews": "false"})):
+        (settings / f"@jupyterlab/{ext}").mkdir(parents=True, exist_ok=True)
+        (settings / f"@jupyterlab/{ext}" / f"{name}.jupyterlab-settings").write_text(json.dumps(value))
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 90
@@ -100,7 +108,7 @@ def lab(tmp_path):
 
 
 _POINTS = """() => Array.from(document.querySelectorAll('.r3lab-dashboard .js-plotly-plot'))
-                  .map(gd => (gd.data || []).reduce((n, t) => n + (t.x ? t.x.length : 0), 0))"""
+                  .map(gd => (gd.data || []).reduce((n, t) => n + (t.y || []).filter(v => v !== null).length, 0))"""
 
 
 def test_notebook_04_runs_in_jupyterlab_and_its_dashboard_runs(lab):
@@ -112,32 +120,44 @@ def test_notebook_04_runs_in_jupyterlab_and_its_dashboard_runs(lab):
         browser = p.chromium.launch(executable_path=chromium, headless=True, args=CHROMIUM_ARGS, timeout=60_000)
         try:
             page = browser.new_page(viewport={"width": 1500, "height": 1100})
-            page.goto(f"{base}/lab/tree/{name}?token={token}", timeout=60_000)
-            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
-            page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
-            page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
-            # a plotly figure of the committed runs, drawn by plotly.js: its SVG has the traces
-            page.wait_for_selector(".jp-OutputArea .js-plotly-plot .scatterlayer .trace", timeout=120_000)
-            # the dashboard's widgets
-            dash = page.locator(".r3lab-dashboard")
-            dash.wait_for(timeout=120_000)
-            for sel in (".widget-dropdown", ".widget-select-multiple", ".widget-hslider", ".widget-button",
-                        ".widget-inline-hbox.widget-progress, .widget-progress"):
-                assert dash.locator(sel).count() >= 1, f"the dashboard has no {sel}"
-            page.wait_for_function(f"() => ({_POINTS})().length == 2", timeout=60_000)
-            assert page.evaluate(_POINTS) == [0, 0]  # empty before Run
-            dash.locator("button", has_text="Run").first.click()
-            # the child job starts vLLM and the trainer; each landed step adds a point to both figures
-            page.wait_for_function(f"() => ({_POINTS})().every(n => n >= {STEPS})", timeout=300_000)
-            page.wait_for_function("() => document.querySelector('.r3lab-dashboard .r3lab-status')"
-                                   ".textContent.includes('finished')", timeout=120_000)
-            assert page.evaluate(_POINTS) == [STEPS, STEPS]
-            shot = out / "dashboard.png"
-            dash.scroll_into_view_if_needed()
-            page.screenshot(path=str(shot), full_page=True)
-            print(f"screenshot: {shot}")
-            assert shot.stat().st_size > 10_000
+            try:
+                _run_and_check(page, base, token, name, out)
+            except Exception:
+                page.screenshot(path=str(out / "failure.png"), full_page=True)
+                print(f"failure screenshot: {out / 'failure.png'}")
+                print(page.locator(".jp-Notebook").inner_text()[-4000:])
+                raise
         finally:
             browser.close()
     runs = sorted((out / "runs").glob("dash-*-R3-s0"))
     assert len(runs) == 1 and (runs[0] / "summary.json").is_file()
+
+
+def _run_and_check(page, base: str, token: str, name: str, out: Path) -> None:
+    page.goto(f"{base}/lab/tree/{name}?token={token}", timeout=60_000)
+    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
+    page.wait_for_function("() => document.body.innerText.includes('r3lab (Python 3.11) | Idle')", timeout=90_000)
+    page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+    page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+    # a plotly figure of the committed runs, drawn by plotly.js: its SVG has the traces
+    page.wait_for_selector(".jp-OutputArea .js-plotly-plot .scatterlayer .trace", timeout=120_000)
+    # the dashboard's widgets
+    dash = page.locator(".r3lab-dashboard")
+    dash.wait_for(timeout=120_000)
+    dash.scroll_into_view_if_needed()
+    for sel in (".widget-dropdown", ".widget-select-multiple", ".widget-hslider", ".widget-button",
+                ".widget-hprogress", ".widget-html"):
+        assert dash.locator(sel).count() >= 1, f"the dashboard has no {sel}"
+    page.wait_for_function(f"() => ({_POINTS})().length == 2", timeout=60_000)
+    assert page.evaluate(_POINTS) == [0, 0]  # empty before Run
+    dash.locator("button", has_text="Run").first.click()
+    # the child job starts vLLM and the trainer; each landed step adds a point (a y value) to both figures
+    page.wait_for_function(f"() => ({_POINTS})().every(n => n >= {STEPS})", timeout=300_000)
+    page.wait_for_function("() => document.querySelector('.r3lab-dashboard .r3lab-status')"
+                           ".textContent.includes('finished')", timeout=120_000)
+    assert page.evaluate(_POINTS) == [STEPS, STEPS]
+    shot = out / "dashboard.png"
+    dash.scroll_into_view_if_needed()
+    page.screenshot(path=str(shot), full_page=True)
+    print(f"screenshot: {shot}")
+    assert shot.stat().st_size > 10_000

@@ -191,7 +191,7 @@ def test_dashboard_runs_the_experiment_and_shows_exactly_what_the_runs_hold(tmp_
         assert {r.config["seed"] for r in runs.values()} == {1}
         assert {r.config["temperature"] for r in runs.values()} == {0.8}
         layers = sorted(int(k) for k in runs[dash.job.run_names[0]].step_records[0][LAYER_METRIC])
-        assert list(dash.layer.options) == layers
+        assert list(dash.layer.options) == layers and dash.layer.value == layers[0]  # from the model's config
         dash.layer.value = layers[-1]
         shown = ((dash.curve_fig, "mismatch/k3_kl", None), (dash.layer_fig, LAYER_METRIC, layers[-1]))
         for fig, metric, layer in shown:
