@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -262,20 +263,21 @@ class RunFollower:
         return self
 
     def _loop(self) -> None:
-        while True:
+        try:
+            while True:
+                if self.poll():
+                    self._notify()
+                if self.state in ("finished", "failed") or self._stop.wait(self.interval):
+                    break
+            if self.state not in ("finished", "failed"):
+                self.state = "stopped"
+                self._notify()
+        except Exception as e:  # noqa: BLE001 - an unreadable run or a failing callback: shown, never swallowed
+            self.error, self.state = e, "error"
             try:
-                changed = self.poll()
-            except Exception as e:  # noqa: BLE001 - shown in the widget, never swallowed
-                self.error, self.state = e, "error"
                 self._notify()
-                return
-            if changed:
-                self._notify()
-            if self.state in ("finished", "failed") or self._stop.wait(self.interval):
-                break
-        if self.state not in ("finished", "failed"):
-            self.state = "stopped"
-            self._notify()
+            except Exception:  # noqa: BLE001 - the widget itself fails: at least the kernel's log has it
+                traceback.print_exc()
 
     def _notify(self) -> None:
         if self.on_update is not None:

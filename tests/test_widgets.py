@@ -214,3 +214,18 @@ def test_dashboard_runs_the_experiment_and_shows_exactly_what_the_runs_hold(tmp_
         dash.close()
     assert not dash.follower.alive and not dash.job.running
     assert load(runs[dash.job.run_names[0]].path).finished
+
+
+def test_a_failing_callback_puts_the_follower_in_error_instead_of_dying_silently(tmp_path):
+    w = _writer(tmp_path, "cb", 2, hold=False)
+    assert w.wait(60) == 0
+    seen = []
+
+    def boom(f):
+        seen.append(f.state)
+        if len(seen) == 1:
+            raise ValueError("a broken figure")
+
+    follower = RunFollower(tmp_path / "cb-R3-s0", interval=0.05, on_update=boom).start()
+    assert follower.wait(10)
+    assert follower.state == "error" and "a broken figure" in str(follower.error) and seen[-1] == "error"
