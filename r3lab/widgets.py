@@ -481,7 +481,7 @@ class AblationDashboard(widgets.VBox):
     Controls: model, replay modes, temperature, dtype pair, prompts per step, samples per prompt, seed,
     steps, metric and layer. **Run** starts ``r3lab rl`` as a child process (:func:`start_rl`) writing to
     ``runs_root`` and follows its runs (progress = steps landed / steps asked); a failure shows the job's
-    output tail. **Export** writes the current figures as PNG/SVG/PDF into ``export_dir``.
+    output tail. **Stop** ends the job. **Export** writes the current figures as PNG/SVG/PDF into ``export_dir``.
     """
 
     def __init__(self, runs_root: str | os.PathLike | None = None, export_dir: str | os.PathLike | None = None, *,
@@ -515,6 +515,7 @@ class AblationDashboard(widgets.VBox):
         self.layer = widgets.Dropdown(options=_moe_layers(model), description="layer", style=style)
         self.run_button = widgets.Button(description="Run", button_style="primary", icon="play")
         self.export_button = widgets.Button(description="Export", icon="download")
+        self.stop_button = widgets.Button(description="Stop", icon="stop")
         self.progress = widgets.IntProgress(value=0, min=0, max=1, description="steps")
         self.status = widgets.HTML("<div class='r3lab-status'>ready</div>")
         self.messages = widgets.HTML("")
@@ -523,14 +524,15 @@ class AblationDashboard(widgets.VBox):
         self.figures = {"curves": self.curve_fig, "layer": self.layer_fig}
         self.run_button.on_click(lambda _: self._guarded(self.run))
         self.export_button.on_click(lambda _: self._export_in_background())
+        self.stop_button.on_click(lambda _: self.stop())
         self.model.observe(lambda _: self._set_layers(_moe_layers(self.model.value)), names="value")
         self.metric.observe(lambda _: self._redraw(), names="value")
         self.layer.observe(lambda _: self._redraw(), names="value")
         controls = widgets.HBox([
             widgets.VBox([self.model, self.modes, self.dtypes, self.temperature]),
             widgets.VBox([self.prompts, self.samples, self.steps, self.seed]),
-            widgets.VBox([self.metric, self.layer, widgets.HBox([self.run_button, self.export_button]),
-                          self.progress]),
+            widgets.VBox([self.metric, self.layer, self.progress,
+                          widgets.HBox([self.run_button, self.stop_button, self.export_button])]),
         ])
         super().__init__([controls, self.status, self.messages,
                           widgets.GridBox([self.curve_fig, self.layer_fig],
@@ -567,6 +569,13 @@ class AblationDashboard(widgets.VBox):
                                     on_update=self._refresh).start()
         self.status.value = f"<div class='r3lab-status'>started {html.escape(prefix)}</div>"
         return job
+
+    def stop(self) -> None:
+        """End the running job (its whole process group) and stop following it; the figures keep what landed."""
+        if self.job is not None:
+            self.job.close()
+        if self.follower is not None:
+            self.follower.stop()
 
     def _mini_batches(self) -> int:
         batch = int(self.prompts.value) * int(self.samples.value)
@@ -635,8 +644,6 @@ class AblationDashboard(widgets.VBox):
 
     def close(self) -> None:
         """Stop following and end a job that still runs."""
-        if getattr(self, "follower", None) is not None:
-            self.follower.stop()
-        if getattr(self, "job", None) is not None:
-            self.job.close()
+        if getattr(self, "follower", None) is not None or getattr(self, "job", None) is not None:
+            self.stop()
         super().close()

@@ -229,3 +229,26 @@ def test_a_failing_callback_puts_the_follower_in_error_instead_of_dying_silently
     follower = RunFollower(tmp_path / "cb-R3-s0", interval=0.05, on_update=boom).start()
     assert follower.wait(10)
     assert follower.state == "error" and "a broken figure" in str(follower.error) and seen[-1] == "error"
+
+
+def test_a_quiet_run_is_stalled_and_stopping_a_job_ends_its_process_group(tmp_path):
+    from r3lab.runs import RunWriter
+
+    w = RunWriter(tmp_path, "quiet", "rl", {"mode": "R2", "seed": 0, "steps": 5})
+    w.log_step({"step": 0, "reward_mean": 0.5})
+    mon = RunMonitor(tmp_path / "quiet", interval=0.05, stall_s=0.3)
+    _wait_for(lambda: mon.state == "stalled", 10, "the stalled state")
+    assert "stalled" in mon.status.value and list(mon.figures["reward_mean"].data[0].y) == [0.5]
+    mon.close()
+    w.close()
+    dash = AblationDashboard(tmp_path / "runs", steps=1, prompts_per_step=2, samples_per_prompt=2)
+    dash.modes.value = ("R2",)
+    dash.run_button.click()
+    job = dash.job
+    assert job is not None and job.running
+    t0 = time.monotonic()
+    dash.stop_button.click()
+    assert not job.running and not dash.follower.alive and time.monotonic() - t0 < 15
+    with pytest.raises(ProcessLookupError):
+        os.killpg(job.process.pid, 0)  # nothing of the job's process group is left
+    dash.close()
