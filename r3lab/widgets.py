@@ -33,7 +33,7 @@ from r3lab.errors import ConfigError, R3LabError
 from r3lab.moe_layout import MoELayout
 from r3lab.paths import MODELS, model_dir, runs_dir
 from r3lab.runs import Run, RunFormatError, load
-from r3lab.viz import MODE_COLORS, TEMPLATE, export
+from r3lab.viz import MODE_COLORS, ONE_COLUMN, TEMPLATE, export
 
 __all__ = ["DEFAULT_METRICS", "LAYER_METRIC", "RLJob", "start_rl", "RunFollower", "RunMonitor", "monitor",
            "AblationDashboard", "load_runs", "reference_runs_dir"]
@@ -363,9 +363,10 @@ def _value(rec: dict[str, Any], metric: str, layer: int | None = None) -> float 
     return None if v is None else float(v)
 
 
-def _figure(title: str, metric: str, height: int = 300) -> go.FigureWidget:
+def _figure(title: str, metric: str, width: int = 470, height: int = 340) -> go.FigureWidget:
     fig = go.FigureWidget()
-    fig.update_layout(template=TEMPLATE, title=title, xaxis_title="RL step", yaxis_title=metric, height=height,
+    fig.update_layout(template=TEMPLATE, title=title, xaxis_title="RL step", yaxis_title=metric, width=width,
+                      height=height,
                       yaxis_type="log" if metric.startswith(_LOG_METRICS) else "linear",
                       margin={"l": 60, "r": 10, "t": 40, "b": 40}, legend={"orientation": "h", "y": -0.3})
     return fig
@@ -385,6 +386,16 @@ def _set_traces(fig: go.FigureWidget, series: Sequence[_Series]) -> None:
                                 line={"color": MODE_COLORS.get(mode, "#2ca02c"), "dash": dash}, marker={"size": 4})
             elif list(t.x or ()) != x or list(t.y or ()) != y:
                 t.x, t.y = x, y
+
+
+def _set_steps(fig: go.FigureWidget, total: int | None) -> None:
+    """Fix the x axis to the run's steps once (plotly.js autoranges y as data lands).
+
+    Checked in a browser: layout edits sent from the follower's thread after the first one can be lost on
+    the way to the page, while data edits arrive; so the x range is set once, before or with the first data.
+    """
+    if total and tuple(fig.layout.xaxis.range or ()) != (-0.5, total - 0.5):
+        fig.update_layout(xaxis_range=[-0.5, total - 0.5], yaxis_autorange=True)
 
 
 def _status_html(follower: RunFollower, extra: str = "") -> str:
@@ -427,7 +438,9 @@ class RunMonitor(widgets.VBox):
 
     def _refresh(self, follower: RunFollower) -> None:
         snap = follower.snapshot()
+        total = max((t for *_, t in snap if t is not None), default=None)
         for m, fig in self.figures.items():
+            _set_steps(fig, total)
             _set_traces(fig, [(name, f"{mode} s{seed}", mode, _DASHES[seed % len(_DASHES)], [r["step"] for r in recs],
                                [_value(r, m, self.layer) for r in recs]) for name, mode, seed, recs, _, _ in snap])
         extra = ""
@@ -563,6 +576,7 @@ class AblationDashboard(widgets.VBox):
         self.job = job
         for fig in self.figures.values():
             fig.data = ()
+            _set_steps(fig, job.steps)
         self.progress.value, self.progress.max = 0, len(job.run_names) * job.steps
         self.messages.value = ""
         self.follower = RunFollower(job.runs_root, job.prefix, job=job, interval=self.interval,
@@ -595,7 +609,7 @@ class AblationDashboard(widgets.VBox):
         for name, fig in self.figures.items():
             if not fig.data:
                 raise R3LabError(f"the {name} figure is empty: run an experiment first")
-            files += export(go.Figure(fig), out / f"{tag}-{name}")
+            files += export(go.Figure(fig).update_layout(**ONE_COLUMN), out / f"{tag}-{name}")  # the paper's size
         return files
 
     def _export_in_background(self) -> None:

@@ -10,6 +10,7 @@ test's temporary folder. No browser is downloaded: a missing Chromium is a failu
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 import shutil
@@ -133,6 +134,11 @@ def test_notebook_04_runs_in_jupyterlab_and_its_dashboard_runs(lab):
     assert len(runs) == 1 and (runs[0] / "summary.json").is_file()
 
 
+_RANGES = """() => Array.from(document.querySelectorAll('.r3lab-dashboard .js-plotly-plot')).map(gd => [
+    gd._fullLayout.xaxis.range, gd._fullLayout.yaxis.range, gd.data.flatMap(t => t.y.filter(v => v !== null)),
+    gd._fullLayout.yaxis.type == 'log'])"""
+
+
 def _run_and_check(page, base: str, token: str, name: str, out: Path) -> None:
     page.goto(f"{base}/lab/tree/{name}?token={token}", timeout=60_000)
     page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
@@ -156,6 +162,10 @@ def _run_and_check(page, base: str, token: str, name: str, out: Path) -> None:
     page.wait_for_function("() => document.querySelector('.r3lab-dashboard .r3lab-status')"
                            ".textContent.includes('finished')", timeout=120_000)
     assert page.evaluate(_POINTS) == [STEPS, STEPS]
+    # what the page shows holds every point: x spans the steps, y (autoranged by plotly.js) every value
+    for xr, yr, ys, log in page.evaluate(_RANGES):
+        ys = [math.log10(v) for v in ys] if log else ys
+        assert xr[0] < 0 and xr[1] > STEPS - 1 and yr[0] <= min(ys) <= max(ys) <= yr[1], (xr, yr, ys)
     shot = out / "dashboard.png"
     dash.scroll_into_view_if_needed()
     page.screenshot(path=str(shot), full_page=True)

@@ -103,6 +103,7 @@ def test_monitor_follows_a_writer_in_another_process_through_a_half_written_line
             x, y = _expected(tmp_path / name, metric, layer)
             assert list(t.x) == x == list(range(6)) and list(t.y) == pytest.approx(y)
             assert t.line.color == MODE_COLORS[name.split("-")[1]]
+        assert tuple(mon.figures[metric].layout.xaxis.range) == (-0.5, 5.5)  # the run's steps, from its config
     assert "finished" in mon.status.value and "12 steps" in mon.status.value
     mon.close()
 
