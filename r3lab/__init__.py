@@ -10,7 +10,8 @@ The package reads as the pipeline, data flowing one way::
     replay       routes into the trainer's routers (Megatron, transformers) (trainer side)
     metrics      drift and routing metrics, pure functions on arrays
     experiments  joins the two sides: the drift experiment
-    viz          plotly figures from results;  cli: the ``r3lab`` command
+    viz          plotly figures from results;  widgets: live monitor and ablation dashboard
+    cli          the ``r3lab`` command
 
 Every stage module is reachable after ``import r3lab`` (``r3lab.rollout.RolloutEngine``) and is imported
 on first use, so ``import r3lab`` stays light (no vLLM, no torch).
@@ -26,7 +27,7 @@ from r3lab.routes import Routes, compact_dtype
 
 __version__ = "0.1.0"
 STAGES = ("routes", "compaction", "rollout", "slicing", "staging", "replay", "metrics", "experiments", "runs", "viz",
-          "moe_layout", "paths", "testing", "errors", "cli")
+          "widgets", "moe_layout", "paths", "testing", "errors", "cli")
 __all__ = ["Routes", "compact_dtype", "R3LabError", "RouteFormatError", "__version__", *STAGES]
 
 

@@ -50,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     r.add_argument("--seeds", type=int, nargs="+", help="seeds (default 0 1 2; --quick: 0)")
     r.add_argument("--steps", type=int, help="rollout batches per run")
+    r.add_argument("--prompts-per-step", type=int, help="corpus prompts per rollout batch")
+    r.add_argument("--samples-per-prompt", type=int, help="completions per prompt (the GRPO group, >= 2)")
+    r.add_argument("--max-tokens", type=int, help="tokens sampled per completion")
     r.add_argument("--lr", type=float, help="learning rate (AdamW)")
     r.add_argument("--mini-batches", type=int, help="policy updates per rollout batch")
     r.add_argument("--temperature", type=float, help="sampling temperature")
@@ -107,7 +110,9 @@ def _rl(args: argparse.Namespace) -> None:
     from r3lab.experiments.rl import RLConfig, comparison_rows, comparison_table, run_comparison
     from r3lab.paths import model_dir, runs_dir
 
-    fields = {"steps": args.steps, "lr": args.lr, "mini_batches": args.mini_batches, "temperature": args.temperature,
+    fields = {"steps": args.steps, "prompts_per_step": args.prompts_per_step,
+              "samples_per_prompt": args.samples_per_prompt, "max_tokens": args.max_tokens, "lr": args.lr,
+              "mini_batches": args.mini_batches, "temperature": args.temperature,
               "engine_dtype": args.engine_dtype, "trainer_dtype": args.trainer_dtype,
               "router_dtype": args.router_dtype, "staleness": args.staleness, "tis_cap": args.tis_cap,
               "data": args.data}

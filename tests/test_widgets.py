@@ -1,0 +1,255 @@
+"""r3lab.widgets: the live monitor follows runs another process writes; the dashboard runs `r3lab rl` and shows it.
+
+The writer is a real second process (RunWriter, then raw appends with a half-written line held open on a
+handshake), so the monitor reads a file that grows under it exactly as with a running job.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from r3lab.errors import ConfigError, R3LabError
+from r3lab.runs import RunFormatError, load
+from r3lab.viz import MODE_COLORS
+from r3lab.widgets import (
+    LAYER_METRIC,
+    AblationDashboard,
+    RunFollower,
+    RunMonitor,
+    load_runs,
+    monitor,
+    reference_runs_dir,
+    start_rl,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+WRITER = textwrap.dedent("""
+    import json, sys, time
+    from pathlib import Path
+    from r3lab.runs import RunWriter
+    root, prefix, steps, hold = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4] == "hold"
+    for mode in ("none", "R3"):
+        w = RunWriter(root, f"{prefix}-{mode}-s0", "rl", {"mode": mode, "seed": 0, "steps": steps})
+        f = open(w.path / "steps.jsonl", "a")
+        for step in range(steps):
+            line = json.dumps({"step": step, "mismatch/k3_kl": (step + 1) * (1e-4 if mode == "none" else 1e-5),
+                               "reward_mean": 0.1 * step, "routing/engine_trainer_disagreement_per_layer":
+                               {"0": 0.01 * step, "1": 0.02 * step}}) + "\\n"
+            if hold and mode == "none" and step == 2:  # a half-written line, held until the test says go
+                f.write(line[:17]); f.flush()
+                (root / "partial.flag").touch()
+                while not (root / "go.flag").exists():
+                    time.sleep(0.02)
+                f.write(line[17:]); f.flush()
+            else:
+                f.write(line); f.flush()
+            time.sleep(0.05)
+        f.close()
+        w.finish({"steps": steps})
+    time.sleep(float(sys.argv[5]) if len(sys.argv) > 5 else 0)
+""")
+
+
+def _writer(root: Path, prefix: str, steps: int, hold: bool, linger: float = 0.0) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", WRITER, str(root), prefix, str(steps), "hold" if hold else "-",
+                             str(linger)], env=ENV)
+
+
+def _wait_for(pred, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
+
+
+def _expected(run_dir: Path, metric: str, layer: int | None = None) -> tuple[list[int], list[float]]:
+    recs = [json.loads(ln) for ln in (run_dir / "steps.jsonl").read_text().splitlines()]
+    vals = [r[metric][str(layer)] if layer is not None else r[metric] for r in recs]
+    return [r["step"] for r in recs], vals
+
+
+def test_monitor_follows_a_writer_in_another_process_through_a_half_written_line(tmp_path):
+    w = _writer(tmp_path, "cmp", 6, hold=True)
+    try:
+        mon = RunMonitor(tmp_path, "cmp", metrics=["mismatch/k3_kl", "reward_mean", LAYER_METRIC], layer=1,
+                         expect=2, interval=0.05)
+        _wait_for(lambda: (tmp_path / "partial.flag").exists(), 60, "the writer's half-written line")
+        time.sleep(0.5)  # ten polls over the partial line
+        fig = mon.figures["mismatch/k3_kl"]
+        assert mon.follower.error is None and mon.state == "running"
+        assert [list(t.x) for t in fig.data] == [[0, 1]]  # the complete steps only, nothing from the partial line
+        (tmp_path / "go.flag").touch()
+        assert mon.wait(60), mon.status.value
+        assert w.wait(30) == 0
+    finally:
+        w.kill()
+    assert mon.state == "finished" and mon.follower.error is None and not mon.follower.alive
+    for metric, layer in (("mismatch/k3_kl", None), ("reward_mean", None), (LAYER_METRIC, 1)):
+        traces = {t.meta: t for t in mon.figures[metric].data}
+        assert set(traces) == {"cmp-none-s0", "cmp-R3-s0"}
+        for name, t in traces.items():
+            x, y = _expected(tmp_path / name, metric, layer)
+            assert list(t.x) == x == list(range(6)) and list(t.y) == pytest.approx(y)
+            assert t.line.color == MODE_COLORS[name.split("-")[1]]
+        assert tuple(mon.figures[metric].layout.xaxis.range) == (-0.5, 5.5)  # the run's steps, from its config
+    assert "finished" in mon.status.value and "12 steps" in mon.status.value
+    mon.close()
+
+
+def test_a_single_run_stops_when_its_summary_lands_and_close_stops_a_running_monitor(tmp_path):
+    w = _writer(tmp_path, "one", 4, hold=False, linger=30)
+    try:
+        _wait_for(lambda: (tmp_path / "one-none-s0" / "summary.json").exists(), 60, "the first run's summary")
+        single = monitor(tmp_path / "one-none-s0", interval=0.05)
+        assert single.wait(10) and single.state == "finished"
+        assert list(single.figures["reward_mean"].data[0].y) == pytest.approx([0.0, 0.1, 0.2, 0.3])
+        # a folder whose runs never finish (the writer lingers): closing stops the thread promptly
+        (tmp_path / "late").mkdir()
+        mon = RunMonitor(tmp_path / "late", interval=0.05)
+        _wait_for(lambda: mon.follower.alive, 5, "the monitor thread")
+        assert mon.state == "waiting"
+        t0 = time.monotonic()
+        mon.close()
+        assert not mon.follower.alive and time.monotonic() - t0 < 2 and mon.state == "stopped"
+    finally:
+        w.kill()
+        w.wait()
+
+
+def test_bad_paths_and_corrupt_lines_are_named(tmp_path):
+    with pytest.raises(R3LabError, match="does not exist"):
+        RunMonitor(tmp_path / "nowhere")
+    (tmp_path / "file.txt").write_text("x")
+    with pytest.raises(R3LabError, match="is a file"):
+        RunMonitor(tmp_path / "file.txt")
+    with pytest.raises(ConfigError, match="metric"):
+        RunMonitor(tmp_path, metrics=[])
+    with pytest.raises(R3LabError, match="no runs named"):
+        load_runs(tmp_path, "rl-")
+    w = _writer(tmp_path, "bad", 2, hold=False)
+    assert w.wait(60) == 0
+    run = tmp_path / "bad-none-s0"
+    with open(run / "steps.jsonl", "a") as f:
+        f.write("not json\n")
+    follower = RunFollower(run, interval=0.05).start()
+    assert follower.wait(10)
+    assert follower.state == "error" and isinstance(follower.error, RunFormatError)
+    assert "line 3 is not JSON" in str(follower.error)
+
+
+def test_start_rl_refuses_bad_arguments_before_starting_anything(tmp_path):
+    for kwargs, match in ((dict(modes=["R4"]), "modes"), (dict(samples_per_prompt=1), "samples_per_prompt"),
+                          (dict(prompts_per_step=3, samples_per_prompt=3, mini_batches=2), "mini-batches"),
+                          (dict(seeds=[]), "seed")):
+        with pytest.raises(ConfigError, match=match):
+            start_rl(tmp_path, **kwargs)
+    (tmp_path / "x-R3-s0").mkdir()
+    with pytest.raises(ConfigError, match="never overwritten"):
+        start_rl(tmp_path, prefix="x", modes=["R3"])
+
+
+def test_a_failing_job_is_shown_not_swallowed(tmp_path):
+    job = start_rl(tmp_path, prefix="fail", model="no-such-model", modes=["R3"], steps=1)
+    with job:
+        mon = monitor(job, interval=0.1)
+        assert mon.wait(120), mon.status.value
+        assert mon.state == "failed" and job.returncode not in (0, None)
+        assert "no model 'no-such-model'" in html.unescape(mon.status.value)  # the child's own error, in the widget
+
+
+def test_reference_runs_load():
+    runs = load_runs(reference_runs_dir(), "tiny-qwen3-moe-default-")
+    assert {r.config["mode"] for r in runs} == {"none", "R2", "R3"} and all(r.finished for r in runs)
+
+
+def test_dashboard_runs_the_experiment_and_shows_exactly_what_the_runs_hold(tmp_path):
+    dash = AblationDashboard(tmp_path / "runs", tmp_path / "figures", steps=2, prompts_per_step=2,
+                             samples_per_prompt=2, max_tokens=8, interval=0.2)
+    dash.modes.value = ("none", "R3")
+    dash.steps.value = 3
+    dash.seed.value = 1
+    dash.temperature.value = 0.8
+    dash.run_button.click()  # what the browser's click does: the on_click handler
+    try:
+        assert dash.job is not None, dash.status.value
+        assert dash.wait(420), dash.status.value + dash.job.tail()
+        assert dash.follower.state == "finished", dash.status.value + dash.job.tail()
+        assert dash.progress.value == dash.progress.max == 6
+        runs = {r.name: r for r in load_runs(tmp_path / "runs", dash.job.prefix)}
+        assert sorted(runs) == sorted(dash.job.run_names) and all(r.finished for r in runs.values())
+        assert {r.config["seed"] for r in runs.values()} == {1}
+        assert {r.config["temperature"] for r in runs.values()} == {0.8}
+        layers = sorted(int(k) for k in runs[dash.job.run_names[0]].step_records[0][LAYER_METRIC])
+        assert list(dash.layer.options) == layers and dash.layer.value == layers[0]  # from the model's config
+        dash.layer.value = layers[-1]
+        shown = ((dash.curve_fig, "mismatch/k3_kl", None), (dash.layer_fig, LAYER_METRIC, layers[-1]))
+        for fig, metric, layer in shown:
+            traces = {t.meta: t for t in fig.data}
+            assert set(traces) == set(runs)
+            for name, t in traces.items():
+                x, y = _expected(runs[name].path, metric, layer)
+                assert list(t.x) == x == [0, 1, 2] and list(t.y) == pytest.approx(y)
+                assert t.line.color == MODE_COLORS[runs[name].config["mode"]]
+        dash.metric.value = "reward_mean"  # the figure follows the control, from the runs already read
+        for t in dash.curve_fig.data:
+            assert list(t.y) == pytest.approx(_expected(runs[t.meta].path, "reward_mean")[1])
+        files = dash.export()
+        assert len(files) == 6
+        magic = {".png": b"\x89PNG", ".pdf": b"%PDF", ".svg": b"<svg"}
+        for f in files:
+            head = f.read_bytes()[:200]
+            assert f.stat().st_size > 2000 and magic[f.suffix] in head, f
+    finally:
+        dash.close()
+    assert not dash.follower.alive and not dash.job.running
+    assert load(runs[dash.job.run_names[0]].path).finished
+
+
+def test_a_failing_callback_puts_the_follower_in_error_instead_of_dying_silently(tmp_path):
+    w = _writer(tmp_path, "cb", 2, hold=False)
+    assert w.wait(60) == 0
+    seen = []
+
+    def boom(f):
+        seen.append(f.state)
+        if len(seen) == 1:
+            raise ValueError("a broken figure")
+
+    follower = RunFollower(tmp_path / "cb-R3-s0", interval=0.05, on_update=boom).start()
+    assert follower.wait(10)
+    assert follower.state == "error" and "a broken figure" in str(follower.error) and seen[-1] == "error"
+
+
+def test_a_quiet_run_is_stalled_and_stopping_a_job_ends_its_process_group(tmp_path):
+    from r3lab.runs import RunWriter
+
+    w = RunWriter(tmp_path, "quiet", "rl", {"mode": "R2", "seed": 0, "steps": 5})
+    w.log_step({"step": 0, "reward_mean": 0.5})
+    mon = RunMonitor(tmp_path / "quiet", interval=0.05, stall_s=0.3)
+    _wait_for(lambda: mon.state == "stalled", 10, "the stalled state")
+    assert "stalled" in mon.status.value and list(mon.figures["reward_mean"].data[0].y) == [0.5]
+    mon.close()
+    w.close()
+    dash = AblationDashboard(tmp_path / "runs", steps=1, prompts_per_step=2, samples_per_prompt=2)
+    dash.modes.value = ("R2",)
+    dash.run_button.click()
+    job = dash.job
+    assert job is not None and job.running
+    t0 = time.monotonic()
+    dash.stop_button.click()
+    assert not job.running and not dash.follower.alive and time.monotonic() - t0 < 15
+    with pytest.raises(ProcessLookupError):
+        os.killpg(job.process.pid, 0)  # nothing of the job's process group is left
+    dash.close()
