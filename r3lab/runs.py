@@ -34,7 +34,8 @@ from r3lab.compaction import decode, encode
 from r3lab.errors import R3LabError
 from r3lab.routes import Routes
 
-__all__ = ["RUN_FORMAT", "RUN_FORMAT_VERSION", "RunFormatError", "RunWriter", "Run", "load", "list_runs", "versions"]
+__all__ = ["RUN_FORMAT", "RUN_FORMAT_VERSION", "RunFormatError", "RunWriter", "Run", "load", "list_runs", "versions",
+           "parse_step_line"]
 
 RUN_FORMAT = "r3lab-run"
 RUN_FORMAT_VERSION = 1
@@ -147,6 +148,17 @@ class RunWriter:
         self.close()
 
 
+def parse_step_line(line: bytes, path: str | os.PathLike, lineno: int) -> dict[str, Any]:
+    """One complete line of ``steps.jsonl`` as its record; corrupt content names the file and line."""
+    try:
+        rec = json.loads(line)
+    except ValueError as e:
+        raise RunFormatError(f"{str(path)!r} line {lineno} is not JSON: {e}") from e
+    if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
+        raise RunFormatError(f"{str(path)!r} line {lineno} has no integer 'step'")
+    return rec
+
+
 def _read_steps(path: Path) -> tuple[list[dict[str, Any]], bool]:
     """Complete step lines; a half-written last line (no newline, or not JSON) is dropped and reported."""
     if not path.is_file():
@@ -156,15 +168,8 @@ def _read_steps(path: Path) -> tuple[list[dict[str, Any]], bool]:
     tail = lines.pop()  # after the last newline: empty when the file ends cleanly
     out = []
     for i, ln in enumerate(lines, 1):
-        if not ln.strip():
-            continue
-        try:
-            rec = json.loads(ln)
-        except ValueError as e:
-            raise RunFormatError(f"{str(path)!r} line {i} is not JSON: {e}") from e
-        if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
-            raise RunFormatError(f"{str(path)!r} line {i} has no integer 'step'")
-        out.append(rec)
+        if ln.strip():
+            out.append(parse_step_line(ln, path, i))
     return out, bool(tail.strip())
 
 

@@ -32,7 +32,7 @@ from r3lab._process import Closing
 from r3lab.errors import ConfigError, R3LabError
 from r3lab.moe_layout import MoELayout
 from r3lab.paths import MODELS, model_dir, runs_dir
-from r3lab.runs import Run, RunFormatError, load
+from r3lab.runs import Run, load, parse_step_line
 from r3lab.viz import MODE_COLORS, ONE_COLUMN, TEMPLATE, export
 
 __all__ = ["DEFAULT_METRICS", "LAYER_METRIC", "RLJob", "start_rl", "RunFollower", "RunMonitor", "monitor",
@@ -190,7 +190,6 @@ class _Tail:
 
     def poll(self) -> bool:
         """Read what was appended since the last poll; True if a step landed or the run finished."""
-        import json
 
         finished = (self.path / "summary.json").is_file()  # checked first: every step is on disk before it lands
         with open(self.path / "steps.jsonl", "rb") as f:
@@ -201,16 +200,9 @@ class _Tail:
         new = 0
         for ln in lines:
             self._lines += 1
-            if not ln.strip():
-                continue
-            try:
-                rec = json.loads(ln)
-            except ValueError as e:
-                raise RunFormatError(f"{str(self.path / 'steps.jsonl')!r} line {self._lines} is not JSON: {e}") from e
-            if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
-                raise RunFormatError(f"{str(self.path / 'steps.jsonl')!r} line {self._lines} has no integer 'step'")
-            self.records.append(rec)
-            new += 1
+            if ln.strip():
+                self.records.append(parse_step_line(ln, self.path / "steps.jsonl", self._lines))
+                new += 1
         changed = bool(new) or finished != self.finished
         self.finished = finished
         if changed:
