@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 REQ = ROOT / "requirements-gpu.txt"
 DRY_RUN_TIMEOUT = 600  # s; measured 41 s on a quiet machine, 3.7 min before the metadata-only switches
 
-# what the recipe promises (README "On GPU nodes"); a change here is a change of the recipe
+# what the recipe promises (README "On GPU nodes", docs/gpu.md); a change here is a change of the recipe
 EXPECTED = {"vllm": "0.23.0", "torch": "2.11.0", "megatron-core": "0.16.1", "transformer-engine": "2.11.0",
             "transformer-engine-cu13": "2.11.0"}
 # megatron-bridge requirements the GPU environment leaves out on purpose (requirements-gpu.txt says why)
