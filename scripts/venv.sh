@@ -17,7 +17,7 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip
   # torch first and alone: pip takes the CPU 2.13.0 wheel from this machine's find-links
   "$VENV/bin/python" -m pip install -q "torch==2.13.0"
-  "$VENV/bin/python" -m pip install -q -e "$ROOT[cpu,lab,dev]"
+  "$VENV/bin/python" -m pip install -q -e "$ROOT[cpu,lab,ray,dev]"
   # the index's torchvision/torchaudio are CUDA builds that break `import transformers` beside CPU torch
   "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   # the notebooks' kernel, inside the venv (no user-wide kernelspec): notebooks are committed with it
