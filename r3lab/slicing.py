@@ -43,6 +43,7 @@ __all__ = [
     "shard_local",
     "dp_sequence_ids",
     "dp_share",
+    "gather",
     "token_rows",
     "padded_cu_seqlens",
     "micro_batch_input_rows",
@@ -285,11 +286,17 @@ def dp_share(routes: Routes, layout: ParallelLayout, dp_rank: int, *, pp_rank: i
     memory-mapped global ``routes`` is read only where this rank needs it.
     """
     seqs = np.concatenate(dp_sequence_ids(len(routes), layout, dp_rank))
-    cols = (
-        _layer_columns(routes, layout.router_layer_ids(pp_rank))
-        if pp_rank is not None
-        else np.arange(routes.num_layers)
-    )
+    return gather(routes, seqs, None if pp_rank is None else layout.router_layer_ids(pp_rank))
+
+
+def gather(routes: Routes, seq_ids: Sequence[int] | np.ndarray, layer_ids: Sequence[int] | None = None) -> Routes:
+    """The sequences ``seq_ids`` (in that order) and the global layers ``layer_ids`` (default: all) as new Routes.
+
+    Copies only those rows, one sequence at a time, so a memory-mapped ``routes`` is read only where needed.
+    Raises :class:`SlicingError` if a layer is missing.
+    """
+    seqs = np.asarray(seq_ids, dtype=np.int64)
+    cols = np.arange(routes.num_layers) if layer_ids is None else _layer_columns(routes, layer_ids)
     lens = routes.lengths[seqs]
     out = np.empty((int(lens.sum()), cols.size, routes.top_k), dtype=routes.values.dtype)
     csel = _as_slice(cols)

@@ -74,7 +74,7 @@ from tqdm.auto import tqdm
 from r3lab.compaction import decode, encode
 from r3lab.errors import R3LabError, RouteFormatError
 from r3lab.routes import Routes
-from r3lab.slicing import ParallelLayout, SlicingError, dp_sequence_ids
+from r3lab.slicing import ParallelLayout, SlicingError, dp_sequence_ids, gather
 
 __all__ = [
     "StagingError",
@@ -222,23 +222,10 @@ class StagingPlan:
 # ---- chunk bytes --------------------------------------------------------------------------------
 def _gather(routes: Routes, seq_ids: Sequence[int], layer_ids: Sequence[int]) -> Routes:
     """The sequences ``seq_ids`` (in that order) and layers ``layer_ids``; reads only their rows (memory maps)."""
-    pos = {int(g): j for j, g in enumerate(routes.layer_ids.tolist())}
-    missing = [g for g in layer_ids if g not in pos]
-    if missing:
-        raise StagingError(f"routes lack the global layers {missing} (routes have {routes.layer_ids.tolist()})")
-    cols = np.asarray([pos[g] for g in layer_ids], dtype=np.int64)
-    csel = slice(int(cols[0]), int(cols[-1]) + 1) if cols.size and np.all(np.diff(cols) == 1) else cols
-    seqs = np.asarray(seq_ids, dtype=np.int64)
-    lens = routes.lengths[seqs]
-    out = np.empty((int(lens.sum()), cols.size, routes.top_k), dtype=routes.values.dtype)
-    o = 0
-    for s, n in zip(routes.cu_seqlens[seqs].tolist(), lens.tolist(), strict=True):
-        out[o : o + n] = routes.values[s : s + n, csel]
-        o += n
-    out.setflags(write=False)
-    return Routes(
-        out, np.concatenate([[0], np.cumsum(lens)]), routes.num_experts, np.asarray(layer_ids), validate=False
-    )
+    try:
+        return gather(routes, seq_ids, layer_ids)
+    except SlicingError as e:
+        raise StagingError(str(e)) from e
 
 
 def encode_chunk(share: Routes, spec: ChunkSpec, stage_id: str, codec: Any = "raw") -> bytes:
