@@ -208,7 +208,12 @@ class Run:
         return pd.DataFrame.from_records(self.step_records)
 
     def token_steps(self) -> list[int]:
+        """Steps with a per-token table, ascending."""
         return sorted(int(p.stem.split("-")[1]) for p in (self.path / "tokens").glob("step-*.parquet"))
+
+    def route_steps(self, what: str) -> list[int]:
+        """Steps with routes stored under ``what`` (e.g. "engine", "trainer"), ascending."""
+        return sorted(int(p.name.split(".")[0].split("-")[1]) for p in (self.path / "routes").glob(f"step-*.{what}.r3"))
 
     def tokens(self, steps: Sequence[int] | None = None):
         """Per-token rows of the given steps (default: all), one tidy DataFrame."""

@@ -24,12 +24,12 @@ from r3lab.errors import R3LabError
 from r3lab.routes import Routes
 from r3lab.runs import Run
 
-__all__ = ["MODE_COLORS", "ONE_COLUMN", "TWO_COLUMN", "EXPORT_FORMATS", "find_chromium", "export", "transport_figure",
-           "rl_curves_figure", "expert_load_figure", "drift_figure", "route_view_figure", "codec_figure",
-           "expert_load_comparison_figure", "layer_disagreement_figure", "load_imbalance_figure", "load_shift_figure",
-           "prob_density_figure", "extreme_fraction_figure", "delta_histogram_figure", "flip_split_figure",
-           "layer_drift_figure", "response_differs", "most_flipped_sample", "rl_token_logprobs", "export_figures",
-           "paper_figures"]
+__all__ = ["MODE_COLORS", "mode_color", "ONE_COLUMN", "TWO_COLUMN", "EXPORT_FORMATS", "find_chromium", "export",
+           "transport_figure", "rl_curves_figure", "expert_load_figure", "drift_figure", "route_view_figure",
+           "codec_figure", "expert_load_comparison_figure", "layer_disagreement_figure", "load_imbalance_figure",
+           "load_shift_figure", "prob_density_figure", "extreme_fraction_figure", "delta_histogram_figure",
+           "flip_split_figure", "layer_drift_figure", "response_differs", "most_flipped_sample", "rl_token_logprobs",
+           "export_figures", "paper_figures"]
 
 MODE_COLORS = {"none": "#7f7f7f", "R2": "#1f77b4", "R3": "#d62728"}  # one colour per replay mode, everywhere
 ONE_COLUMN = {"width": 520, "height": 380}  # px at scale 1; a paper's single column
@@ -89,6 +89,26 @@ def export(fig: go.Figure, path: str | os.PathLike, *, formats: Sequence[str] = 
     return out
 
 
+def mode_color(mode: str) -> str:
+    """The replay mode's colour in every figure (:data:`MODE_COLORS`; green for a mode outside none/R2/R3)."""
+    return MODE_COLORS.get(mode, "#2ca02c")
+
+
+def _mode_order(modes: Iterable[str]) -> list[str]:
+    """none, R2, R3 first, in that order; other modes after them."""
+    return sorted(modes, key=lambda m: list(MODE_COLORS).index(m) if m in MODE_COLORS else len(MODE_COLORS))
+
+
+def _require_kind(run: Run, kind: str) -> None:
+    if run.kind != kind:
+        raise R3LabError(f"run {run.name!r} is a {run.kind!r} run, not {'an RL' if kind == 'rl' else 'a ' + kind} run")
+
+
+def _same_layers(a: Routes, b: Routes) -> None:
+    if a.num_experts != b.num_experts or not np.array_equal(a.layer_ids, b.layer_ids):
+        raise R3LabError(f"cannot compare {a!r} with {b!r}: experts or layers differ")
+
+
 def _band(fig: go.Figure, x: np.ndarray, lo: np.ndarray, hi: np.ndarray, color: str, name: str, row: Any = None,
           col: Any = None) -> None:
     rgba = "rgba({},{},{},0.15)".format(*(int(color[i : i + 2], 16) for i in (1, 3, 5)))
@@ -128,8 +148,7 @@ def rl_curves_figure(runs: Sequence[Run], metric: str = "mismatch/k3_kl", *, log
     """
     by_mode: dict[str, list[np.ndarray]] = {}
     for r in runs:
-        if r.kind != "rl":
-            raise R3LabError(f"run {r.name!r} is a {r.kind!r} run, not an RL run")
+        _require_kind(r, "rl")
         vals = np.array([np.nan if s.get(metric) is None else s[metric] for s in r.step_records], dtype=np.float64)
         if np.isnan(vals).all():
             raise R3LabError(f"run {r.name!r} has no values of {metric!r}")
@@ -137,11 +156,11 @@ def rl_curves_figure(runs: Sequence[Run], metric: str = "mismatch/k3_kl", *, log
     if not by_mode:
         raise R3LabError("no runs to plot")
     fig = go.Figure()
-    for mode in sorted(by_mode, key=lambda m: list(MODE_COLORS).index(m) if m in MODE_COLORS else 99):
+    for mode in _mode_order(by_mode):
         n = min(len(v) for v in by_mode[mode])
         stack = np.stack([v[:n] for v in by_mode[mode]])
         x = np.arange(n)
-        color = MODE_COLORS.get(mode, "#2ca02c")
+        color = mode_color(mode)
         if stack.shape[0] > 1:
             _band(fig, x, np.nanmin(stack, 0), np.nanmax(stack, 0), color, mode)
         fig.add_scatter(x=x, y=np.nanmedian(stack, 0), mode="lines", name=f"{mode} ({stack.shape[0]} seeds)",
@@ -157,8 +176,7 @@ def expert_load_figure(routes: Routes, *, title: str = "expert load", reference:
     load = metrics.expert_load(routes.values, routes.num_experts)
     z, scale, mid = load, "Viridis", None
     if reference is not None:
-        if reference.num_experts != routes.num_experts or not np.array_equal(reference.layer_ids, routes.layer_ids):
-            raise R3LabError(f"cannot compare {routes!r} with {reference!r}: experts or layers differ")
+        _same_layers(routes, reference)
         z, scale, mid = load - metrics.expert_load(reference.values, reference.num_experts), "RdBu", 0.0
     fig = go.Figure(go.Heatmap(z=z, x=list(range(routes.num_experts)), y=[f"layer {g}" for g in routes.layer_ids],
                                colorscale=scale, zmid=mid, hovertemplate="%{y}, expert %{x}: %{z:.3f}<extra></extra>"))
@@ -177,8 +195,7 @@ def _median_min_max(v: np.ndarray) -> tuple[float, float, float]:
 def drift_figure(run: Run) -> go.Figure:
     """The drift experiment: k3 KL without replay and with R3, per (model, trainer), median over seeds with
     min - max error bars, overall and on route-flipped tokens."""
-    if run.kind != "drift":
-        raise R3LabError(f"run {run.name!r} is a {run.kind!r} run, not a drift run")
+    _require_kind(run, "drift")
     cells: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for s in run.step_records:
         cells.setdefault((s["model"], s["trainer_dtype"]), []).append(s)
@@ -243,10 +260,6 @@ def paper_figures(results: str | os.PathLike, out: str | os.PathLike, *,
             runs, title=f"{model}: train-inference k3 KL per RL step")
     return export_figures(figures, out, formats=formats)
 # ---- routes of one sample, codecs, expert load ----------------------------------------------------------------------
-def _mode_color(mode: str) -> str:
-    return MODE_COLORS.get(mode, "#2ca02c")
-
-
 def _same_shape(a: Routes, b: Routes) -> None:
     if (a.num_experts != b.num_experts or not np.array_equal(a.layer_ids, b.layer_ids)
             or not np.array_equal(a.cu_seqlens, b.cu_seqlens) or a.top_k != b.top_k):
@@ -343,8 +356,7 @@ def codec_figure(records: Iterable[Mapping[str, Any]]) -> go.Figure:
 def expert_load_comparison_figure(engine: Routes, trainer: Routes, *, names: tuple[str, str] = ("engine", "trainer"),
                                   title: str = "expert load per layer") -> go.Figure:
     """Three heatmaps (layer x expert): the engine's load, the trainer's load, and trainer minus engine."""
-    if engine.num_experts != trainer.num_experts or not np.array_equal(engine.layer_ids, trainer.layer_ids):
-        raise R3LabError(f"cannot compare {engine!r} with {trainer!r}: experts or layers differ")
+    _same_layers(engine, trainer)
     a = metrics.expert_load(engine.values, engine.num_experts)
     b = metrics.expert_load(trainer.values, trainer.num_experts)
     y = [f"layer {int(g)}" for g in engine.layer_ids]
@@ -402,9 +414,8 @@ def load_shift_figure(runs: Sequence[Run], *, what: str = "engine") -> go.Figure
     routes stored at several steps, e.g. ``token_steps=1``)."""
     by_mode: dict[str, list[tuple[list[int], list[float]]]] = {}
     for r in runs:
-        if r.kind != "rl":
-            raise R3LabError(f"run {r.name!r} is a {r.kind!r} run, not an RL run")
-        steps = sorted(int(p.name.split(".")[0].split("-")[1]) for p in (r.path / "routes").glob(f"step-*.{what}.r3"))
+        _require_kind(r, "rl")
+        steps = r.route_steps(what)
         if len(steps) < 2:
             raise R3LabError(f"run {r.name!r} stores {what!r} routes at {len(steps)} step(s); the shift needs two or "
                              "more (run it with token_steps=1)")
@@ -412,12 +423,12 @@ def load_shift_figure(runs: Sequence[Run], *, what: str = "engine") -> go.Figure
         by_mode.setdefault(r.config["mode"], []).append(
             (steps, [float(metrics.load_shift(ld, loads[0]).mean()) for ld in loads]))
     fig = go.Figure()
-    for mode in sorted(by_mode, key=lambda m: list(MODE_COLORS).index(m) if m in MODE_COLORS else 99):
+    for mode in _mode_order(by_mode):
         series = by_mode[mode]
         n = min(len(s) for s, _ in series)
         y = np.median(np.array([v[:n] for _, v in series]), axis=0)
         fig.add_scatter(x=series[0][0][:n], y=y, mode="lines+markers", name=f"{mode} ({len(series)} seeds)",
-                        line={"color": _mode_color(mode)})
+                        line={"color": mode_color(mode)})
     fig.update_layout(template=TEMPLATE, title=f"{what} expert load: shift from the first step",
                       xaxis_title="RL step", yaxis_title="total-variation distance (mean over layers)", **ONE_COLUMN)
     return fig
@@ -459,7 +470,7 @@ def prob_density_figure(logp_infer: Any, logp_train: Mapping[str, Any], *, bins:
                         customdata=h.T, colorscale="Viridis", showscale=i == len(modes), row=1, col=i,
                         colorbar={"title": "log10 tokens"}, name=mode,
                         hovertemplate="engine %{x:.2f}, trainer %{y:.2f}: %{customdata:.0f} tokens<extra></extra>")
-        fig.add_scatter(x=[0, 1], y=[0, 1], mode="lines", line={"color": _mode_color(mode), "dash": "dash",
+        fig.add_scatter(x=[0, 1], y=[0, 1], mode="lines", line={"color": mode_color(mode), "dash": "dash",
                         "width": 1}, name=f"{mode}: y = x", showlegend=False, row=1, col=i)
         fig.update_xaxes(title_text="engine probability", range=[0, 1], row=1, col=i)
     fig.update_yaxes(title_text="trainer probability", range=[0, 1], row=1, col=1)
@@ -487,7 +498,7 @@ def extreme_fraction_figure(logp_infer: Any, logp_train: Mapping[str, Any], *,
     for mode, (lt, inf) in modes.items():
         fig.add_scatter(x=t - 1, y=metrics.extreme_fraction_curve(lt, inf, t), mode="lines", name=mode,
                         customdata=t, hovertemplate=f"{mode}<br>τ = %{{customdata:.4f}}: %{{y:.3g}}<extra></extra>",
-                        line={"color": _mode_color(mode), "width": 2})
+                        line={"color": mode_color(mode), "width": 2})
     for i, (name, (a, b)) in enumerate((floors or {}).items()):
         fig.add_scatter(x=t - 1, y=metrics.extreme_fraction_curve(a, b, t), mode="lines", name=f"floor: {name}",
                         customdata=t, hovertemplate=f"floor: {name}<br>τ = %{{customdata:.4f}}: %{{y:.3g}}"
@@ -508,7 +519,7 @@ def delta_histogram_figure(logp_infer: Any, logp_train: Mapping[str, Any], *, bi
     for mode, d in deltas.items():
         counts, _ = np.histogram(d, bins=edges)
         fig.add_bar(x=(edges[:-1] + edges[1:]) / 2, y=counts, width=edges[1] - edges[0], name=mode, opacity=0.6,
-                    marker_color=_mode_color(mode),
+                    marker_color=mode_color(mode),
                     hovertemplate=f"{mode}<br>Δ %{{x:.4f}}: %{{y}} tokens<extra></extra>")
     fig.update_layout(template=TEMPLATE, barmode="overlay", yaxis_type="log", title="Δ log p (trainer - engine)",
                       xaxis_title="Δ log p", yaxis_title="tokens", **ONE_COLUMN)
@@ -526,7 +537,7 @@ def flip_split_figure(logp_infer: Any, logp_train: Mapping[str, Any], flipped: A
         if f.shape != inf.shape:
             raise R3LabError(f"flipped has shape {f.shape}; the log-probs of {mode!r} have {inf.shape}")
         groups = (("route-flipped", f), ("agreeing", ~f), ("all", np.ones_like(f)))
-        fig.add_bar(x=[g for g, _ in groups], name=mode, marker_color=_mode_color(mode),
+        fig.add_bar(x=[g for g, _ in groups], name=mode, marker_color=mode_color(mode),
                     customdata=[int(m.sum()) for _, m in groups], hovertemplate="%{x}: %{y:.3g} (%{customdata} tokens)",
                     y=[metrics.k3_kl(lt[m], inf[m]) if m.any() else None for _, m in groups])
     fig.update_layout(template=TEMPLATE, barmode="group", yaxis_type="log", yaxis_title="k3 KL",
@@ -556,7 +567,7 @@ def layer_drift_figure(differs: Any, logp_infer: Any, logp_train: Mapping[str, A
     fig.add_bar(x=labels, y=f.mean(axis=0), name="tokens flipped here", marker_color="#dddddd", secondary_y=False)
     for mode, (lt, inf) in modes.items():
         d = metrics.per_layer_flip_drift(f, lt, inf)
-        c = _mode_color(mode)
+        c = mode_color(mode)
         fig.add_scatter(x=labels, y=d["k3_flipped"], mode="markers+lines", name=f"{mode}: k3 of flipped",
                         marker={"color": c, "size": 9}, line={"color": c}, secondary_y=True)
         fig.add_scatter(x=labels, y=d["k3_agreeing"], mode="markers+lines", name=f"{mode}: k3 of agreeing",
@@ -575,14 +586,13 @@ def rl_token_logprobs(runs: Sequence[Run], step: int | None = None) -> tuple[dic
     old-policy log-prob the loss uses (under R3 with the engine's routes replayed)."""
     pairs: dict[str, list[Any]] = {}
     for r in runs:
-        if r.kind != "rl":
-            raise R3LabError(f"run {r.name!r} is a {r.kind!r} run, not an RL run")
+        _require_kind(r, "rl")
         have = r.token_steps()
         if not have or (step is not None and step not in have):
             raise R3LabError(f"run {r.name!r} has token tables at steps {have}, not at {step}")
         t = r.tokens([have[-1] if step is None else step])
         pairs.setdefault(r.config["mode"], []).append(t)
-    order = sorted(pairs, key=lambda m: list(MODE_COLORS).index(m) if m in MODE_COLORS else 99)
+    order = _mode_order(pairs)
     logps = {m: (np.concatenate([t["logp_old"] for t in pairs[m]]), np.concatenate([t["logp_infer"] for t in pairs[m]]))
              for m in order}
     return logps, {m: np.concatenate([t["flipped"] for t in pairs[m]]).astype(bool) for m in order}

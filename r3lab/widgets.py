@@ -33,7 +33,7 @@ from r3lab.errors import ConfigError, R3LabError
 from r3lab.moe_layout import MoELayout
 from r3lab.paths import MODELS, model_dir, runs_dir
 from r3lab.runs import Run, load, parse_step_line
-from r3lab.viz import MODE_COLORS, ONE_COLUMN, TEMPLATE, export
+from r3lab.viz import ONE_COLUMN, TEMPLATE, export, mode_color
 
 __all__ = ["DEFAULT_METRICS", "LAYER_METRIC", "RLJob", "start_rl", "RunFollower", "RunMonitor", "monitor",
            "AblationDashboard", "load_runs", "reference_runs_dir"]
@@ -375,7 +375,7 @@ def _set_traces(fig: go.FigureWidget, series: Sequence[_Series]) -> None:
             t = have.get(key)
             if t is None:
                 fig.add_scatter(x=x, y=y, name=label, meta=key, mode="lines+markers", legendgroup=mode,
-                                line={"color": MODE_COLORS.get(mode, "#2ca02c"), "dash": dash}, marker={"size": 4})
+                                line={"color": mode_color(mode), "dash": dash}, marker={"size": 4})
             elif list(t.x or ()) != x or list(t.y or ()) != y:
                 t.x, t.y = x, y
 
