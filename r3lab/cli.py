@@ -147,15 +147,11 @@ def _runs(args: argparse.Namespace) -> None:
 
 
 def _figures(args: argparse.Namespace) -> None:
+    from r3lab.paths import results_dir
     from r3lab.viz import EXPORT_FORMATS, paper_figures
 
-    checkout = Path(__file__).resolve().parent.parent
-    results = Path(args.results) if args.results else checkout / "bench" / "results"
-    if not results.is_dir():
-        raise R3LabError(f"no results folder at {results}: `r3lab figures` reads a source checkout's bench/results "
-                         "(or pass --results DIR)")
-    out = Path(args.out) if args.out else checkout / "docs" / "figures"
-    for path in paper_figures(results, out, formats=args.formats or EXPORT_FORMATS):
+    out = Path(args.out) if args.out else Path(__file__).resolve().parent.parent / "docs" / "figures"
+    for path in paper_figures(results_dir(args.results), out, formats=args.formats or EXPORT_FORMATS):
         print(f"wrote {path}")
 
 

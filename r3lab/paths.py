@@ -11,7 +11,7 @@ from pathlib import Path
 
 from r3lab.errors import R3LabError
 
-__all__ = ["data_dir", "model_dir", "corpus_path", "runs_dir", "MODELS"]
+__all__ = ["data_dir", "model_dir", "corpus_path", "runs_dir", "results_dir", "MODELS"]
 
 MODELS = ("tiny-qwen3-moe", "tiny-glm4-moe")  # the shipped checkpoints, in data/models/
 
@@ -66,3 +66,15 @@ def runs_dir(override: str | os.PathLike | None = None, data: str | os.PathLike 
         return data_dir(data) / "runs"
     except R3LabError:
         return Path("runs")
+
+
+def results_dir(override: str | os.PathLike | None = None) -> Path:
+    """The committed results (benchmark tables, reference runs): ``override``, else the checkout's ``bench/results``.
+
+    They ship in a source checkout, not in the wheel; a missing folder is an error that says so.
+    """
+    p = Path(override) if override else Path(__file__).resolve().parent.parent / "bench" / "results"
+    if not p.is_dir():
+        raise R3LabError(f"no results folder at {p}: committed results live in a source checkout's bench/results "
+                         "(or pass a folder of your own)")
+    return p

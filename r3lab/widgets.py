@@ -31,8 +31,8 @@ import plotly.graph_objects as go
 from r3lab._process import Closing
 from r3lab.errors import ConfigError, R3LabError
 from r3lab.moe_layout import MoELayout
-from r3lab.paths import MODELS, model_dir, runs_dir
-from r3lab.runs import Run, load, parse_step_line
+from r3lab.paths import MODELS, model_dir, results_dir, runs_dir
+from r3lab.runs import Run, RunFormatError, list_runs, load, parse_step_line
 from r3lab.viz import ONE_COLUMN, TEMPLATE, export, mode_color
 
 __all__ = ["DEFAULT_METRICS", "LAYER_METRIC", "RLJob", "start_rl", "RunFollower", "RunMonitor", "monitor",
@@ -48,7 +48,7 @@ _LOG_METRICS = ("mismatch/k3",)
 
 def reference_runs_dir() -> Path:
     """The committed reference RL runs of a source checkout (``bench/results/rl``)."""
-    p = Path(__file__).resolve().parent.parent / "bench" / "results" / "rl"
+    p = results_dir() / "rl"
     if not p.is_dir():
         raise R3LabError(f"no reference runs at {p}: they ship in a source checkout's bench/results/rl "
                          "(or pass a folder of your own runs)")
@@ -60,10 +60,13 @@ def load_runs(folder: str | os.PathLike, prefix: str = "") -> list[Run]:
     root = Path(folder)
     if not root.is_dir():
         raise R3LabError(f"runs folder {str(root)!r} does not exist")
-    runs = [load(p) for p in sorted(root.iterdir()) if p.name.startswith(prefix) and (p / "config.json").is_file()]
-    if not runs:
+    found = [run for path, run in list_runs(root) if path.name.startswith(prefix)]
+    for run in found:
+        if isinstance(run, RunFormatError):
+            raise run
+    if not found:
         raise R3LabError(f"no runs named {prefix!r}* in {str(root)!r}")
-    return runs
+    return found
 
 
 # ----------------------------------------------------------------------------------------------- child jobs
