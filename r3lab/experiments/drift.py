@@ -220,8 +220,7 @@ def run_drift(
                     if on_row is not None:
                         on_row(row)
         if writer is not None:
-            writer.finish({"cells": [dict(model=r.model, trainer_dtype=r.trainer_dtype, seed=r.seed, **r.summary)
-                                     for r in rows], "spread": drift_spread(rows)})
+            writer.finish(_run_summary(rows))
     finally:
         torch.set_num_threads(threads)
         if writer is not None:
@@ -252,7 +251,14 @@ def _write_cell(writer: RunWriter, step: int, row: DriftRow, samples: Sequence[D
         writer.write_routes(step, "trainer", Routes.concat([s.trainer_routes for s in samples]))
 
 
-def _seed_inputs(config: DriftConfig, seed: int) -> tuple[list[str], SamplingConfig]:
+def _run_summary(rows: Sequence[DriftRow]) -> dict[str, Any]:
+    """A drift run's summary.json: every cell and the spread over seeds."""
+    return {"cells": [dict(model=r.model, trainer_dtype=r.trainer_dtype, seed=r.seed, **r.summary) for r in rows],
+            "spread": drift_spread(rows)}
+
+
+def _seed_inputs(config: Any, seed: int) -> tuple[list[str], SamplingConfig]:
+    """Seed s: corpus prompts drawn with s, sampled with seed s + 1 (any drift config: CPU or Megatron)."""
     prompts = corpus_prompts(config.prompts, words=config.prompt_words, seed=seed, data=config.data)
     return prompts, SamplingConfig(max_tokens=config.max_tokens, seed=seed + 1, temperature=config.temperature)
 

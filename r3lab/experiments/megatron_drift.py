@@ -28,14 +28,21 @@ import numpy as np
 from r3lab import metrics
 from r3lab._process import free_port
 from r3lab.errors import ConfigError, R3LabError
-from r3lab.experiments.drift import TRAINER_DTYPES, DriftRow, DriftSample, _write_cell, drift_spread, drift_summary
+from r3lab.experiments.drift import (
+    TRAINER_DTYPES,
+    DriftRow,
+    DriftSample,
+    _run_summary,
+    _seed_inputs,
+    _write_cell,
+    drift_summary,
+)
 from r3lab.paths import MODELS, model_dir
 from r3lab.replay import megatron_replay, megatron_routers
-from r3lab.rollout import RolloutEngine, RolloutResult, SamplingConfig, append_last_row
+from r3lab.rollout import RolloutEngine, RolloutResult, append_last_row
 from r3lab.routes import Routes
 from r3lab.runs import RunWriter
 from r3lab.slicing import ParallelLayout, shard
-from r3lab.testing.corpus import corpus_prompts
 
 __all__ = [
     "MegatronDriftConfig",
@@ -258,9 +265,7 @@ def run_megatron_drift(
                                gpu_memory_utilization=config.gpu_memory_utilization) as engine:
                 results, again = {}, {}
                 for s in config.seeds:
-                    prompts = corpus_prompts(config.prompts, words=config.prompt_words, seed=s, data=config.data)
-                    sp = SamplingConfig(max_tokens=config.max_tokens, seed=s + 1, temperature=config.temperature)
-                    results[s] = engine.generate(prompts, sp)
+                    results[s] = engine.generate(*_seed_inputs(config, s))  # the CPU experiment's prompts
                     again[s] = engine.score([r.token_ids for r in results[s]],
                                             start=[len(r.prompt_ids) for r in results[s]])
             torch.cuda.empty_cache()
@@ -280,8 +285,7 @@ def run_megatron_drift(
             del model
             torch.cuda.empty_cache()
         if writer is not None:
-            writer.finish({"cells": [dict(model=r.model, trainer_dtype=r.trainer_dtype, seed=r.seed, **r.summary)
-                                     for r in rows], "spread": drift_spread(rows)})
+            writer.finish(_run_summary(rows))
     finally:
         if writer is not None:
             writer.close()
