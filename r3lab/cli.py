@@ -12,6 +12,7 @@ import runpy
 import sys
 from pathlib import Path
 
+from r3lab.config import MODES, DriftConfig, RLConfig, add_config_flags, config_overrides, quick_help
 from r3lab.errors import R3LabError
 
 __all__ = ["main", "BENCHMARKS"]
@@ -25,7 +26,6 @@ BENCHMARKS = {
     "drift": "the drift experiment, writing the committed table bench/results/drift.md",
     "rl": "none vs R2 vs R3 in the GRPO loop over seeds and knobs, writing bench/results/rl.md and reference runs",
 }
-MODES = ("none", "R2", "R3")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -34,36 +34,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
     d = sub.add_parser("drift", help="trainer vs engine drift without replay and with R3 (the main job)")
-    d.add_argument("--quick", action="store_true", help="a smoke run: 8 prompts x 16 tokens")
-    d.add_argument("--models", nargs="+", help="shipped model names or model directories (default: both tiny models)")
-    d.add_argument("--prompts", type=int, help="number of corpus prompts")
-    d.add_argument("--tokens", type=int, help="tokens sampled per prompt")
-    d.add_argument("--seeds", type=int, nargs="+", help="seeds (each draws its own prompts and samples)")
-    d.add_argument("--data", help="the data folder with models/ and corpus/ (default: the checkout's data/)")
+    d.add_argument("--quick", action="store_true",
+                   help="a smoke run: " + quick_help(DriftConfig))
+    add_config_flags(d, DriftConfig)
     d.add_argument("--out", help="also write the markdown table to this file")
     d.add_argument("--no-progress", action="store_true", help="no progress bars")
     d.add_argument("--runs", help="write the run here (default: <data>/runs; $R3LAB_RUNS)")
     d.add_argument("--name", help="the run's folder name (default: drift-<time>)")
     r = sub.add_parser("rl", help="GRPO on CPU comparing replay modes (none, R2, R3) over seeds; writes runs")
-    r.add_argument("--quick", action="store_true", help="a smoke run: 8 steps of 4 prompts x 4 samples, one seed")
-    r.add_argument("--model", default="tiny-qwen3-moe", help="shipped model name or model directory")
-    r.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    r.add_argument("--seeds", type=int, nargs="+", help="seeds (default 0 1 2; --quick: 0)")
-    r.add_argument("--steps", type=int, help="rollout batches per run")
-    r.add_argument("--prompts-per-step", type=int, help="corpus prompts per rollout batch")
-    r.add_argument("--samples-per-prompt", type=int, help="completions per prompt (the GRPO group, >= 2)")
-    r.add_argument("--max-tokens", type=int, help="tokens sampled per completion")
-    r.add_argument("--lr", type=float, help="learning rate (AdamW)")
-    r.add_argument("--mini-batches", type=int, help="policy updates per rollout batch")
-    r.add_argument("--temperature", type=float, help="sampling temperature")
-    r.add_argument("--engine-dtype", choices=("bfloat16", "float32"))
-    r.add_argument("--trainer-dtype", choices=("bfloat16", "float32"), help="bfloat16: routers per --router-dtype")
-    r.add_argument("--router-dtype", choices=("bfloat16", "float32"), help="with a bf16 trainer (default float32)")
-    r.add_argument("--staleness", type=int, help="rollouts from a policy this many updates behind (fully async)")
-    r.add_argument("--tis-cap", type=float, help="truncated importance sampling with this cap (default: off)")
+    r.add_argument("--quick", action="store_true",
+                   help="a smoke run: " + quick_help(RLConfig) + ", seed 0")
+    add_config_flags(r, RLConfig)
     r.add_argument("--runs", help="write runs here (default: <data>/runs; $R3LAB_RUNS)")
     r.add_argument("--name", help="prefix of the runs' folder names (default: rl-<model>-<time>)")
-    r.add_argument("--data", help="the data folder with models/ and corpus/ (default: the checkout's data/)")
     r.add_argument("--no-progress", action="store_true", help="no progress bars")
     ls = sub.add_parser("runs", help="list the runs in a folder")
     ls.add_argument("folder", nargs="?", help="default: <data>/runs; $R3LAB_RUNS")
@@ -82,15 +65,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _drift(args: argparse.Namespace) -> None:
-    from r3lab.experiments import DriftConfig, drift_table, run_drift
+    from r3lab.experiments import drift_table, run_drift
     from r3lab.paths import model_dir, runs_dir
 
-    overrides = {k: v for k, v in (("prompts", args.prompts), ("max_tokens", args.tokens), ("data", args.data))
-                 if v is not None}
-    if args.seeds:
-        overrides["seeds"] = tuple(args.seeds)
-    if args.models:
-        overrides["models"] = tuple(args.models)
+    overrides = config_overrides(args, DriftConfig)
     config = DriftConfig.quick(**overrides) if args.quick else DriftConfig(**overrides)
     for m in config.models:  # fail before any engine starts
         model_dir(m, config.data)
@@ -107,21 +85,15 @@ def _drift(args: argparse.Namespace) -> None:
 
 
 def _rl(args: argparse.Namespace) -> None:
-    from r3lab.experiments.rl import RLConfig, comparison_rows, comparison_table, run_comparison
+    from r3lab.experiments.rl import comparison_rows, comparison_table, run_comparison
     from r3lab.paths import model_dir, runs_dir
 
-    fields = {"steps": args.steps, "prompts_per_step": args.prompts_per_step,
-              "samples_per_prompt": args.samples_per_prompt, "max_tokens": args.max_tokens, "lr": args.lr,
-              "mini_batches": args.mini_batches, "temperature": args.temperature,
-              "engine_dtype": args.engine_dtype, "trainer_dtype": args.trainer_dtype,
-              "router_dtype": args.router_dtype, "staleness": args.staleness, "tis_cap": args.tis_cap,
-              "data": args.data}
-    overrides = {k: v for k, v in fields.items() if v is not None}
-    base = RLConfig.quick(model=args.model, **overrides) if args.quick else RLConfig(model=args.model, **overrides)
+    overrides = config_overrides(args, RLConfig)
+    base = RLConfig.quick(**overrides) if args.quick else RLConfig(**overrides)
     model_dir(base.model, base.data)  # fail before any engine starts
     seeds = args.seeds or ([0] if args.quick else [0, 1, 2])
     root = runs_dir(args.runs, args.data)
-    runs = run_comparison(base, modes=args.modes, seeds=seeds, runs_root=root, prefix=args.name,
+    runs = run_comparison(base, modes=args.modes or list(MODES), seeds=seeds, runs_root=root, prefix=args.name,
                           progress=not args.no_progress)
     print(comparison_table(comparison_rows([(r.config, r.steps) for r in runs])))
     for r in runs:

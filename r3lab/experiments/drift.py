@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from r3lab import metrics
-from r3lab.errors import ConfigError
+from r3lab.config import TRAINER_DTYPES, DriftConfig
 from r3lab.paths import MODELS, model_dir
 from r3lab.replay import load_hf_model, score_batch, token_logprobs
 from r3lab.rollout import RolloutEngine, RolloutResult, SamplingConfig, append_last_row
@@ -39,44 +39,6 @@ __all__ = [
     "run_drift",
     "drift_table",
 ]
-
-TRAINER_DTYPES = {"bfloat16": "bf16, fp32 router", "float32": "fp32"}
-
-
-@dataclass(frozen=True)
-class DriftConfig:
-    """Everything that decides the drift experiment's numbers (same config, same numbers)."""
-
-    models: tuple[str, ...] = MODELS  # shipped model names (data/models/) or model directories
-    prompts: int = 48
-    max_tokens: int = 48
-    prompt_words: int = 12
-    seeds: tuple[int, ...] = (0, 1, 2, 3, 4)  # seed s: prompts drawn with s, sampled with seed s + 1
-    temperature: float = 1.0
-    trainer_dtypes: tuple[str, ...] = ("bfloat16", "float32")
-    data: str | None = None  # the data folder (default: r3lab.paths.data_dir())
-
-    def __post_init__(self) -> None:
-        if not self.models:
-            raise ConfigError("DriftConfig.models is empty")
-        for name in ("prompts", "max_tokens", "prompt_words"):
-            if int(getattr(self, name)) < 1:
-                raise ConfigError(f"DriftConfig.{name} must be >= 1, got {getattr(self, name)!r}")
-        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
-            raise ConfigError(f"DriftConfig.seeds must be distinct and non-empty, got {self.seeds!r}")
-        if self.temperature <= 0:
-            raise ConfigError(f"DriftConfig.temperature must be > 0, got {self.temperature!r}")
-        bad = [d for d in self.trainer_dtypes if d not in TRAINER_DTYPES]
-        if bad or not self.trainer_dtypes:
-            raise ConfigError(f"trainer dtypes must be among {sorted(TRAINER_DTYPES)}, got {list(self.trainer_dtypes)}")
-
-    @classmethod
-    def quick(cls, **overrides: Any) -> DriftConfig:
-        """A smoke-sized run: 8 prompts x 16 tokens, one seed."""
-        return cls(**{"prompts": 8, "max_tokens": 16, "seeds": (0,), **overrides})
-
-    def to_dict(self) -> dict[str, Any]:
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
 
 
 @dataclass(frozen=True)

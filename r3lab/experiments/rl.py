@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from r3lab import metrics
+from r3lab.config import MODES, RLConfig, run_name
 from r3lab.errors import ConfigError, R3LabError
 from r3lab.experiments.drift import padded_batch
 from r3lab.paths import model_dir
@@ -54,69 +55,6 @@ __all__ = [
     "comparison_rows",
     "comparison_table",
 ]
-
-MODES = ("none", "R2", "R3")
-
-
-@dataclass(frozen=True)
-class RLConfig:
-    """Everything that decides an RL run's numbers (same config, same numbers)."""
-
-    model: str = "tiny-qwen3-moe"
-    mode: str = "R3"
-    steps: int = 60
-    prompts_per_step: int = 8
-    samples_per_prompt: int = 8  # the GRPO group
-    max_tokens: int = 16
-    prompt_words: int = 6
-    mini_batches: int = 4  # policy updates per rollout batch: the policy drifts off the behaviour policy
-    lr: float = 1e-3
-    clip_eps: float = 0.2
-    max_grad_norm: float = 1.0
-    tis_cap: float | None = None  # truncated importance sampling off
-    temperature: float = 1.0
-    engine_dtype: str = "bfloat16"
-    trainer_dtype: str = "float32"  # "bfloat16": bf16 weights, routers as router_dtype
-    router_dtype: str = "float32"  # with a bf16 trainer: fp32 routers (as the field runs them) or "bfloat16"
-    staleness: int = 0  # rollouts come from a policy this many updates behind the trainer (fully async)
-    target_letter: str = "m"
-    seed: int = 0
-    token_steps: int = 0  # also write per-token tables every this many steps (0: first and last step only)
-    noise_every: int = 10  # score the engine's samples again by prefill every this many steps (0: never)
-    data: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ConfigError(f"RLConfig.mode must be one of {MODES}, got {self.mode!r}")
-        for name in ("steps", "prompts_per_step", "samples_per_prompt", "max_tokens", "prompt_words", "mini_batches"):
-            if int(getattr(self, name)) < 1:
-                raise ConfigError(f"RLConfig.{name} must be >= 1, got {getattr(self, name)!r}")
-        if self.samples_per_prompt < 2:
-            raise ConfigError("RLConfig.samples_per_prompt must be >= 2 (GRPO normalizes within a group)")
-        if (self.prompts_per_step * self.samples_per_prompt) % self.mini_batches:
-            raise ConfigError(f"the batch of {self.prompts_per_step * self.samples_per_prompt} samples does not split "
-                             f"into {self.mini_batches} mini-batches")
-        if self.staleness < 0:
-            raise ConfigError(f"RLConfig.staleness must be >= 0, got {self.staleness}")
-        if self.tis_cap is not None and self.tis_cap <= 1:
-            raise ConfigError(f"RLConfig.tis_cap must be > 1 (or None), got {self.tis_cap}")
-        dtypes = (self.engine_dtype, self.trainer_dtype, self.router_dtype)
-        if any(d not in ("float32", "bfloat16") for d in dtypes):
-            raise ConfigError(f"engine, trainer and router dtypes must be 'float32' or 'bfloat16', got {dtypes}")
-        if self.trainer_dtype == "float32" and self.router_dtype != "float32":
-            raise ConfigError("an fp32 trainer has fp32 routers: router_dtype='bfloat16' needs a bf16 trainer")
-        if len(self.target_letter) != 1:
-            raise ConfigError(f"target_letter must be one character, got {self.target_letter!r}")
-
-    @classmethod
-    def quick(cls, **overrides: Any) -> RLConfig:
-        """A smoke-sized run for tests (well under two minutes)."""
-        return cls(**{"steps": 10, "prompts_per_step": 4, "samples_per_prompt": 8, "max_tokens": 16,
-                      "mini_batches": 2, "lr": 3e-3, **overrides})
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
 
 class LetterTask:
     """Reward: distinct response words that start with ``letter``, per response word (special tokens miss).
@@ -404,7 +342,7 @@ def run_comparison(base: RLConfig, *, modes: Sequence[str] = MODES, seeds: Seque
         for seed in seeds:
             for mode in modes:
                 cfg = dataclasses.replace(base, mode=mode, seed=int(seed))
-                out.append(run_rl(cfg, engine=engine, runs_root=runs_root, run_name=f"{prefix}-{mode}-s{seed}",
+                out.append(run_rl(cfg, engine=engine, runs_root=runs_root, run_name=run_name(prefix, mode, seed),
                                   progress=progress))
     return out
 

@@ -1,0 +1,296 @@
+"""Every experiment knob, defined once: the RL and drift configs, the replay modes and the run names.
+
+Torch-free, so the command line, the widgets and the notebooks read the same dataclasses without starting
+an engine. Each field carries its help text (and its choices) in its metadata; ``add_config_flags`` turns
+every field into a command-line flag, so a new knob appears in ``r3lab rl``/``r3lab drift``, in the widgets'
+jobs (``RLConfig.to_cli_args``) and in ``to_dict`` at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from r3lab.errors import ConfigError
+from r3lab.paths import MODELS
+
+__all__ = [
+    "MODES",
+    "DTYPES",
+    "TRAINER_DTYPES",
+    "RLConfig",
+    "DriftConfig",
+    "run_name",
+    "run_names",
+    "add_config_flags",
+    "quick_help",
+    "config_overrides",
+]
+
+MODES = ("none", "R2", "R3")  # replay modes, one switch as verl's router_replay.mode
+DTYPES = ("bfloat16", "float32")
+TRAINER_DTYPES = {"bfloat16": "bf16, fp32 router", "float32": "fp32"}  # the drift experiment's trainer settings
+
+# config fields that the command line sweeps over: the flag takes a list and the experiment runs one per value
+_SWEEPS = {"mode": "modes", "seed": "seeds"}
+
+C = TypeVar("C", bound="_Config")
+
+
+def knob(default: Any, help: str, *, choices: Sequence[Any] | None = None, flag: str | None = None,
+         unset: str = "off") -> Any:
+    """A config field with its help text (and choices): the one place a knob is described.
+
+    ``unset`` says what a ``None`` default means in help texts; ``flag`` renames the command-line flag.
+    """
+    meta: dict[str, Any] = {"help": help, "unset": unset}
+    if choices is not None:
+        meta["choices"] = tuple(choices)
+    if flag is not None:
+        meta["flag"] = flag
+    if isinstance(default, (list, dict, set)):
+        raise TypeError("mutable defaults: use a tuple")
+    return field(default=default, metadata=meta)
+
+
+def run_name(prefix: str, mode: str, seed: int) -> str:
+    """The folder name of one run of a comparison: ``{prefix}-{mode}-s{seed}``."""
+    return f"{prefix}-{mode}-s{int(seed)}"
+
+
+def run_names(prefix: str, modes: Sequence[str], seeds: Sequence[int]) -> list[str]:
+    """The run names of a comparison, in the order it runs them (seeds outer, modes inner)."""
+    return [run_name(prefix, m, s) for s in seeds for m in modes]
+
+
+class _Config:
+    """Shared behaviour of the experiment configs: validation helpers, dict and command-line round trips."""
+
+    _quick: typing.ClassVar[dict[str, Any]] = {}
+
+    @classmethod
+    def quick(cls: type[C], **overrides: Any) -> C:
+        """A smoke-sized run for tests and first looks."""
+        return cls(**{**cls._quick, **overrides})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}  # type: ignore[call-overload]
+
+    @classmethod
+    def from_dict(cls: type[C], d: Mapping[str, Any]) -> C:
+        """Rebuild a config from ``to_dict`` (unknown keys are an error that names them)."""
+        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ConfigError(f"{cls.__name__} has no field(s) {unknown}")
+        hints = typing.get_type_hints(cls)
+        kw = {k: tuple(v) if _is_tuple(hints[k]) and v is not None else v for k, v in d.items()}
+        return cls(**kw)
+
+    def _check_min(self, names: Sequence[str], lo: int = 1) -> None:
+        for name in names:
+            v = getattr(self, name)
+            if int(v) < lo:
+                raise ConfigError(f"{_flag(name)} must be >= {lo}, got {v!r}")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class RLConfig(_Config):
+    """Everything that decides an RL run's numbers (same config, same numbers)."""
+
+    model: str = knob("tiny-qwen3-moe", "shipped model name or model directory")
+    mode: str = knob("R3", "replay mode: none (native routing), R2 (trainer's old-policy routes), R3 (engine's)",
+                     choices=MODES)
+    steps: int = knob(60, "rollout batches (policy-update rounds) per run")
+    prompts_per_step: int = knob(8, "corpus prompts per rollout batch")
+    samples_per_prompt: int = knob(8, "completions per prompt (the GRPO group, >= 2)")
+    max_tokens: int = knob(16, "tokens sampled per completion")
+    prompt_words: int = knob(6, "words per corpus prompt")
+    mini_batches: int = knob(4, "policy updates per rollout batch (the policy drifts off the behaviour policy)")
+    lr: float = knob(1e-3, "learning rate (AdamW)")
+    clip_eps: float = knob(0.2, "PPO clip range of the importance ratio")
+    max_grad_norm: float = knob(1.0, "gradient-norm clip")
+    tis_cap: float | None = knob(None, "truncated importance sampling with this cap (> 1)")
+    temperature: float = knob(1.0, "sampling temperature")
+    engine_dtype: str = knob("bfloat16", "the engine's dtype", choices=DTYPES)
+    trainer_dtype: str = knob("float32", "the trainer's dtype (bfloat16: routers as --router-dtype)", choices=DTYPES)
+    router_dtype: str = knob("float32", "a bf16 trainer's router dtype (fp32 as the field runs them)", choices=DTYPES)
+    staleness: int = knob(0, "rollouts come from a policy this many updates behind the trainer (fully async)")
+    target_letter: str = knob("m", "the task's target letter (reward: distinct words starting with it)")
+    seed: int = knob(0, "seed of prompts, sampling and initialisation")
+    token_steps: int = knob(0, "also write per-token tables every this many steps (0: first and last step only)")
+    noise_every: int = knob(10, "score the engine's samples again by prefill every this many steps (0: never)")
+    data: str | None = knob(None, "the data folder with models/ and corpus/", unset="the checkout's data/")
+
+    _quick: typing.ClassVar[dict[str, Any]] = {"steps": 10, "prompts_per_step": 4, "samples_per_prompt": 8,
+                                               "max_tokens": 16, "mini_batches": 2, "lr": 3e-3}
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"--mode must be one of {MODES}, got {self.mode!r}")
+        self._check_min(("steps", "prompts_per_step", "samples_per_prompt", "max_tokens", "prompt_words",
+                         "mini_batches"))
+        if self.samples_per_prompt < 2:
+            raise ConfigError("--samples-per-prompt must be >= 2 (GRPO normalizes within a group)")
+        if (self.prompts_per_step * self.samples_per_prompt) % self.mini_batches:
+            raise ConfigError(f"the batch of {self.prompts_per_step * self.samples_per_prompt} samples "
+                              f"(--prompts-per-step x --samples-per-prompt) does not split into "
+                              f"{self.mini_batches} mini-batches (--mini-batches)")
+        self._check_min(("staleness", "token_steps", "noise_every"), lo=0)
+        if self.tis_cap is not None and self.tis_cap <= 1:
+            raise ConfigError(f"--tis-cap must be > 1 (or off), got {self.tis_cap}")
+        if self.lr <= 0 or self.clip_eps <= 0 or self.max_grad_norm <= 0 or self.temperature <= 0:
+            raise ConfigError("--lr, --clip-eps, --max-grad-norm and --temperature must be > 0, got "
+                              f"{self.lr}, {self.clip_eps}, {self.max_grad_norm}, {self.temperature}")
+        dtypes = (self.engine_dtype, self.trainer_dtype, self.router_dtype)
+        if any(d not in DTYPES for d in dtypes):
+            raise ConfigError(f"--engine-dtype, --trainer-dtype and --router-dtype must be among {DTYPES}, got {dtypes}")
+        if self.trainer_dtype == "float32" and self.router_dtype != "float32":
+            raise ConfigError("an fp32 trainer has fp32 routers: --router-dtype bfloat16 needs --trainer-dtype bfloat16")
+        if len(self.target_letter) != 1:
+            raise ConfigError(f"--target-letter must be one character, got {self.target_letter!r}")
+
+    def to_cli_args(self, *, modes: Sequence[str] | None = None, seeds: Sequence[int] | None = None) -> list[str]:
+        """The ``r3lab rl`` arguments that run exactly this config (every field spelled out).
+
+        ``modes``/``seeds`` sweep those fields as ``r3lab rl --modes ... --seeds ...`` does (default: this
+        config's own mode and seed).
+        """
+        return _to_cli_args(self, {"mode": modes, "seed": seeds})
+
+
+@dataclass(frozen=True)
+class DriftConfig(_Config):
+    """Everything that decides the drift experiment's numbers (same config, same numbers)."""
+
+    models: tuple[str, ...] = knob(MODELS, "shipped model names (data/models/) or model directories")
+    prompts: int = knob(48, "corpus prompts per seed")
+    max_tokens: int = knob(48, "tokens sampled per prompt", flag="tokens")
+    prompt_words: int = knob(12, "words per corpus prompt")
+    seeds: tuple[int, ...] = knob((0, 1, 2, 3, 4), "seeds (seed s draws prompts with s, samples with s + 1)")
+    temperature: float = knob(1.0, "sampling temperature")
+    trainer_dtypes: tuple[str, ...] = knob(("bfloat16", "float32"), "trainer settings to score with",
+                                           choices=tuple(TRAINER_DTYPES))
+    data: str | None = knob(None, "the data folder with models/ and corpus/", unset="the checkout's data/")
+
+    _quick: typing.ClassVar[dict[str, Any]] = {"prompts": 8, "max_tokens": 16, "seeds": (0,)}
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            raise ConfigError("--models is empty")
+        self._check_min(("prompts", "max_tokens", "prompt_words"))
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
+            raise ConfigError(f"--seeds must be distinct and non-empty, got {self.seeds!r}")
+        if self.temperature <= 0:
+            raise ConfigError(f"--temperature must be > 0, got {self.temperature!r}")
+        bad = [d for d in self.trainer_dtypes if d not in TRAINER_DTYPES]
+        if bad or not self.trainer_dtypes:
+            raise ConfigError(f"--trainer-dtypes must be among {sorted(TRAINER_DTYPES)}, got {list(self.trainer_dtypes)}")
+
+    def to_cli_args(self) -> list[str]:
+        """The ``r3lab drift`` arguments that run exactly this config."""
+        return _to_cli_args(self, {})
+
+
+# -- dataclass fields <-> command-line flags ------------------------------------------------------------------------
+
+
+def _is_tuple(hint: Any) -> bool:
+    return typing.get_origin(hint) is tuple
+
+
+def _scalar_type(hint: Any) -> type:
+    """``int``/``float``/``str`` of a field annotation (``X | None`` and ``tuple[X, ...]`` unwrapped)."""
+    if _is_tuple(hint):
+        hint = typing.get_args(hint)[0]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    if hint not in (int, float, str):
+        raise TypeError(f"config fields are int, float, str, their optionals or tuples; got {hint!r}")
+    return hint
+
+
+def _dest(cls: type, f: dataclasses.Field) -> str:
+    return _SWEEPS.get(f.name, f.name) if cls is RLConfig else f.name
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, tuple):
+        return " ".join(map(str, v))
+    return "off" if v is None else str(v)
+
+
+def quick_help(cls: type[_Config]) -> str:
+    """What ``--quick`` changes, for help texts: ``steps=10, prompts_per_step=4, ...``."""
+    return ", ".join(f"{k}={_fmt(v)}" for k, v in cls._quick.items())
+
+
+def add_config_flags(parser: argparse.ArgumentParser, cls: type[_Config]) -> None:
+    """Add one flag per field of ``cls`` (help, type and choices from the field; the default shown).
+
+    Flags default to ``None`` (= the field's default, or ``--quick``'s), so ``config_overrides`` can tell what the
+    user set. RL's ``mode`` and ``seed`` become the sweep flags ``--modes``/``--seeds`` (``--mode``/``--seed`` too).
+    """
+    hints = typing.get_type_hints(cls)
+    quick = cls._quick
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        hint = hints[f.name]
+        typ = _scalar_type(hint)
+        dest = _dest(cls, f)
+        names = [_flag(dest)]
+        if f.metadata.get("flag"):
+            names = [_flag(f.metadata["flag"]), _flag(dest)]
+        if dest != f.name:
+            names.append(_flag(f.name))
+        sweep = dest != f.name or _is_tuple(hint)
+        default = f"default: {f.metadata['unset'] if f.default is None else _fmt(f.default)}"
+        if f.name in quick:
+            default += f"; --quick: {_fmt(quick[f.name])}"
+        elif cls is RLConfig and f.name == "seed":
+            default = "default: 0 1 2; --quick: 0"
+        elif cls is RLConfig and f.name == "mode":
+            default = f"default: {' '.join(MODES)}"
+        parser.add_argument(*names, dest=dest, type=typ, nargs="+" if sweep else None, default=None,
+                            choices=f.metadata.get("choices"), metavar=None if f.metadata.get("choices") else typ.__name__.upper(),
+                            help=f"{f.metadata.get('help', '')} ({default})")
+
+
+def config_overrides(args: argparse.Namespace, cls: type[_Config]) -> dict[str, Any]:
+    """The fields the user set on the command line (sweep flags excluded: read them as ``args.modes``/``args.seeds``)."""
+    hints = typing.get_type_hints(cls)
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        dest = _dest(cls, f)
+        v = getattr(args, dest, None)
+        if v is None or dest != f.name:
+            continue
+        out[f.name] = tuple(v) if _is_tuple(hints[f.name]) else v
+    return out
+
+
+def _to_cli_args(config: _Config, sweeps: Mapping[str, Sequence[Any] | None]) -> list[str]:
+    cls = type(config)
+    hints = typing.get_type_hints(cls)
+    args: list[str] = []
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        v = getattr(config, f.name)
+        dest = _dest(cls, f)
+        if dest != f.name:
+            values = sweeps.get(f.name) or (v,)
+            args += [_flag(dest), *map(str, values)]
+        elif v is None:
+            continue  # None is the default (off / the checkout's data)
+        elif _is_tuple(hints[f.name]):
+            args += [_flag(dest), *map(str, v)]
+        else:
+            args += [_flag(dest), repr(v) if isinstance(v, float) else str(v)]
+    return args
