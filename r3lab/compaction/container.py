@@ -53,6 +53,7 @@ import numpy as np
 import orjson
 
 from r3lab.compaction.codecs import PipelineSpec, parse_pipeline
+from r3lab.compaction.codecs.base import Buffer
 from r3lab.compaction.kernels import first_bad_row
 from r3lab.compaction.legacy import LEGACY_BITPACK, v1_coder
 from r3lab.errors import RouteFormatError
@@ -110,7 +111,7 @@ def _byte_view(buf: bytes | bytearray | memoryview) -> memoryview:
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
 
-def _int(header: dict, key: str, *, minimum: int = 0) -> int:
+def _int(header: dict[str, Any], key: str, *, minimum: int = 0) -> int:
     v = header.get(key)
     if isinstance(v, bool) or not isinstance(v, int):
         raise RouteFormatError(f"header field {key!r} must be an integer, got {v!r}")
@@ -214,7 +215,7 @@ def decode(
     dtype = compact_dtype(E)
     cu = np.frombuffer(mv[h["_cu_offset"] : h["_payload_offset"]], dtype="<i8")
     cu = check_cu_seqlens(cu, T)
-    payload = mv[h["_payload_offset"] : h["_payload_offset"] + h["_payload_length"]]
+    payload: Buffer = mv[h["_payload_offset"] : h["_payload_offset"] + h["_payload_length"]]
     for stage in stages:  # at most one byte stage; it must inflate to exactly what the id coder reads
         payload = stage.decode(payload, coder.encoded_size((T, L, K), dtype, E))
     values = coder.decode(payload, (T, L, K), dtype, E)

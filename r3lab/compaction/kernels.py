@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from functools import cache, lru_cache
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import numba
 import numpy as np
@@ -24,9 +24,21 @@ __all__ = [
 #: a buffer the unpackers read (``np.frombuffer`` accepts any of these)
 Buffer = bytes | bytearray | memoryview
 
+_F = TypeVar("_F", bound=Callable[..., Any])
 
-@numba.njit(cache=True, nogil=True)
-def _any_bad_small(rows, num_experts):  # pragma: no cover - compiled
+
+def _njit(fn: _F, *, cache: bool = True) -> _F:
+    """``numba.njit(nogil=True)`` that keeps ``fn``'s signature for the type checker (numba ships no types)."""
+    return cast(_F, numba.njit(cache=cache, nogil=True)(fn))
+
+
+def _compiled(fn: _F) -> _F:
+    """Decorator: compile ``fn`` once per machine (``cache=True``), without the GIL."""
+    return _njit(fn)
+
+
+@_compiled
+def _any_bad_small(rows: np.ndarray, num_experts: int) -> bool:  # pragma: no cover - compiled
     """Branch-free pass for E <= 64: nonzero when some row has an id >= E or a repeated id."""
     n, k = rows.shape
     bad = np.uint64(0)
@@ -37,11 +49,11 @@ def _any_bad_small(rows, num_experts):  # pragma: no cover - compiled
             bit = np.uint64(1) << (v & np.uint64(63))
             bad |= (mask & bit) | np.uint64(v >= num_experts)
             mask |= bit
-    return bad != 0
+    return bool(bad != 0)
 
 
-@numba.njit(cache=True, nogil=True)
-def _first_bad_row(rows, num_experts):  # pragma: no cover - compiled
+@_compiled
+def _first_bad_row(rows: np.ndarray, num_experts: int) -> tuple[int, int]:  # pragma: no cover - compiled
     """(row, 0) for an id out of range, (row, 1) for a repeated id, (-1, -1) when every row is fine."""
     n, k = rows.shape
     stamp = np.full(max(num_experts, 1), -1, dtype=np.int64)
@@ -67,8 +79,8 @@ def first_bad_row(rows: np.ndarray, num_experts: int) -> tuple[int, int]:
     return _first_bad_row(rows, num_experts)
 
 
-@numba.njit(cache=True, nogil=True)
-def _pack_wide(vals, bits, out32):  # pragma: no cover - compiled
+@_compiled
+def _pack_wide(vals: np.ndarray, bits: int, out32: np.ndarray) -> None:  # pragma: no cover - compiled
     """LSB-first bit stream of ``bits``-wide uint64 values (bits <= 64), each written as two halves."""
     acc = np.uint64(0)
     nacc = 0
@@ -92,8 +104,8 @@ def _pack_wide(vals, bits, out32):  # pragma: no cover - compiled
         out32[j] = np.uint32(acc & np.uint64(0xFFFFFFFF))
 
 
-@numba.njit(cache=True, nogil=True)
-def _unpack_wide(words, n, bits, out):  # pragma: no cover - compiled
+@_compiled
+def _unpack_wide(words: np.ndarray, n: int, bits: int, out: np.ndarray) -> None:  # pragma: no cover - compiled
     acc = np.uint64(0)
     nacc = 0
     j = 0
@@ -154,8 +166,8 @@ def unpack_wide(buf: Buffer | np.ndarray, n: int, bits: int) -> np.ndarray:
     return out
 
 
-@numba.njit(cache=True, nogil=True)
-def set_ranks(rows, table):  # pragma: no cover - compiled
+@_compiled
+def set_ranks(rows: np.ndarray, table: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
     """Combinatorial-number-system rank of each row (any order inside a row), for C(E, k) < 2**64.
 
     An id's place in the sorted row is the count of smaller ids, so no sort (and no branch) is needed.
@@ -174,8 +186,10 @@ def set_ranks(rows, table):  # pragma: no cover - compiled
     return out
 
 
-@numba.njit(cache=True, nogil=True)
-def unrank_sets(ranks, table, num_experts, k, out):  # pragma: no cover - compiled
+@_compiled
+def unrank_sets(  # pragma: no cover - compiled
+    ranks: np.ndarray, table: np.ndarray, num_experts: int, k: int, out: np.ndarray
+) -> int:
     """Inverse of :func:`set_ranks` into sorted rows; returns the first row whose rank is >= C(E, k), or -1."""
     total = table[num_experts, k]
     for r in range(ranks.size):
@@ -189,7 +203,7 @@ def unrank_sets(ranks, table, num_experts, k, out):  # pragma: no cover - compil
             size = top - base + 1
             while size > 1:
                 half = size // 2
-                base += half * np.int64(table[base + half, i] <= rank)
+                base += half * int(table[base + half, i] <= rank)
                 size -= half
             rank -= table[base, i]
             out[r, i - 1] = base
@@ -207,8 +221,7 @@ def _group_kernels(bits: int) -> tuple[Callable[..., None], Callable[..., None]]
     B = bits
     NLO = min(B, 8)
 
-    @numba.njit(nogil=True)
-    def pack(flat, out):  # pragma: no cover - compiled
+    def pack(flat: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - compiled
         for g in range(flat.size // 8):
             lo = np.uint64(0)
             hi = np.uint64(0)
@@ -227,8 +240,7 @@ def _group_kernels(bits: int) -> tuple[Callable[..., None], Callable[..., None]]
             for m in range(8, B):
                 out[base + m] = np.uint8((hi >> np.uint64(8 * (m - 8))) & np.uint64(255))
 
-    @numba.njit(nogil=True)
-    def unpack(buf, n_groups, out):  # pragma: no cover - compiled
+    def unpack(buf: np.ndarray, n_groups: int, out: np.ndarray) -> None:  # pragma: no cover - compiled
         mask = np.uint64((1 << B) - 1)
         for g in range(n_groups):
             base = g * B
@@ -248,11 +260,11 @@ def _group_kernels(bits: int) -> tuple[Callable[..., None], Callable[..., None]]
                     v = (lo >> np.uint64(s)) | (hi << np.uint64(64 - s))
                 out[8 * g + j] = v & mask
 
-    return pack, unpack
+    return _njit(pack, cache=False), _njit(unpack, cache=False)
 
 
-@numba.njit(cache=True, nogil=True)
-def _any_bad_rows8(words, num_experts):  # pragma: no cover - compiled
+@_compiled
+def _any_bad_rows8(words: np.ndarray, num_experts: int) -> bool:  # pragma: no cover - compiled
     """SWAR check of top-8 uint8 rows held as one uint64 each: a repeated byte, or a byte >= E (E <= 128)."""
     ones = np.uint64(0x0101010101010101)
     highs = np.uint64(0x8080808080808080)
@@ -266,7 +278,7 @@ def _any_bad_rows8(words, num_experts):  # pragma: no cover - compiled
             bad |= (y - ones) & ~y & highs  # high bit where y has a zero byte
         if num_experts <= 128:
             bad |= ((x + add) | x) & highs  # high bit where a byte > E - 1
-    return bad != 0
+    return bool(bad != 0)
 
 
 # ---- multi-limb unsigned integers (numpy), for numbers wider than one 64-bit word -------------------------
@@ -296,12 +308,13 @@ def binomial_table(num_experts: int, top_k: int) -> tuple[np.ndarray, np.ndarray
 
 def limbs_le(a: list[np.ndarray], b: list[np.ndarray]) -> np.ndarray:
     """Elementwise a <= b for multi-limb unsigned numbers (lists of limb arrays, least significant first)."""
-    lt = np.zeros(a[0].shape, dtype=bool)
-    eq = np.ones(a[0].shape, dtype=bool)
+    lt: np.ndarray = np.zeros(a[0].shape, dtype=bool)
+    eq: np.ndarray = np.ones(a[0].shape, dtype=bool)
     for w in range(len(a) - 1, -1, -1):
         lt |= eq & (a[w] < b[w])
         eq &= a[w] == b[w]
-    return lt | eq
+    le: np.ndarray = lt | eq
+    return le
 
 
 def limbs_add(acc: list[np.ndarray], t: list[np.ndarray]) -> None:

@@ -44,8 +44,8 @@ def measure_codecs(routes: Routes, codecs: Sequence[str] | None = None, *, repea
     """One record per codec (the baseline first): ``bytes``, ``bytes_per_id``, ``ratio_to_baseline``,
     ``encode_ms`` / ``decode_ms`` (medians) and ``mids_per_s`` (million ids per second, encode + decode).
 
-    ``codecs`` default: every built-in pipeline (:data:`~r3lab.compaction.PIPELINES`). Raises :class:`RouteFormatError` if a codec does not
-    give the routes back (set codecs: each row sorted).
+    ``codecs`` default: every built-in pipeline (:data:`~r3lab.compaction.PIPELINES`). Raises
+    :class:`RouteFormatError` if a codec does not give the routes back (set codecs: each row sorted).
     """
     names = [BASELINE, *(list(PIPELINES) if codecs is None else [c for c in codecs if c != BASELINE])]
     if repeats < 1:
@@ -53,7 +53,7 @@ def measure_codecs(routes: Routes, codecs: Sequence[str] | None = None, *, repea
     if routes.values.size == 0:
         raise RouteFormatError("no routes to measure")
     ids = routes.values.size
-    records = []
+    records: list[dict[str, Any]] = []
     for name in names:
         runs = [_roundtrip(routes, name) for _ in range(repeats)]
         size, out = runs[0][0], runs[-1][3]

@@ -25,9 +25,12 @@ built-in ones are :data:`PIPELINES`, and :func:`pipeline_configs` gives what a n
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from r3lab.compaction.codecs.base import ByteCodec, Codec, IdCodec, RowCodec
+from r3lab.compaction.codecs.bitpack import BitPack, id_bits
+from r3lab.compaction.codecs.raw import Raw
 from r3lab.compaction.codecs.registry import (
     CODECS,
     PIPELINES,
@@ -37,18 +40,17 @@ from r3lab.compaction.codecs.registry import (
     pipeline_configs,
     register_codec,
 )
-from r3lab.compaction.codecs.raw import Raw  # noqa: I001 - registration order: raw, bitpack, topk-set, topk-gaps, zstd
-from r3lab.compaction.codecs.bitpack import BitPack, id_bits
-from r3lab.compaction.codecs.topk_set import TopKSet
 from r3lab.compaction.codecs.topk_gaps import TopKGaps
+from r3lab.compaction.codecs.topk_set import TopKSet
 from r3lab.compaction.codecs.zstd import Zstd
 
 __all__ = [
     "Codec", "IdCodec", "ByteCodec", "RowCodec", "Raw", "BitPack", "TopKSet", "TopKGaps", "Zstd",
-    "register_codec", "get_codec", "parse_pipeline", "pipeline_configs", "CODECS", "PIPELINES", "PipelineSpec", "id_bits",
+    "register_codec", "get_codec", "parse_pipeline", "pipeline_configs", "CODECS", "PIPELINES", "PipelineSpec",
+    "id_bits",
 ]
 
-_DEPRECATED = {
+_DEPRECATED: dict[str, tuple[str, Callable[[], Any]]] = {
     "IdCoder": ("IdCodec", lambda: IdCodec),
     "SetGaps": ("TopKGaps", lambda: TopKGaps),
     "ALIASES": ("PIPELINES (names) and pipeline_configs(name) (what a name resolves to)",
