@@ -199,11 +199,11 @@ def unrank_sets(  # pragma: no cover - compiled
         top = num_experts - 1
         for i in range(k, 0, -1):
             # largest c in [i - 1, top] with C(c, i) <= rank (c_i < c_(i+1)); branch-free halving
-            base = i - 1
+            base: Any = i - 1  # an int64 once the loop adds to it (Any: numba ignores the annotation)
             size = top - base + 1
             while size > 1:
                 half = size // 2
-                base += half * int(table[base + half, i] <= rank)
+                base += half * np.int64(table[base + half, i] <= rank)
                 size -= half
             rank -= table[base, i]
             out[r, i - 1] = base
