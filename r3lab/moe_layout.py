@@ -12,13 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from r3lab.errors import R3LabError
+from r3lab.errors import ModelConfigError
 
 __all__ = ["MoELayout", "ModelConfigError"]
-
-
-class ModelConfigError(R3LabError, ValueError):
-    """A model directory or config that r3lab cannot run: missing, unreadable, dense, or an unknown MoE family."""
 
 
 # family -> (experts key, rule); rules give whether global layer l has a routed MoE block

@@ -106,6 +106,11 @@ class Routes:
     __slots__ = ("values", "cu_seqlens", "num_experts", "layer_ids")
     __hash__ = None  # type: ignore[assignment]
 
+    values: np.ndarray
+    cu_seqlens: np.ndarray
+    num_experts: int
+    layer_ids: np.ndarray
+
     def __init__(self, values: Any, cu_seqlens: Any, num_experts: int, layer_ids: Any = None, *, validate: bool = True):
         dtype = compact_dtype(num_experts)
         arr = np.asarray(values)

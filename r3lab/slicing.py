@@ -28,11 +28,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
-from r3lab.errors import R3LabError
+from r3lab.errors import LayoutError, SlicingError
 from r3lab.routes import Routes
 
 __all__ = [
@@ -53,12 +53,8 @@ CP_MODES = ("zigzag", "contiguous")
 DP_SPLITS = ("contiguous", "strided")
 
 
-class SlicingError(R3LabError, ValueError):
-    """Routes and a layout or rank coordinates do not fit together (rank out of range, missing layer...)."""
-
-
-class LayoutError(SlicingError):
-    """A :class:`ParallelLayout` is invalid; the message names the field and the rule."""
+# SlicingError: routes and a layout or rank coordinates do not fit together, or the layout itself is invalid
+# (LayoutError is the same type); defined with the library's other errors in r3lab.errors
 
 
 def _pos_int(name: str, v: Any, minimum: int = 1) -> int:
@@ -208,7 +204,7 @@ class ParallelLayout:
                     f"the {rest} layers left after the first/last stages must split evenly over {left} middle stages, "
                     f"each a positive multiple of vpp={vpp}"
                 )
-        owned = []
+        owned: list[int] = []
         for vp in range(vpp):
             for r in range(pp):
                 n, off = self._stage_count_offset(r, vp)
@@ -228,8 +224,13 @@ class ParallelLayout:
     def router_layer_ids(self, pp_rank: int, vpp_chunk: int | None = None) -> list[int]:
         """Global ids of the MoE layers this pipeline rank builds, in construction order (chunk by chunk)."""
         chunks = range(self.vpp) if vpp_chunk is None else [vpp_chunk]
-        moe = set(self.moe_layer_ids)
+        moe = set(self._moe_ids)
         return [g for c in chunks for g in self.stage_layers(pp_rank, c) if g in moe]
+
+    @property
+    def _moe_ids(self) -> tuple[int, ...]:
+        """``moe_layer_ids`` as construction resolved it (``None`` became every layer)."""
+        return cast(tuple[int, ...], self.moe_layer_ids)  # __post_init__ always stores a tuple
 
     @staticmethod
     def _check_rank(name: str, v: Any, size: int) -> int:
@@ -240,7 +241,7 @@ class ParallelLayout:
     # ---- config round trip ---------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        d["moe_layer_ids"] = list(self.moe_layer_ids)
+        d["moe_layer_ids"] = list(self._moe_ids)
         return d
 
     @classmethod
@@ -271,6 +272,8 @@ def dp_sequence_ids(num_seqs: int, layout: ParallelLayout, dp_rank: int) -> list
         if mbs is None:
             return [share]
         return [share[i : i + mbs] for i in range(0, share.size, mbs)] or [share]
+    if mbs is None:  # the layout refuses this on construction; checked again for a layout built around it
+        raise LayoutError("dp_split='strided' needs micro_batch_size")
     if n % (dp * mbs):
         raise SlicingError(f"dp_split='strided' needs num_seqs divisible by dp*micro_batch_size={dp * mbs}, got {n}")
     return [
@@ -383,7 +386,9 @@ def _local_ranges(lens: np.ndarray, layout: ParallelLayout, cp_rank: int, tp_ran
     return [(a, b) for a, b in ranges if b > a]
 
 
-def _segments(lens: np.ndarray, layout: ParallelLayout, cp_rank: int, tp_rank: int):
+def _segments(
+    lens: np.ndarray, layout: ParallelLayout, cp_rank: int, tp_rank: int
+) -> tuple[int, list[tuple[int, int, int, int, int]]]:
     """The rank's router rows as runs of real tokens: (num_rows, [(out_start, stride, seq, offset, n), ...]).
 
     Row ``out_start + i * stride`` holds token ``offset + i`` of the micro-batch's sequence ``seq``;
@@ -501,7 +506,15 @@ def _as_slice(cols: np.ndarray) -> slice | np.ndarray:
     return cols
 
 
-def _shard_seqs(routes, layout, seqs, pp_rank, cp_rank, tp_rank, vpp_chunk) -> list[np.ndarray]:
+def _shard_seqs(
+    routes: Routes,
+    layout: ParallelLayout,
+    seqs: Sequence[int] | np.ndarray,
+    pp_rank: int,
+    cp_rank: int,
+    tp_rank: int,
+    vpp_chunk: int | None,
+) -> list[np.ndarray]:
     if not isinstance(routes, Routes):
         raise SlicingError(f"routes must be r3lab.Routes, got {type(routes).__name__}")
     if not isinstance(layout, ParallelLayout):

@@ -139,3 +139,31 @@ def test_eq_compares_values_cu_seqlens_layer_ids_and_num_experts(rng):
     assert r != Routes(r.values, r.cu_seqlens, 300, [1, 2])  # wider dtype, same ids
     assert (r == "routes") is False and r != [1, 2] and r != None  # noqa: E711 - not Routes: never equal
     assert r.__eq__(object()) is NotImplemented
+
+
+# ---- the library's errors (r3lab.errors lists them all; the stage modules re-export) ----------------------
+
+#: (module, name) -> the type in r3lab.errors it must be; the staging and runs modules join when they re-export
+STAGE_ERRORS = {
+    ("r3lab.compaction", "RouteFormatError"): "RouteFormatError",
+    ("r3lab.slicing", "SlicingError"): "SlicingError",
+    ("r3lab.slicing", "LayoutError"): "SlicingError",
+    ("r3lab.replay", "ReplayError"): "ReplayError",
+    ("r3lab.rollout", "RolloutError"): "RolloutError",
+    ("r3lab.rollout", "ModelConfigError"): "ConfigError",
+    ("r3lab.moe_layout", "ModelConfigError"): "ConfigError",
+}
+
+
+def test_every_error_type_is_defined_once_in_errors_with_the_same_bases():
+    import importlib
+
+    from r3lab import errors
+
+    types = [getattr(errors, n) for n in errors.__all__]
+    assert len(set(types)) == 8  # R3LabError and seven stage types; the two former names are aliases
+    for t in set(types) - {errors.R3LabError}:
+        assert t.__bases__ == (errors.R3LabError, ValueError), t
+        assert t.__module__ == "r3lab.errors", t
+    for (module, name), want in STAGE_ERRORS.items():
+        assert getattr(importlib.import_module(module), name) is getattr(errors, want), (module, name)

@@ -4,40 +4,46 @@ Public, stable: :func:`compact_dtype`, :func:`encode`, :func:`decode`, :func:`to
 :func:`from_payload` and the readers of what engines send (vLLM ``.npy`` base64, vLLM 0.21 nested
 lists, SGLang base64 int32). Malformed input of any kind raises :class:`RouteFormatError`.
 
-Codecs are numcodecs-style: :class:`IdCodec` (ids <-> bytes) and :class:`ByteCodec` (bytes <->
-bytes) interfaces, a registry (:func:`register_codec`, :func:`get_codec`), and the built-ins
-:class:`Raw`, :class:`BitPack`, :class:`TopKSet`, :class:`TopKGaps`, :class:`Zstd`. Encoded buffers
-carry a format version; see :mod:`r3lab.compaction.container` for what each version means.
+Codecs are numcodecs-style, one per module (:mod:`r3lab.compaction.codecs`): :class:`IdCodec`
+(ids <-> bytes) and :class:`ByteCodec` (bytes <-> bytes) interfaces, a registry
+(:func:`register_codec`, :func:`get_codec`), and the built-ins :class:`Raw`, :class:`BitPack`,
+:class:`TopKSet`, :class:`TopKGaps`, :class:`Zstd`; :data:`PIPELINES` names the built-in
+pipelines. Encoded buffers carry a format version; see :mod:`r3lab.compaction.container` for what
+each version means and :mod:`r3lab.compaction.legacy` for the reader of version 1.
+
+Deprecated, each warns on access and goes in 0.2: ``IdCoder`` (use :class:`IdCodec`), ``SetGaps``
+(use :class:`TopKGaps`), ``ALIASES`` (use :data:`PIPELINES` and :func:`pipeline_configs`).
 """
 
+from typing import Any
+
 from r3lab.compaction.codecs import (
-    ALIASES,
     CODECS,
+    PIPELINES,
     BitPack,
-    BitPackPlanesV1,
     ByteCodec,
     Codec,
     IdCodec,
-    IdCoder,
     Raw,
     RowCodec,
-    SetGaps,
     TopKGaps,
     TopKSet,
     Zstd,
+    deprecated_name,
     get_codec,
+    pipeline_configs,
     register_codec,
 )
 from r3lab.compaction.container import (
     DEFAULT_MAX_BYTES,
     FORMAT_VERSION,
-    LEGACY_BITPACK,
     MAGIC,
     READ_VERSIONS,
     decode,
     encode,
     read_header,
 )
+from r3lab.compaction.legacy import LEGACY_BITPACK, BitPackPlanesV1
 from r3lab.compaction.measure import BASELINE, measure_codecs
 from r3lab.compaction.payload import (
     from_payload,
@@ -53,7 +59,11 @@ __all__ = [
     "compact_dtype", "encode", "decode", "read_header", "to_payload", "from_payload",
     "read_vllm_npy_base64", "read_vllm_nested_list", "read_sglang_base64_int32",
     "Codec", "IdCodec", "ByteCodec", "RowCodec", "Raw", "BitPack", "TopKSet", "TopKGaps", "Zstd", "BitPackPlanesV1",
-    "IdCoder", "SetGaps", "register_codec", "get_codec", "CODECS", "ALIASES",
+    "register_codec", "get_codec", "pipeline_configs", "CODECS", "PIPELINES",
     "measure_codecs", "BASELINE",
     "MAGIC", "FORMAT_VERSION", "READ_VERSIONS", "LEGACY_BITPACK", "DEFAULT_MAX_BYTES", "RouteFormatError",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    return deprecated_name(__name__, name)

@@ -31,11 +31,12 @@ version 2 ``raw`` buffers whose bytes did not change, is the safe side to err on
 
 Versions:
 
-- **2** (current): every codec as its class docstring in :mod:`r3lab.compaction.codecs` says.
+- **2** (current): every codec as its class docstring in :mod:`r3lab.compaction.codecs` says;
+  the version 1 reader is :mod:`r3lab.compaction.legacy`.
 - **1** (r3lab cf15985 up to d0a0f16): the same frame, and the same layouts for ``raw``,
   ``topk-set``, ``topk-gaps`` (from 24d9b0c), ``zstd``, and ``bitpack`` with ids of at most 8
   bits (``num_experts <= 256``). ``bitpack`` with wider ids had *two* layouts under the same version
-  and config: cf15985 wrote a low-byte plane then a high-bit plane (:class:`BitPackPlanesV1`),
+  and config: cf15985 wrote a low-byte plane then a high-bit plane (:class:`~r3lab.compaction.legacy.BitPackPlanesV1`),
   9956a86 and later one bit stream (today's :class:`BitPack`). Same length, no marker: such a
   buffer is refused unless the caller says which writer made it, ``decode(buf,
   legacy_bitpack="planes")`` or ``legacy_bitpack="stream"``. Version 1 knew only the codec ids
@@ -51,8 +52,10 @@ from typing import Any
 import numpy as np
 import orjson
 
-from r3lab.compaction.codecs import BitPack, BitPackPlanesV1, IdCodec, id_bits, parse_pipeline
+from r3lab.compaction.codecs import PipelineSpec, parse_pipeline
+from r3lab.compaction.codecs.base import Buffer
 from r3lab.compaction.kernels import first_bad_row
+from r3lab.compaction.legacy import LEGACY_BITPACK, v1_coder
 from r3lab.errors import RouteFormatError
 from r3lab.routes import Routes, check_cu_seqlens, compact_dtype
 
@@ -66,23 +69,17 @@ MAGIC = b"R3RT"
 FORMAT_VERSION = 2
 #: every version :func:`decode` reads
 READ_VERSIONS = (1, 2)
-#: the writers of version 1 ``bitpack`` buffers with ids wider than 8 bits, for ``decode(legacy_bitpack=...)``
-LEGACY_BITPACK = {
-    "planes": "r3lab cf15985: a low-byte plane, then the high bits as a bit stream",
-    "stream": "r3lab 9956a86 up to format version 2: one bit stream, as version 2 writes",
-}
-_V1_CODEC_IDS = frozenset({"raw", "bitpack", "topk-set", "topk-gaps", "zstd"})
 _FIXED = struct.Struct("<4sB3xIQ")
 _CRC = struct.Struct("<I")
 #: default cap on decoded route bytes and on the encoded buffer (no decompression bombs)
 DEFAULT_MAX_BYTES = 8 << 30
 
 
-def encode(routes: Routes, codec: Any = "raw") -> bytes:
-    """Encode Routes with a codec alias (``"raw"``, ``"bitpack"``, ``"topk-set"``, ``"topk-set+zstd"``, ...),
+def encode(routes: Routes, codec: PipelineSpec = "raw") -> bytes:
+    """Encode Routes with a pipeline name (``"raw"``, ``"bitpack"``, ``"topk-set"``, ``"topk-set+zstd"``, ...),
     a codec object, or a list of codec configs. The result decodes with :func:`decode` alone."""
     if not isinstance(routes, Routes):
-        raise TypeError(f"encode expects Routes, got {type(routes).__name__}")
+        raise RouteFormatError(f"encode expects Routes, got {type(routes).__name__}")
     coder, stages = parse_pipeline(codec)
     payload = coder.encode(routes.values, routes.num_experts)
     for stage in stages:
@@ -114,7 +111,7 @@ def _byte_view(buf: bytes | bytearray | memoryview) -> memoryview:
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
 
-def _int(header: dict, key: str, *, minimum: int = 0) -> int:
+def _int(header: dict[str, Any], key: str, *, minimum: int = 0) -> int:
     v = header.get(key)
     if isinstance(v, bool) or not isinstance(v, int):
         raise RouteFormatError(f"header field {key!r} must be an integer, got {v!r}")
@@ -194,28 +191,6 @@ def read_header(buf: bytes | bytearray | memoryview, *, max_bytes: int = DEFAULT
     return {**h, "format_version": version, "_cu_offset": cu_off, "_payload_offset": pay_off, "_payload_length": plen}
 
 
-def _v1_coder(coder: IdCodec, stage_ids: list[str], num_experts: int, legacy_bitpack: str | None) -> IdCodec:
-    """The id codec that reads a format version 1 payload exactly, or a RouteFormatError saying why none can."""
-    unknown = sorted({coder.codec_id, *stage_ids} - _V1_CODEC_IDS)
-    if unknown:
-        raise RouteFormatError(
-            f"format version 1 buffer names codec {unknown[0]!r}, which version 1 did not have "
-            f"(it knew {sorted(_V1_CODEC_IDS)}); refusing to guess its layout"
-        )
-    if coder.codec_id != BitPack.codec_id or id_bits(num_experts) <= 8:
-        return coder  # layouts that never changed
-    b = id_bits(num_experts)
-    if legacy_bitpack is None:
-        raise RouteFormatError(
-            f"format version 1 bitpack buffer with {b}-bit ids (num_experts={num_experts}) is ambiguous: "
-            "r3lab cf15985 wrote a low-byte plane plus a high-bit plane, 9956a86 and later one bit stream, "
-            "both as version 1 with the same codec config and length, so the bytes cannot tell which. "
-            "If you know the writer, pass decode(..., legacy_bitpack='planes') for cf15985 "
-            "or legacy_bitpack='stream' for 9956a86 and later"
-        )
-    return BitPackPlanesV1(coder.order) if legacy_bitpack == "planes" else coder
-
-
 def decode(
     buf: bytes | bytearray | memoryview, *, max_bytes: int = DEFAULT_MAX_BYTES, legacy_bitpack: str | None = None
 ) -> Routes:
@@ -236,11 +211,11 @@ def decode(
     T, L, K = h["shape"]
     E = h["num_experts"]
     if h["format_version"] == 1:
-        coder = _v1_coder(coder, [s.codec_id for s in stages], E, legacy_bitpack)
+        coder = v1_coder(coder, [s.codec_id for s in stages], E, legacy_bitpack)
     dtype = compact_dtype(E)
     cu = np.frombuffer(mv[h["_cu_offset"] : h["_payload_offset"]], dtype="<i8")
     cu = check_cu_seqlens(cu, T)
-    payload = mv[h["_payload_offset"] : h["_payload_offset"] + h["_payload_length"]]
+    payload: Buffer = mv[h["_payload_offset"] : h["_payload_offset"] + h["_payload_length"]]
     for stage in stages:  # at most one byte stage; it must inflate to exactly what the id coder reads
         payload = stage.decode(payload, coder.encoded_size((T, L, K), dtype, E))
     values = coder.decode(payload, (T, L, K), dtype, E)

@@ -1,21 +1,44 @@
-"""Compiled inner loops (numba) for the hot paths of transport: row checks and bit packing.
+"""Inner loops of the codecs: compiled (numba) row checks and bit packing, and multi-limb (bigint) arithmetic.
 
 Numpy needs several passes over the ids for each of these; one compiled pass runs at memory speed.
-Compiled once per machine (``cache=True`` keeps the machine code beside this file).
+Compiled once per machine (``cache=True`` keeps the machine code beside this file). Numbers wider than
+64 bits (``topk-set`` ranks of e.g. 512 experts top-22) are held as little-endian 64-bit limbs and
+handled by the numpy limb helpers at the end of this module.
 """
 
 from __future__ import annotations
 
-from functools import cache
+import math
+from collections.abc import Callable
+from functools import cache, lru_cache
+from typing import Any, TypeVar, cast
 
 import numba
 import numpy as np
 
-__all__ = ["first_bad_row", "pack_ids", "unpack_ids", "pack_wide", "unpack_wide", "set_ranks", "unrank_sets"]
+__all__ = [
+    "first_bad_row", "pack_ids", "unpack_ids", "pack_wide", "unpack_wide", "set_ranks", "unrank_sets",
+    "binomial_table", "limbs_le", "limbs_add", "limbs_sub", "pack_limbs", "unpack_limbs",
+]
+
+#: a buffer the unpackers read (``np.frombuffer`` accepts any of these)
+Buffer = bytes | bytearray | memoryview
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
-@numba.njit(cache=True, nogil=True)
-def _any_bad_small(rows, num_experts):  # pragma: no cover - compiled
+def _njit(fn: _F, *, cache: bool = True) -> _F:
+    """``numba.njit(nogil=True)`` that keeps ``fn``'s signature for the type checker (numba ships no types)."""
+    return cast(_F, numba.njit(cache=cache, nogil=True)(fn))
+
+
+def _compiled(fn: _F) -> _F:
+    """Decorator: compile ``fn`` once per machine (``cache=True``), without the GIL."""
+    return _njit(fn)
+
+
+@_compiled
+def _any_bad_small(rows: np.ndarray, num_experts: int) -> bool:  # pragma: no cover - compiled
     """Branch-free pass for E <= 64: nonzero when some row has an id >= E or a repeated id."""
     n, k = rows.shape
     bad = np.uint64(0)
@@ -26,11 +49,11 @@ def _any_bad_small(rows, num_experts):  # pragma: no cover - compiled
             bit = np.uint64(1) << (v & np.uint64(63))
             bad |= (mask & bit) | np.uint64(v >= num_experts)
             mask |= bit
-    return bad != 0
+    return bool(bad != 0)
 
 
-@numba.njit(cache=True, nogil=True)
-def _first_bad_row(rows, num_experts):  # pragma: no cover - compiled
+@_compiled
+def _first_bad_row(rows: np.ndarray, num_experts: int) -> tuple[int, int]:  # pragma: no cover - compiled
     """(row, 0) for an id out of range, (row, 1) for a repeated id, (-1, -1) when every row is fine."""
     n, k = rows.shape
     stamp = np.full(max(num_experts, 1), -1, dtype=np.int64)
@@ -56,8 +79,8 @@ def first_bad_row(rows: np.ndarray, num_experts: int) -> tuple[int, int]:
     return _first_bad_row(rows, num_experts)
 
 
-@numba.njit(cache=True, nogil=True)
-def _pack_wide(vals, bits, out32):  # pragma: no cover - compiled
+@_compiled
+def _pack_wide(vals: np.ndarray, bits: int, out32: np.ndarray) -> None:  # pragma: no cover - compiled
     """LSB-first bit stream of ``bits``-wide uint64 values (bits <= 64), each written as two halves."""
     acc = np.uint64(0)
     nacc = 0
@@ -81,8 +104,8 @@ def _pack_wide(vals, bits, out32):  # pragma: no cover - compiled
         out32[j] = np.uint32(acc & np.uint64(0xFFFFFFFF))
 
 
-@numba.njit(cache=True, nogil=True)
-def _unpack_wide(words, n, bits, out):  # pragma: no cover - compiled
+@_compiled
+def _unpack_wide(words: np.ndarray, n: int, bits: int, out: np.ndarray) -> None:  # pragma: no cover - compiled
     acc = np.uint64(0)
     nacc = 0
     j = 0
@@ -115,7 +138,7 @@ def pack_ids(flat: np.ndarray, bits: int) -> bytes:
     return head.tobytes() + pack_wide(flat[n8:], bits)  # the tail group starts on a byte boundary
 
 
-def unpack_ids(buf, n: int, bits: int, dtype: np.dtype) -> np.ndarray:
+def unpack_ids(buf: Buffer | np.ndarray, n: int, bits: int, dtype: np.dtype[Any]) -> np.ndarray:
     """Inverse of :func:`pack_ids`; the caller checks ``len(buf) == ceil(n * bits / 8)``."""
     raw = np.frombuffer(buf, dtype=np.uint8)
     n_groups = n // 8
@@ -134,7 +157,8 @@ def pack_wide(vals: np.ndarray, bits: int) -> bytes:
     return out32.view(np.uint8)[:nbytes].tobytes()
 
 
-def unpack_wide(buf, n: int, bits: int) -> np.ndarray:
+def unpack_wide(buf: Buffer | np.ndarray, n: int, bits: int) -> np.ndarray:
+    """Inverse of :func:`pack_wide`: ``n`` values of ``bits`` bits each as uint64."""
     words = np.zeros(len(buf) // 4 + 2, dtype="<u4")
     words.view(np.uint8)[: len(buf)] = np.frombuffer(buf, dtype=np.uint8)
     out = np.empty(n, dtype=np.uint64)
@@ -142,8 +166,8 @@ def unpack_wide(buf, n: int, bits: int) -> np.ndarray:
     return out
 
 
-@numba.njit(cache=True, nogil=True)
-def set_ranks(rows, table):  # pragma: no cover - compiled
+@_compiled
+def set_ranks(rows: np.ndarray, table: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
     """Combinatorial-number-system rank of each row (any order inside a row), for C(E, k) < 2**64.
 
     An id's place in the sorted row is the count of smaller ids, so no sort (and no branch) is needed.
@@ -162,8 +186,10 @@ def set_ranks(rows, table):  # pragma: no cover - compiled
     return out
 
 
-@numba.njit(cache=True, nogil=True)
-def unrank_sets(ranks, table, num_experts, k, out):  # pragma: no cover - compiled
+@_compiled
+def unrank_sets(  # pragma: no cover - compiled
+    ranks: np.ndarray, table: np.ndarray, num_experts: int, k: int, out: np.ndarray
+) -> int:
     """Inverse of :func:`set_ranks` into sorted rows; returns the first row whose rank is >= C(E, k), or -1."""
     total = table[num_experts, k]
     for r in range(ranks.size):
@@ -173,7 +199,7 @@ def unrank_sets(ranks, table, num_experts, k, out):  # pragma: no cover - compil
         top = num_experts - 1
         for i in range(k, 0, -1):
             # largest c in [i - 1, top] with C(c, i) <= rank (c_i < c_(i+1)); branch-free halving
-            base = i - 1
+            base: Any = i - 1  # an int64 once the loop adds to it (Any: numba ignores the annotation)
             size = top - base + 1
             while size > 1:
                 half = size // 2
@@ -186,7 +212,7 @@ def unrank_sets(ranks, table, num_experts, k, out):  # pragma: no cover - compil
 
 
 @cache
-def _group_kernels(bits: int):
+def _group_kernels(bits: int) -> tuple[Callable[..., None], Callable[..., None]]:
     """Pack/unpack kernels for one id width (<= 16 bits), compiled with the width as a constant.
 
     8 ids of ``bits`` bits fill exactly ``bits`` bytes, so whole groups pack without branches; with
@@ -195,8 +221,7 @@ def _group_kernels(bits: int):
     B = bits
     NLO = min(B, 8)
 
-    @numba.njit(nogil=True)
-    def pack(flat, out):  # pragma: no cover - compiled
+    def pack(flat: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - compiled
         for g in range(flat.size // 8):
             lo = np.uint64(0)
             hi = np.uint64(0)
@@ -215,8 +240,7 @@ def _group_kernels(bits: int):
             for m in range(8, B):
                 out[base + m] = np.uint8((hi >> np.uint64(8 * (m - 8))) & np.uint64(255))
 
-    @numba.njit(nogil=True)
-    def unpack(buf, n_groups, out):  # pragma: no cover - compiled
+    def unpack(buf: np.ndarray, n_groups: int, out: np.ndarray) -> None:  # pragma: no cover - compiled
         mask = np.uint64((1 << B) - 1)
         for g in range(n_groups):
             base = g * B
@@ -236,11 +260,11 @@ def _group_kernels(bits: int):
                     v = (lo >> np.uint64(s)) | (hi << np.uint64(64 - s))
                 out[8 * g + j] = v & mask
 
-    return pack, unpack
+    return _njit(pack, cache=False), _njit(unpack, cache=False)
 
 
-@numba.njit(cache=True, nogil=True)
-def _any_bad_rows8(words, num_experts):  # pragma: no cover - compiled
+@_compiled
+def _any_bad_rows8(words: np.ndarray, num_experts: int) -> bool:  # pragma: no cover - compiled
     """SWAR check of top-8 uint8 rows held as one uint64 each: a repeated byte, or a byte >= E (E <= 128)."""
     ones = np.uint64(0x0101010101010101)
     highs = np.uint64(0x8080808080808080)
@@ -254,4 +278,79 @@ def _any_bad_rows8(words, num_experts):  # pragma: no cover - compiled
             bad |= (y - ones) & ~y & highs  # high bit where y has a zero byte
         if num_experts <= 128:
             bad |= ((x + add) | x) & highs  # high bit where a byte > E - 1
-    return bad != 0
+    return bool(bad != 0)
+
+
+# ---- multi-limb unsigned integers (numpy), for numbers wider than one 64-bit word -------------------------
+
+
+@lru_cache(maxsize=64)
+def binomial_table(num_experts: int, top_k: int) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """C(c, i) for c in [0, E], i in [0, k] as little-endian 64-bit limbs, a float64 copy, limbs W, and bits.
+
+    ``bits`` is the width of a rank below C(E, k): ``bit_length(C(E, k) - 1)``; ``W`` limbs hold it.
+    """
+    total = math.comb(num_experts, top_k)
+    nbits = (total - 1).bit_length()
+    W = max(1, -(-nbits // 64))
+    limbs = np.zeros((num_experts + 1, top_k + 1, W), dtype=np.uint64)
+    approx = np.zeros((num_experts + 1, top_k + 1), dtype=np.float64)
+    for c in range(num_experts + 1):
+        for i in range(top_k + 1):
+            x = math.comb(c, i)
+            approx[c, i] = float(x)
+            for w in range(W):
+                limbs[c, i, w] = (x >> (64 * w)) & 0xFFFFFFFFFFFFFFFF
+    limbs.setflags(write=False)
+    approx.setflags(write=False)
+    return limbs, approx, W, nbits
+
+
+def limbs_le(a: list[np.ndarray], b: list[np.ndarray]) -> np.ndarray:
+    """Elementwise a <= b for multi-limb unsigned numbers (lists of limb arrays, least significant first)."""
+    lt: np.ndarray = np.zeros(a[0].shape, dtype=bool)
+    eq: np.ndarray = np.ones(a[0].shape, dtype=bool)
+    for w in range(len(a) - 1, -1, -1):
+        lt |= eq & (a[w] < b[w])
+        eq &= a[w] == b[w]
+    le: np.ndarray = lt | eq
+    return le
+
+
+def limbs_add(acc: list[np.ndarray], t: list[np.ndarray]) -> None:
+    """``acc += t`` in place, limb by limb with carry (the sum must fit ``len(acc)`` limbs)."""
+    carry = np.zeros(acc[0].shape, dtype=np.uint64)
+    for w in range(len(acc)):
+        s1 = acc[w] + t[w]
+        c1 = s1 < acc[w]
+        s2 = s1 + carry
+        carry = (c1 | (s2 < s1)).astype(np.uint64)
+        acc[w] = s2
+
+
+def limbs_sub(acc: list[np.ndarray], t: list[np.ndarray]) -> None:
+    """``acc -= t`` in place, limb by limb with borrow (``t <= acc`` elementwise)."""
+    borrow = np.zeros(acc[0].shape, dtype=np.uint64)
+    for w in range(len(acc)):
+        d1 = acc[w] - t[w]
+        b1 = acc[w] < t[w]
+        d2 = d1 - borrow
+        borrow = (b1 | (d1 < borrow)).astype(np.uint64)
+        acc[w] = d2
+
+
+def pack_limbs(words: np.ndarray, nbits: int) -> bytes:
+    """Pack the low ``nbits`` of each row of little-endian uint64 limbs ``[N, W]`` into one LSB-first bit stream."""
+    if nbits == 0 or words.shape[0] == 0:
+        return b""
+    bits = np.unpackbits(words.astype("<u8", copy=False).view(np.uint8), axis=1, bitorder="little")[:, :nbits]
+    return np.packbits(bits.reshape(-1), bitorder="little").tobytes()
+
+
+def unpack_limbs(buf: Buffer, n: int, nbits: int, W: int) -> np.ndarray:
+    """Inverse of :func:`pack_limbs`: ``n`` numbers of ``nbits`` bits as ``[n, W]`` uint64 limbs."""
+    out = np.zeros((n, 64 * W), dtype=np.uint8)
+    if nbits and n:
+        bits = np.unpackbits(np.frombuffer(buf, dtype=np.uint8), bitorder="little", count=n * nbits)
+        out[:, :nbits] = bits.reshape(n, nbits)
+    return np.packbits(out, axis=1, bitorder="little").view("<u8").astype(np.uint64).reshape(n, W)

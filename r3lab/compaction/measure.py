@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from r3lab.compaction.codecs import ALIASES
+from r3lab.compaction.codecs import PIPELINES, parse_pipeline
 from r3lab.compaction.container import decode, encode
 from r3lab.compaction.payload import from_payload, to_payload
 from r3lab.errors import RouteFormatError
@@ -24,7 +24,6 @@ from r3lab.routes import Routes
 __all__ = ["BASELINE", "measure_codecs"]
 
 BASELINE = "compact + base64 + orjson"  # the field's best today (r3lab's to_payload, serialized with orjson)
-_SET_CODECS = ("topk-set", "topk-gaps")  # decode returns each row sorted
 
 
 def _roundtrip(routes: Routes, codec: str) -> tuple[int, float, float, np.ndarray]:
@@ -45,20 +44,21 @@ def measure_codecs(routes: Routes, codecs: Sequence[str] | None = None, *, repea
     """One record per codec (the baseline first): ``bytes``, ``bytes_per_id``, ``ratio_to_baseline``,
     ``encode_ms`` / ``decode_ms`` (medians) and ``mids_per_s`` (million ids per second, encode + decode).
 
-    ``codecs`` default: every built-in alias. Raises :class:`RouteFormatError` if a codec does not
-    give the routes back (set codecs: each row sorted).
+    ``codecs`` default: every built-in pipeline (:data:`~r3lab.compaction.PIPELINES`). Raises
+    :class:`RouteFormatError` if a codec does not give the routes back (set codecs: each row sorted).
     """
-    names = [BASELINE, *(list(ALIASES) if codecs is None else [c for c in codecs if c != BASELINE])]
+    names = [BASELINE, *(list(PIPELINES) if codecs is None else [c for c in codecs if c != BASELINE])]
     if repeats < 1:
         raise RouteFormatError(f"repeats must be >= 1, got {repeats}")
     if routes.values.size == 0:
         raise RouteFormatError("no routes to measure")
     ids = routes.values.size
-    records = []
+    records: list[dict[str, Any]] = []
     for name in names:
         runs = [_roundtrip(routes, name) for _ in range(repeats)]
         size, out = runs[0][0], runs[-1][3]
-        want = np.sort(routes.values, axis=2) if name.split("+")[0] in _SET_CODECS else routes.values
+        sorts = name != BASELINE and parse_pipeline(name)[0].sorts_rows  # set codecs give each row sorted
+        want = np.sort(routes.values, axis=2) if sorts else routes.values
         if not np.array_equal(out, want):
             raise RouteFormatError(f"codec {name!r} did not give the routes back")
         enc = statistics.median(r[1] for r in runs)

@@ -7,13 +7,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from r3lab.errors import R3LabError
+from r3lab.errors import ReplayError
 
 __all__ = ["ReplayError", "check_route_tensor"]
-
-
-class ReplayError(R3LabError):
-    """Replay cannot be set up or would be wrong: bad ids, wrong layer/token count, unsupported config."""
 
 
 def check_route_tensor(
@@ -41,7 +37,7 @@ def check_route_tensor(
         t = t.reshape(-1, t.shape[-1])
     if top_k is None and t.ndim == 2:
         top_k = int(t.shape[1])
-    if t.ndim != 2 or t.shape[1] != top_k or top_k < 1:
+    if t.ndim != 2 or top_k is None or t.shape[1] != top_k or top_k < 1:
         raise ReplayError(f"{what}: ids must be [tokens, top_k={top_k}], got shape {tuple(ids.shape)}")
     if t.numel():
         lo, hi = int(t.min()), int(t.max())

@@ -232,7 +232,7 @@ class HFReplay:
             mask = torch.as_tensor(attention_mask).bool().cpu().numpy()
             if mask.size != vals.shape[0]:
                 raise ReplayError(f"attention_mask has {mask.size} positions, the routers saw {vals.shape[0]} tokens")
-            cu = np.concatenate([[0], np.cumsum(mask.sum(axis=1))])
+            cu: Any = np.concatenate([[0], np.cumsum(mask.sum(axis=1))])
             vals = vals[mask.reshape(-1)]
         else:
             cu = [0, vals.shape[0]] if cu_seqlens is None else cu_seqlens

@@ -13,7 +13,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 import torch
@@ -218,6 +218,20 @@ def score_batch(
         used = rep.to_routes(attention_mask=mask) if mask is not None else rep.to_routes(
             cu_seqlens=np.arange(ids.shape[0] + 1) * ids.shape[1])
     return Scores(out, ent, used)
+
+
+@overload
+def token_logprobs(
+    model: torch.nn.Module, token_ids: Sequence[int], *, prompt_len: int = 1, routes: Routes | None = None,
+    record: Literal[True],
+) -> tuple[np.ndarray, Routes]: ...
+
+
+@overload
+def token_logprobs(
+    model: torch.nn.Module, token_ids: Sequence[int], *, prompt_len: int = 1, routes: Routes | None = None,
+    record: bool = False,
+) -> tuple[np.ndarray, Routes | None]: ...
 
 
 def token_logprobs(

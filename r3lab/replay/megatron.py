@@ -31,7 +31,7 @@ from r3lab.replay.common import ReplayError, check_route_tensor
 __all__ = ["MegatronReplay", "megatron_replay", "megatron_routers", "find_orphaned_router_replays"]
 
 
-def _megatron_classes() -> tuple[type, type, Any]:
+def _megatron_classes() -> tuple[Any, Any, Any]:
     try:
         from megatron.core.transformer.moe.router import TopKRouter
         from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction

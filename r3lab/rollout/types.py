@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from r3lab.errors import R3LabError
+from r3lab.errors import RolloutError, RouteFormatError
 from r3lab.moe_layout import MoELayout
 from r3lab.routes import Routes, check_distinct_rows
 
@@ -26,10 +26,6 @@ __all__ = [
     "append_last_row",
     "assemble_turns",
 ]
-
-
-class RolloutError(R3LabError, ValueError):
-    """Bad input to the rollout engine, or routes from the engine that fail validation."""
 
 
 @dataclass(frozen=True)
@@ -145,7 +141,7 @@ def validate_engine_routes(raw: Any, layout: MoELayout, *, prompt_len: int, resp
         raise RolloutError(f"{where}: dense layers {nz} (from the config) hold expert ids; the layer mapping is wrong")
     try:
         check_distinct_rows(sub)
-    except R3LabError as e:
+    except RouteFormatError as e:  # the same check as the wire decoders; the error says which response
         raise RolloutError(f"{where}: {e}") from e
     return Routes(sub, [0, want_rows], layout.num_experts, moe, validate=False)  # range and distinct ids checked above
 
@@ -171,12 +167,14 @@ def assemble_turns(turns: Sequence[RolloutResult]) -> Routes:
     held = 0
     prev_tokens: list[int] = []
     for j, t in enumerate(turns):
+        if t.routes is None:
+            raise RolloutError(f"turn {j} has no routes (its engine was built with capture off)")
         if t.routes_start != held:
             raise RolloutError(f"turn {j} starts its routes at row {t.routes_start}, but {held} rows are held")
         if t.prompt_ids[: len(prev_tokens)] != prev_tokens:
             raise RolloutError(f"turn {j}'s prompt does not extend the previous turn's prompt + response")
         held += t.routes.total_tokens
         prev_tokens = t.token_ids
-    out = Routes.from_list([t.routes.values for t in turns], num_experts=turns[0].routes.num_experts,
-                           layer_ids=turns[0].routes.layer_ids)
+    parts = [t.routes for t in turns if t.routes is not None]  # all of them, checked above
+    out = Routes.from_list([r.values for r in parts], num_experts=parts[0].num_experts, layer_ids=parts[0].layer_ids)
     return Routes(out.values, [0, out.total_tokens], out.num_experts, out.layer_ids, validate=False)
