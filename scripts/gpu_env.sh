@@ -3,8 +3,9 @@
 # Run on the GPU node (NVIDIA driver for CUDA 13, a C++17 compiler, Python 3.11, the package index):
 #   bash scripts/gpu_env.sh [VENV]
 # The pins and why they are what they are: requirements-gpu.txt (tests/test_gpu_recipe.py resolves it). The CUDA
-# toolkit that Transformer Engine's PyTorch extension is built with comes from pip (torch's own cuda-toolkit pin), so
-# the node needs no toolkit; CUDA_HOME set by the caller is used instead if its nvcc has torch's CUDA major.
+# toolkit that Transformer Engine's PyTorch extension is built with comes from pip (torch's CUDA 13 packages and the
+# pinned nvcc), so the node needs no toolkit; CUDA_HOME set by the caller is used instead if its nvcc has torch's
+# CUDA major.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${1:-$ROOT/.venv-gpu}"
@@ -39,7 +40,7 @@ else
 fi
 for f in "$CUDA_HOME/bin/nvcc" "$CUDA_HOME/include/cuda_runtime.h" "$CUDA_HOME/include/cublasLt.h" \
          "$NV/cudnn/include/cudnn.h" "$NV/nccl/include/nccl.h"; do
-  [ -e "$f" ] || fail "$f is missing after installing requirements-gpu.txt (cuda-toolkit[nvcc] and torch's nvidia-*)"
+  [ -e "$f" ] || fail "$f is missing after installing requirements-gpu.txt (nvidia-cuda-nvcc and torch's nvidia-*)"
 done
 # NVTE_PYTORCH_FORCE_BUILD: compile here instead of downloading a binary by a guessed release URL
 CUDA_HOME="$CUDA_HOME" \

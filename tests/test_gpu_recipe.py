@@ -405,8 +405,8 @@ CUDA_FILES = {"cu13/bin/nvcc": "nvidia-cuda-nvcc", "cu13/include/cuda_runtime.h"
 
 
 def test_resolved_wheels_hold_the_cuda_files_te_is_built_with(resolved):
-    """nvcc of torch's CUDA version (cuda-toolkit[nvcc] at torch's own cuda-toolkit pin) and the headers, read from
-    the resolved wheels' file lists (HTTP range requests: the zip directories, not the wheels)."""
+    """nvcc of torch's CUDA major, its companions at its own release, and the headers, read from the resolved
+    wheels' file lists (HTTP range requests: the zip directories, not the wheels)."""
     from zipfile import ZipFile
 
     from pip._internal.network.lazy_wheel import LazyZipOverHTTP
@@ -414,9 +414,11 @@ def test_resolved_wheels_hold_the_cuda_files_te_is_built_with(resolved):
 
     versions, _, urls = resolved
     assert Version(versions["torch"]).release[:2] == (2, 11)
-    assert versions["cuda-toolkit"] == EXPECTED["cuda-toolkit"]  # torch 2.11.0's own pin: nvcc of the same CUDA
-    assert Version(versions["nvidia-cuda-nvcc"]).major == Version(versions["nvidia-cuda-runtime"]).major == 13
-    assert Version(versions["nvidia-nvvm"]).release[:2] == Version(versions["nvidia-cuda-nvcc"]).release[:2]
+    assert versions["cuda-toolkit"] == EXPECTED["cuda-toolkit"]  # torch 2.11.0's own pin: its CUDA is 13.0
+    nvcc = Version(versions["nvidia-cuda-nvcc"])
+    assert nvcc.major == Version(versions["cuda-toolkit"]).major == Version(versions["nvidia-cuda-runtime"]).major
+    for companion in ("nvidia-nvvm", "nvidia-cuda-crt"):  # nvcc's own requirements on them are unpinned
+        assert Version(versions[companion]).release[:2] == nvcc.release[:2], f"{companion} {versions[companion]}"
     session = PipSession()
     for path, dist in CUDA_FILES.items():
         with LazyZipOverHTTP(urls[dist], session) as f:
