@@ -173,17 +173,25 @@ def test_gpu_check_refuses_a_machine_without_cuda_with_a_message():
 def test_gpu_check_preflight_imports_the_extension_and_names_its_error(tmp_path):
     """Transformer Engine's metadata package installs without its PyTorch extension; a stub package whose
     ``transformer_engine.pytorch`` raises on import (as a missing or ABI-broken extension does) must stop the check
-    at preflight, exit 2, with the module and the error named."""
-    pkg = tmp_path / "transformer_engine"
+    at preflight, exit 2, with the module and the error named. So must a checkpoint whose tokenizer does not load
+    (here: one without tokenizer.json)."""
+    stubs = tmp_path / "stubs"
+    pkg = stubs / "transformer_engine"
     (pkg / "pytorch").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     message = "libtransformer_engine_torch.so: cannot open shared object file (stub for the test)"
     (pkg / "pytorch" / "__init__.py").write_text(f"raise OSError({message!r})\n")
-    code, out = _gpu_check("--quick", pythonpath=(tmp_path,))
+    broken = tmp_path / "no-tokenizer-json"
+    broken.mkdir()
+    for f in ("config.json", "tokenizer_config.json"):
+        (broken / f).write_bytes((ROOT / "data/models/tiny-qwen3-moe" / f).read_bytes())
+    code, out = _gpu_check("--quick", "--models", str(broken), pythonpath=(stubs,))
     assert code == 2, out
     assert "Traceback" not in out
     (line,) = [ln for ln in out.splitlines() if "transformer_engine.pytorch" in ln]
     assert "transformer-engine-torch" in line and f"OSError: {message}" in line and "gpu_env.sh" in line, line
+    (line,) = [ln for ln in out.splitlines() if str(broken) in ln]
+    assert "does not load with this transformers: ValueError" in line, line
     imported = {module for module, *_ in _script("gpu_check").GPU_IMPORTS}
     # what scripts/gpu_check.py and r3lab.experiments.megatron_drift import on the GPU path
     assert {"vllm", "megatron.bridge", "transformer_engine.pytorch", "transformers"} <= imported
