@@ -110,6 +110,13 @@ def train_tokenizer(corpus_path: Path):
     return tok
 
 
+# The class named in tokenizer_config.json. transformers 5 writes its own name for the fast tokenizer,
+# "TokenizersBackend", which transformers 4 does not know (AutoTokenizer raises ValueError, so the GPU
+# environment's vLLM 0.23 cannot start). "PreTrainedTokenizerFast" is the name 4.x knows and 5.x maps to
+# TokenizersBackend: both load tokenizer.json and give the same ids (tests/test_gpu_recipe.py checks both).
+TOKENIZER_CLASS = "PreTrainedTokenizerFast"
+
+
 def save_tokenizer(tok, out: Path, max_len: int) -> None:
     from transformers import PreTrainedTokenizerFast
 
@@ -122,6 +129,10 @@ def save_tokenizer(tok, out: Path, max_len: int) -> None:
         model_max_length=max_len,
     )
     fast.save_pretrained(str(out))
+    config_path = out / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = TOKENIZER_CLASS
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
 
 
 # ---- models ---------------------------------------------------------------------------------------

