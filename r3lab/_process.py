@@ -38,7 +38,7 @@ class Closing:
         raise NotImplementedError
 
 
-def end_process_group(proc: subprocess.Popen, *, grace_s: float = 10.0, kill_wait_s: float = 10.0) -> int | None:
+def end_process_group(proc: subprocess.Popen[Any], *, grace_s: float = 10.0, kill_wait_s: float = 10.0) -> int | None:
     """End the process group that ``proc`` leads (started with ``start_new_session=True``), its children too.
 
     SIGTERM to the group, then SIGKILL if ``proc`` has not exited after ``grace_s`` seconds; returns its exit

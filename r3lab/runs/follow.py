@@ -105,7 +105,7 @@ class RunFollower:
     ``stall_s``), finished, failed, stopped, or error (an unreadable run; ``error`` holds it).
     """
 
-    def __init__(self, source: str | os.PathLike, prefix: str = "", *, expect: int | None = None,
+    def __init__(self, source: str | os.PathLike[str], prefix: str = "", *, expect: int | None = None,
                  job: Job | None = None, interval: float = 0.5, stall_s: float = 300.0, settle_s: float = 60.0,
                  on_update: Callable[[RunFollower], None] | None = None):
         src = Path(source)

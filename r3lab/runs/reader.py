@@ -7,7 +7,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from r3lab.compaction import decode
 from r3lab.errors import R3LabError
@@ -15,10 +15,13 @@ from r3lab.paths import results_dir
 from r3lab.routes import Routes
 from r3lab.runs.format import RUN_FORMAT, RUN_FORMAT_VERSION, RunFormatError, routes_file, step_of, tokens_file
 
+if TYPE_CHECKING:
+    import pandas as pd
+
 __all__ = ["Run", "load", "list_runs", "load_runs", "reference_runs_dir", "parse_step_line"]
 
 
-def parse_step_line(line: bytes, path: str | os.PathLike, lineno: int) -> dict[str, Any]:
+def parse_step_line(line: bytes, path: str | os.PathLike[str], lineno: int) -> dict[str, Any]:
     """One complete line of ``steps.jsonl`` as its record; corrupt content names the file and line."""
     try:
         rec = json.loads(line)
@@ -78,7 +81,7 @@ class Run:
         return self
 
     @property
-    def steps(self):
+    def steps(self) -> pd.DataFrame:
         """One row per complete step (pandas DataFrame)."""
         import pandas as pd
 
@@ -92,7 +95,7 @@ class Run:
         """Steps with routes stored under ``what`` (e.g. "engine", "trainer"), ascending."""
         return sorted(step_of(p) for p in (self.path / "routes").glob(f"step-*.{what}.r3"))
 
-    def tokens(self, steps: Sequence[int] | None = None):
+    def tokens(self, steps: Sequence[int] | None = None) -> pd.DataFrame:
         """Per-token rows of the given steps (default: all), one tidy DataFrame."""
         import pandas as pd
         import pyarrow.parquet as pq
@@ -118,7 +121,7 @@ class Run:
         return decode(p.read_bytes())
 
 
-def load(path: str | os.PathLike) -> Run:
+def load(path: str | os.PathLike[str]) -> Run:
     """Read a run folder (finished, running, or killed midway: complete steps are all there)."""
     p = Path(path)
     cfg = p / "config.json"
@@ -146,7 +149,7 @@ def load(path: str | os.PathLike) -> Run:
     return Run(p, meta, records, summary, truncated)
 
 
-def list_runs(root: str | os.PathLike) -> list[tuple[Path, Run | RunFormatError]]:
+def list_runs(root: str | os.PathLike[str]) -> list[tuple[Path, Run | RunFormatError]]:
     """Every run folder under ``root`` by name, each read back or paired with the error that stops it reading."""
     rp = Path(root)
     if not rp.is_dir():
@@ -161,18 +164,21 @@ def list_runs(root: str | os.PathLike) -> list[tuple[Path, Run | RunFormatError]
     return out
 
 
-def load_runs(folder: str | os.PathLike, prefix: str = "") -> list[Run]:
+def load_runs(folder: str | os.PathLike[str], prefix: str = "") -> list[Run]:
     """Every run in ``folder`` whose name starts with ``prefix``, by name; raises if there is none or one is bad."""
     root = Path(folder)
     if not root.is_dir():
         raise R3LabError(f"runs folder {str(root)!r} does not exist")
-    found = [run for path, run in list_runs(root) if path.name.startswith(prefix)]
-    for run in found:
+    found: list[Run] = []
+    for path, run in list_runs(root):
+        if not path.name.startswith(prefix):
+            continue
         if isinstance(run, RunFormatError):
             raise run
+        found.append(run)
     if not found:
         raise R3LabError(f"no runs named {prefix!r}* in {str(root)!r}")
-    return found  # type: ignore[return-value]  # every RunFormatError was raised above
+    return found
 
 
 def reference_runs_dir() -> Path:

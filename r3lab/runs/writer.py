@@ -62,7 +62,7 @@ class RunWriter:
     Refuses an existing folder. Steps are appended, flushed and fsynced one line at a time.
     """
 
-    def __init__(self, root: str | os.PathLike, name: str, kind: str, config: Mapping[str, Any]):
+    def __init__(self, root: str | os.PathLike[str], name: str, kind: str, config: Mapping[str, Any]):
         check_run_name(name)
         self.path = Path(root) / name
         if self.path.exists():
