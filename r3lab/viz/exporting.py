@@ -45,6 +45,7 @@ def _render(fig: go.Figure, fmt: str, scale: float, browser: str) -> bytes:
     The size falls back as ``plotly.io.write_image``'s does: the layout's, the template's, plotly's default.
     """
     import kaleido
+    from kaleido.errors import ChromeNotFoundError
 
     layout = fig.layout
     width = layout.width or layout.template.layout.width or pio.defaults.default_width
@@ -53,16 +54,20 @@ def _render(fig: go.Figure, fmt: str, scale: float, browser: str) -> bytes:
     for key in ("plotlyjs", "mathjax", "headers"):  # what plotly passes on when set
         if getattr(pio.defaults, key, None):
             kopts[key] = getattr(pio.defaults, key)
-    return kaleido.calc_fig_sync(fig.to_dict(), opts={"format": fmt, "width": width, "height": height, "scale": scale},
-                                 topojson=pio.defaults.topojson, kopts=kopts)
+    try:
+        return kaleido.calc_fig_sync(fig.to_dict(), opts={"format": fmt, "width": width, "height": height,
+                                                          "scale": scale}, topojson=pio.defaults.topojson, kopts=kopts)
+    except ChromeNotFoundError as e:
+        raise R3LabError(f"kaleido could not start the browser {browser!r}: {_NO_CHROMIUM}") from e
 
 
-def export(fig: go.Figure, path: str | os.PathLike, *, formats: Sequence[str] = EXPORT_FORMATS,
+def export(fig: go.Figure, path: str | os.PathLike[str], *, formats: Sequence[str] = EXPORT_FORMATS,
            scale: float = 2.0) -> list[Path]:
     """Write ``fig`` as ``path`` with each suffix of ``formats`` (PNG, SVG and PDF by default); returns the files.
 
     ``path``'s own suffix, if any, is replaced. The figure's layout size is kept (the paper sizes
-    :data:`ONE_COLUMN` / :data:`TWO_COLUMN`); ``scale`` only sharpens the PNG.
+    :data:`ONE_COLUMN` / :data:`TWO_COLUMN`); ``scale`` only sharpens the PNG. The browser
+    (:func:`find_chromium`) is handed to kaleido; the process environment is left as it was.
     """
     bad = [f for f in formats if f not in EXPORT_FORMATS]
     if bad or not formats:
@@ -81,7 +86,7 @@ def export(fig: go.Figure, path: str | os.PathLike, *, formats: Sequence[str] = 
     return out
 
 
-def export_figures(figures: Mapping[str, go.Figure], out_dir: str | os.PathLike, **kwargs: Any) -> list[Path]:
+def export_figures(figures: Mapping[str, go.Figure], out_dir: str | os.PathLike[str], **kwargs: Any) -> list[Path]:
     """:func:`export` each named figure as ``out_dir/<name>.{png,svg,pdf}``; returns every file written."""
     if not figures:
         raise R3LabError("no figures to export")
