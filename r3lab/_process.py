@@ -1,4 +1,4 @@
-"""Process plumbing shared by the engine, the server client and the Megatron-on-CPU harness.
+"""Process plumbing shared by the engine, the server client, the widgets' jobs and the Megatron-on-CPU harness.
 
 Private and stage-neutral (it imports nothing from r3lab), so both sides of the pipeline may use it
 without importing each other.
@@ -6,10 +6,13 @@ without importing each other.
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import subprocess
 from typing import Any, Self
 
-__all__ = ["Closing", "free_port"]
+__all__ = ["Closing", "free_port", "end_process_group"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -33,3 +36,27 @@ class Closing:
 
     def close(self) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
+
+
+def end_process_group(proc: subprocess.Popen[Any], *, grace_s: float = 10.0, kill_wait_s: float = 10.0) -> int | None:
+    """End the process group that ``proc`` leads (started with ``start_new_session=True``), its children too.
+
+    SIGTERM to the group, then SIGKILL if ``proc`` has not exited after ``grace_s`` seconds; returns its exit
+    code, or None if it still runs ``kill_wait_s`` seconds after the SIGKILL. A process that has already
+    exited is only reaped; a group that is already gone is not an error.
+    """
+    if proc.poll() is not None:
+        return proc.returncode
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, kill_wait_s)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break  # the group is gone: reap the leader below
+        try:
+            return proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+    try:
+        return proc.wait(kill_wait_s)
+    except subprocess.TimeoutExpired:
+        return None

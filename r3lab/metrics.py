@@ -246,3 +246,22 @@ def per_layer_flip_drift(differs: np.ndarray, logp_train: np.ndarray, logp_infer
         with np.errstate(invalid="ignore", divide="ignore"):
             out[name] = np.where(cnt > 0, (vals[:, None] * m).sum(axis=0) / cnt, np.nan)
     return out
+
+
+# ---- routing analysis of one batch (moved from r3lab.viz, which keeps forms that take Routes) -------------------
+def response_differs(engine: np.ndarray, trainer: np.ndarray, cu_seqlens: np.ndarray,
+                     response_lengths: np.ndarray) -> np.ndarray:
+    """``[sampled tokens, layers]``: whether engine and trainer chose different sets at each sampled token's input
+    position (``[T, L, K]`` routes in the engine's row convention, ``response_lengths`` sampled tokens per sample)."""
+    rows = response_rows(cu_seqlens, np.asarray(response_lengths))
+    return set_differs(np.asarray(engine)[rows], np.asarray(trainer)[rows])
+
+
+def most_flipped_sample(engine: np.ndarray, trainer: np.ndarray, cu_seqlens: np.ndarray) -> int:
+    """The sample with the most (token, layer) cells where engine and trainer chose different expert sets."""
+    per_row = set_differs(engine, trainer).sum(axis=1)
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    return int(np.argmax(np.add.reduceat(per_row, cu[:-1]))) if per_row.size else 0
+
+
+__all__ += ["response_differs", "most_flipped_sample"]

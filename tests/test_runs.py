@@ -85,3 +85,25 @@ def test_bad_step_records_and_columns(tmp_path):
     with pytest.raises(RunFormatError, match="one length"):
         w.write_tokens(0, {"a": np.zeros(3), "b": np.zeros(4)})
     w.close()
+
+
+def test_load_runs_by_prefix_names_a_bad_run_and_kinds_are_checked(tmp_path):
+    from r3lab.errors import R3LabError
+    from r3lab.runs import load_runs
+
+    for name in ("cmp-none-s0", "cmp-R3-s0", "other-R3-s0"):
+        _write(tmp_path, name)
+    assert [r.name for r in load_runs(tmp_path, "cmp-")] == ["cmp-R3-s0", "cmp-none-s0"]  # by name
+    assert len(load_runs(tmp_path)) == 3
+    with pytest.raises(R3LabError, match="no runs named 'x'"):
+        load_runs(tmp_path, "x")
+    with pytest.raises(R3LabError, match="does not exist"):
+        load_runs(tmp_path / "nowhere")
+    (tmp_path / "cmp-R2-s0").mkdir()
+    (tmp_path / "cmp-R2-s0" / "config.json").write_text("{")
+    with pytest.raises(RunFormatError, match="cmp-R2-s0.*not JSON"):
+        load_runs(tmp_path, "cmp-")
+    run = load(tmp_path / "other-R3-s0")
+    assert run.require_kind("rl") is run
+    with pytest.raises(R3LabError, match="'other-R3-s0' is a 'rl' run, not a drift run"):
+        run.require_kind("drift")

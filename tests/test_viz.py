@@ -10,15 +10,22 @@ RECORDS = [
 ]
 
 
-def test_transport_figure_has_one_bar_trace_per_method():
+def test_transport_figure_has_one_bar_trace_per_method_in_the_shared_template():
+    import plotly.io as pio
+
+    from r3lab.viz import TEMPLATE
+
     fig = transport_figure(RECORDS)
     assert [t.name for t in fig.data] == ["compact + base64 + orjson", "r3lab topk-set"]
     assert list(fig.data[1].y) == [0.516, 0.516] and list(fig.data[0].x) == ["64e top-8", "512e top-22"]
     assert "uniform" in fig.layout.title.text
+    assert fig.layout.template == pio.templates[TEMPLATE]  # the paper template, as every other figure
 
 
 def test_transport_figure_refuses_missing_popularity():
-    with pytest.raises(ValueError, match="popularity='bursty'"):
+    from r3lab.errors import R3LabError
+
+    with pytest.raises(R3LabError, match="popularity='bursty'"):
         transport_figure(RECORDS, popularity="bursty")
 
 
@@ -122,10 +129,12 @@ def test_route_view_highlights_exactly_the_cells_whose_expert_sets_differ():
         route_view_figure(eng, own, sample=1, tokens=words[:3])
     with pytest.raises(R3LabError, match="differ"):
         route_view_figure(eng, own.take([0]))
+    from r3lab import metrics
     from r3lab.viz import most_flipped_sample
 
     assert most_flipped_sample(eng, own) == int(flip[6:].sum() > flip[:6].sum())
     assert most_flipped_sample(own.take([1, 0]), eng.take([1, 0])) == int(flip[6:].sum() < flip[:6].sum())
+    assert metrics.most_flipped_sample(eng.values, own.values, eng.cu_seqlens) == most_flipped_sample(eng, own)
 
 
 def test_codec_figure_from_measured_records():
@@ -282,8 +291,45 @@ def test_drift_figures_show_the_hand_computed_numbers():
 def test_response_differs_maps_sampled_tokens_to_their_input_rows():
     import numpy as np
 
+    from r3lab import metrics
+    from r3lab.errors import R3LabError
     from r3lab.viz import response_differs
 
     eng, own, flip = _pair(lengths=(6, 9))
     # sample 0: 6 rows, 2 sampled tokens -> rows 4, 5; sample 1: 9 rows, 4 sampled -> rows 6+5 .. 6+8
     np.testing.assert_array_equal(response_differs(eng, own, [2, 4]), flip[[4, 5, 11, 12, 13, 14]])
+    np.testing.assert_array_equal(metrics.response_differs(eng.values, own.values, eng.cu_seqlens, [2, 4]),
+                                  flip[[4, 5, 11, 12, 13, 14]])  # the arrays' form, which the Routes form calls
+    with pytest.raises(R3LabError, match="differ"):
+        response_differs(eng, own.take([0]), [2])
+
+
+def test_rl_token_logprobs_pools_each_modes_last_token_table(tmp_path):
+    import numpy as np
+
+    from r3lab.errors import R3LabError
+    from r3lab.runs import RunWriter, load
+    from r3lab.viz import rl_token_logprobs
+
+    want = {}
+    for mode, seed in (("R3", 0), ("none", 0), ("R3", 1)):
+        with RunWriter(tmp_path, f"{mode}-{seed}", "rl", {"mode": mode, "seed": seed}) as w:
+            for step in (0, 4):
+                cols = {"logp_old": np.full(3, -step - seed - 0.5), "logp_infer": np.full(3, -1.0 * step),
+                        "flipped": np.array([True, False, step == 4])}
+                w.write_tokens(step, cols)
+            want.setdefault(mode, []).append(cols)  # the last step's table
+    runs = [load(p) for p in sorted(tmp_path.iterdir())]
+    logps, flipped = rl_token_logprobs(runs)
+    assert list(logps) == ["none", "R3"]  # none, R2, R3 order, whatever the runs' order
+    for mode, tables in want.items():
+        np.testing.assert_array_equal(logps[mode][0], np.concatenate([t["logp_old"] for t in tables]))
+        np.testing.assert_array_equal(logps[mode][1], np.concatenate([t["logp_infer"] for t in tables]))
+        np.testing.assert_array_equal(flipped[mode], np.concatenate([t["flipped"] for t in tables]))
+    assert rl_token_logprobs(runs, step=0)[0]["none"][0].tolist() == [-0.5] * 3
+    with pytest.raises(R3LabError, match="not at 2"):
+        rl_token_logprobs(runs, step=2)
+    with RunWriter(tmp_path, "d", "drift", {}) as w:
+        w.write_tokens(0, {"logp_old": np.zeros(1)})
+    with pytest.raises(R3LabError, match="is a 'drift' run, not an RL run"):
+        rl_token_logprobs([load(tmp_path / "d")])

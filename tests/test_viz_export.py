@@ -1,5 +1,6 @@
 """Exported figures (r3lab.viz.export, `r3lab figures`): valid PNG/SVG/PDF files of non-trivial size."""
 
+import os
 import shutil
 import struct
 import xml.etree.ElementTree as ET
@@ -13,6 +14,8 @@ from r3lab.viz import EXPORT_FORMATS, export, find_chromium, paper_figures
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
+# what the committed results hold: the transport table, the drift run (of two models) and RL runs of two models
+PAPER_FIGURES = ("transport", "drift", "expert_load_qwen3", "expert_load_glm4", "rl_k3_glm4", "rl_k3_qwen3")
 
 
 def check_figure_file(path: Path, min_bytes: int = 4000) -> None:
@@ -41,12 +44,17 @@ def test_chromium_is_there_or_the_error_says_how_to_install_it(monkeypatch):
         find_chromium()
 
 
-def test_export_writes_the_three_formats(tmp_path):
+def test_export_writes_the_three_formats_and_leaves_the_environment_alone(tmp_path, monkeypatch):
+    monkeypatch.delenv("BROWSER_PATH", raising=False)
+    before = dict(os.environ)
     fig = go.Figure(go.Scatter(x=[0, 1, 2, 3], y=[1, 3, 2, 4], name="k3"), layout={"title": "a figure"})
     files = export(fig, tmp_path / "sub" / "curve.png")  # the suffix is replaced, folders are made
     assert [f.name for f in files] == [f"curve.{fmt}" for fmt in EXPORT_FORMATS]
     for f in files:
         check_figure_file(f, min_bytes=2000)
+    assert dict(os.environ) == before  # the browser went to kaleido as an argument
+    width, height = struct.unpack(">II", files[0].read_bytes()[16:24])
+    assert (width, height) == (2 * 700, 2 * 500)  # no layout size: plotly's default, at the PNG's scale 2
     with pytest.raises(R3LabError, match="formats must be among"):
         export(fig, tmp_path / "x", formats=["jpeg"])
 
@@ -57,10 +65,9 @@ def test_r3lab_figures_regenerates_every_committed_figure(tmp_path, capsys):
     main(["figures", "--out", str(tmp_path)])
     written = sorted(p.name for p in tmp_path.iterdir())
     printed = capsys.readouterr().out
-    assert all(f"wrote {tmp_path / name}" in printed for name in written)
-    names = {Path(n).stem for n in written}
-    assert {"drift", "expert_load_glm4", "rl_k3_glm4", "rl_k3_qwen3", "transport"} <= names
-    assert written == sorted(f"{n}.{fmt}" for n in names for fmt in EXPORT_FORMATS)
+    names = set(PAPER_FIGURES)
+    assert written == sorted(f"{n}.{fmt}" for n in names for fmt in EXPORT_FORMATS)  # every figure, nothing else
+    assert sorted(printed.splitlines()) == sorted(f"wrote {tmp_path / name}" for name in written)
     for name in written:
         check_figure_file(tmp_path / name)
     committed = {p.name for p in (ROOT / "docs" / "figures").iterdir()}
@@ -73,3 +80,25 @@ def test_r3lab_figures_names_a_missing_input(tmp_path):
     with pytest.raises(R3LabError, match=r"drift-run is missing: `python bench/bench_drift.py`"):
         paper_figures(results, tmp_path / "out", formats=["svg"])
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_the_paper_figures_are_read_from_the_results_not_named_in_the_code(tmp_path):
+    import json
+
+    from r3lab.viz import paper_figure_set
+
+    assert list(paper_figure_set(RESULTS)) == list(PAPER_FIGURES)
+    results = tmp_path / "results"
+    shutil.copytree(RESULTS, results, ignore=shutil.ignore_patterns("tiny-qwen3-moe-*", "routes", "tokens"))
+    shutil.copytree(RESULTS / "drift-run" / "routes", results / "drift-run" / "routes")
+    cfg = results / "drift-run" / "config.json"
+    meta = json.loads(cfg.read_text())
+    meta["config"]["models"] = ["tiny-glm4-moe"]
+    cfg.write_text(json.dumps(meta))
+    figures = paper_figure_set(results)
+    assert list(figures) == ["transport", "drift", "expert_load_glm4", "rl_k3_glm4"]  # one RL model left
+    assert "bf16 trainer (5 seeds)" in figures["expert_load_glm4"].layout.title.text  # the run's first setting
+    for run in (results / "rl").glob("tiny-glm4-moe-default-*"):  # only runs with changed knobs are left
+        shutil.rmtree(run)
+    with pytest.raises(R3LabError, match="no reference RL runs of tiny-glm4-moe with the default knobs"):
+        paper_figure_set(results)

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from r3lab.config import MODES, RLConfig, run_names
 from r3lab.errors import ConfigError, R3LabError
-from r3lab.runs import RunFormatError, load
+from r3lab.runs import FollowedRun, RunFormatError, load
 from r3lab.viz import MODE_COLORS
 from r3lab.widgets import (
     LAYER_METRIC,
@@ -105,6 +106,11 @@ def test_monitor_follows_a_writer_in_another_process_through_a_half_written_line
             assert t.line.color == MODE_COLORS[name.split("-")[1]]
         assert tuple(mon.figures[metric].layout.xaxis.range) == (-0.5, 5.5)  # the run's steps, from its config
     assert "finished" in mon.status.value and "12 steps" in mon.status.value
+    snap = {r.name: r for r in mon.follower.snapshot()}
+    assert all(isinstance(r, FollowedRun) for r in snap.values())
+    assert {(r.mode, r.seed, r.finished, r.total_steps, len(r.records)) for r in snap.values()} == {
+        ("none", 0, True, 6, 6), ("R3", 0, True, 6, 6)}
+    assert [rec["step"] for rec in snap["cmp-R3-s0"].records] == list(range(6))
     mon.close()
 
 
@@ -150,11 +156,14 @@ def test_bad_paths_and_corrupt_lines_are_named(tmp_path):
 
 
 def test_start_rl_refuses_bad_arguments_before_starting_anything(tmp_path):
-    for kwargs, match in ((dict(modes=["R4"]), "modes"), (dict(samples_per_prompt=1), "samples_per_prompt"),
+    for kwargs, match in ((dict(modes=["R4"]), "--mode must be one of"), (dict(modes=[]), "replay mode"),
+                          (dict(samples_per_prompt=1), "--samples-per-prompt"),
                           (dict(prompts_per_step=3, samples_per_prompt=3, mini_batches=2), "mini-batches"),
-                          (dict(seeds=[]), "seed")):
+                          (dict(seeds=[]), "seed"), (dict(lr=0), "--lr"), (dict(mode="R3"), "modes=\\[...\\]"),
+                          (dict(no_such_knob=1), "no field.*no_such_knob")):
         with pytest.raises(ConfigError, match=match):
             start_rl(tmp_path, **kwargs)
+    assert not any(tmp_path.iterdir())
     (tmp_path / "x-R3-s0").mkdir()
     with pytest.raises(ConfigError, match="never overwritten"):
         start_rl(tmp_path, prefix="x", modes=["R3"])
@@ -162,11 +171,44 @@ def test_start_rl_refuses_bad_arguments_before_starting_anything(tmp_path):
 
 def test_a_failing_job_is_shown_not_swallowed(tmp_path):
     job = start_rl(tmp_path, prefix="fail", model="no-such-model", modes=["R3"], steps=1)
+    # every knob from RLConfig.quick() (the one source of the widgets' defaults) spelled out for `r3lab rl`
+    want = RLConfig.quick(model="no-such-model", steps=1).to_cli_args(modes=["R3"], seeds=[0])
+    assert job.command == [sys.executable, "-m", "r3lab", "rl", *want, "--runs", str(tmp_path), "--name", "fail",
+                           "--no-progress"]
+    assert job.run_names == run_names("fail", ["R3"], [0]) and job.steps == 1
     with job:
         mon = monitor(job, interval=0.1)
         assert mon.wait(120), mon.status.value
         assert mon.state == "failed" and job.returncode not in (0, None)
         assert "no model 'no-such-model'" in html.unescape(mon.status.value)  # the child's own error, in the widget
+
+
+def test_the_dashboards_controls_start_from_rl_config(tmp_path):
+    quick = RLConfig.quick()
+    dash = AblationDashboard(tmp_path)
+    try:
+        assert dash.config == quick and dash.modes.value == MODES
+        assert (dash.model.value, dash.temperature.value, dash.dtypes.value) == (
+            quick.model, quick.temperature, (quick.engine_dtype, quick.trainer_dtype))
+        shown = {"prompts_per_step": dash.prompts, "samples_per_prompt": dash.samples, "steps": dash.steps}
+        for name, slider in shown.items():
+            assert slider.value == getattr(quick, name)
+            RLConfig.quick(mini_batches=1, **{name: slider.min})  # the lower end is a value RLConfig accepts ...
+            with pytest.raises(ConfigError):
+                RLConfig.quick(mini_batches=1, **{name: slider.min - 1})  # ... and the one below it is not
+        assert (dash.prompts.min, dash.samples.min, dash.steps.min) == (1, 2, 1)
+    finally:
+        dash.close()
+    mine = AblationDashboard(tmp_path, config=RLConfig(model="tiny-glm4-moe", trainer_dtype="bfloat16"), steps=250)
+    try:
+        assert mine.config == RLConfig(model="tiny-glm4-moe", trainer_dtype="bfloat16", steps=250)
+        assert (mine.model.value, mine.dtypes.value, mine.steps.value) == ("tiny-glm4-moe", ("bfloat16", "bfloat16"),
+                                                                          250)
+        assert mine.steps.max >= 250 and mine.samples.value == 8 and mine.config.lr == 1e-3
+    finally:
+        mine.close()
+    with pytest.raises(ConfigError, match="--samples-per-prompt"):
+        AblationDashboard(tmp_path, samples_per_prompt=1)
 
 
 def test_reference_runs_load():
@@ -191,6 +233,9 @@ def test_dashboard_runs_the_experiment_and_shows_exactly_what_the_runs_hold(tmp_
         assert sorted(runs) == sorted(dash.job.run_names) and all(r.finished for r in runs.values())
         assert {r.config["seed"] for r in runs.values()} == {1}
         assert {r.config["temperature"] for r in runs.values()} == {0.8}
+        # the knobs the controls do not show come from the dashboard's config (RLConfig.quick() with overrides)
+        assert {(r.config["max_tokens"], r.config["lr"], r.config["mini_batches"]) for r in runs.values()} == {
+            (8, RLConfig.quick().lr, 2)}
         layers = sorted(int(k) for k in runs[dash.job.run_names[0]].step_records[0][LAYER_METRIC])
         assert list(dash.layer.options) == layers and dash.layer.value == layers[0]  # from the model's config
         dash.layer.value = layers[-1]

