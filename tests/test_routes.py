@@ -152,6 +152,7 @@ STAGE_ERRORS = {
     ("r3lab.rollout", "RolloutError"): "RolloutError",
     ("r3lab.rollout", "ModelConfigError"): "ConfigError",
     ("r3lab.moe_layout", "ModelConfigError"): "ConfigError",
+    ("r3lab.runs", "RunFormatError"): "RunFormatError",
 }
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from r3lab.errors import R3LabError
+from r3lab.errors import RunFormatError
 
 __all__ = ["RUN_FORMAT", "RUN_FORMAT_VERSION", "RunFormatError", "check_run_name", "check_routes_name", "tokens_file",
            "routes_file", "step_of"]
@@ -16,8 +16,6 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _WHAT = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
 
 
-class RunFormatError(R3LabError, ValueError):
-    """A run folder or one of its files is missing, of an unknown version, or corrupt; the message names it."""
 
 
 def check_run_name(name: str) -> None:
