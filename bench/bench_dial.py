@@ -28,6 +28,7 @@ from r3lab.rollout import RolloutEngine
 from r3lab.rollout.quant import fake_quantize, is_quantized_weight
 
 RESULTS = Path(__file__).resolve().parent / "results" / "dial.md"
+DEEP = "tiny-qwen3-moe-deep"  # Qwen3-30B-A3B's routing shape at tiny width: 24 layers, top-8 of 64 experts
 
 
 def router_differs_share(samples, results) -> float:
@@ -145,8 +146,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="8 prompts x 16 tokens, seed 0 (smoke run); writes nothing")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="seeds (default: 0 1 2 3 4)")
-    ap.add_argument("--models", nargs="+", default=list(MODELS), help="shipped model names")
+    ap.add_argument("--models", nargs="+", default=[*MODELS, DEEP], help="shipped model names")
     ap.add_argument("--quants", nargs="+", default=list(ENGINE_QUANTS), choices=ENGINE_QUANTS)
+    ap.add_argument("--out", type=Path, default=RESULTS, help=f"where the table goes (default: {RESULTS.name})")
     args = ap.parse_args(argv)
     config = DriftConfig(models=tuple(args.models), seeds=tuple(args.seeds), trainer_dtypes=("float32",))
     if args.quick:
@@ -156,8 +158,8 @@ def main(argv: list[str] | None = None) -> None:
     text = table(rows, config, time.perf_counter() - t0)
     print(text)
     if not args.quick:
-        RESULTS.write_text(text)
-        print(f"wrote {RESULTS}", file=sys.stderr)
+        args.out.write_text(text)
+        print(f"wrote {args.out}", file=sys.stderr)
 
 
 if __name__ == "__main__":
