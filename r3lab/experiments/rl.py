@@ -133,8 +133,11 @@ def run_rl(config: RLConfig, *, engine: RolloutEngine | None = None, runs_root: 
     torch.manual_seed(config.seed)
     rng = np.random.default_rng(config.seed)
     own_engine = engine is None
+    if not own_engine and getattr(engine, "engine_quant", "none") != config.engine_quant:
+        raise ConfigError(f"the engine given runs engine_quant={engine.engine_quant!r}, the config asks for "
+                          f"{config.engine_quant!r}: start it with RolloutEngine(..., engine_quant=...)")
     if engine is None:
-        engine = RolloutEngine(path, seed=config.seed, dtype=config.engine_dtype)
+        engine = RolloutEngine(path, seed=config.seed, dtype=config.engine_dtype, engine_quant=config.engine_quant)
     writer = None
     try:
         model = load_hf_model(path, config.trainer_dtype)
@@ -338,7 +341,7 @@ def run_comparison(base: RLConfig, *, modes: Sequence[str] = MODES, seeds: Seque
     path = model_dir(base.model, base.data)
     prefix = prefix or f"rl-{path.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     out = []
-    with RolloutEngine(path, seed=base.seed, dtype=base.engine_dtype) as engine:
+    with RolloutEngine(path, seed=base.seed, dtype=base.engine_dtype, engine_quant=base.engine_quant) as engine:
         for seed in seeds:
             for mode in modes:
                 cfg = dataclasses.replace(base, mode=mode, seed=int(seed))

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from r3lab.rollout._common import CPU_DEFAULTS, ENGINE_DEFAULTS, Closing, check_model_dir, default_cpu_bind, vllm_env
+from r3lab.rollout.quant import QUANT_SETTINGS, is_quantized_weight, quantize_state_dict
 from r3lab.rollout.types import RolloutError, RolloutResult, SamplingConfig, validate_engine_routes
 from r3lab.routes import Routes
 
@@ -65,12 +66,20 @@ class RolloutEngine(Closing):
 
     ``progress`` shows progress bars (``tqdm.auto``: terminal or notebook) for loading the weights and
     for each ``generate`` (which can override it per call); off by default.
+
+    ``engine_quant`` (``"none"``, ``"fp8"``, ``"int8"``, ``"int6"``, ``"int4"``) turns the mismatch dial: a
+    simulation of weight quantization (:mod:`r3lab.rollout.quant`). The attention and expert weights are
+    quantized per output channel and dequantized to the engine's dtype, at start and at every
+    ``update_weights``; routers, norms, embeddings, the LM head and biases stay exact.
     """
 
     def __init__(self, model: str | os.PathLike, *, seed: int = 0, max_model_len: int | None = None,
                  in_process: bool = True, cpu_threads_bind: str | None = None, progress: bool = False,
-                 **engine_kwargs: Any):
+                 engine_quant: str = "none", **engine_kwargs: Any):
         self.model_dir, self.layout = check_model_dir(model)  # raises before any process starts
+        if engine_quant not in QUANT_SETTINGS:
+            raise RolloutError(f"engine_quant must be one of {QUANT_SETTINGS}, got {engine_quant!r}")
+        self.engine_quant = engine_quant
         self.progress = bool(progress)
         ctx = self.layout.max_position_embeddings or 2048
         self.max_model_len = int(max_model_len or ctx)
@@ -111,6 +120,12 @@ class RolloutEngine(Closing):
         self.start_seconds = time.perf_counter() - t0
         self.tokenizer = self._llm.get_tokenizer()
         self.weight_version = 0
+        if engine_quant != "none":  # the checkpoint's dial weights, simulated-quantized, replace the exact ones
+            try:
+                self._push_weights(self._checkpoint_weights())
+            except BaseException:
+                self.close()
+                raise
 
     # ---- lifecycle (``with RolloutEngine(...) as eng:`` closes it) ---------------------------------
     def close(self) -> None:
@@ -239,6 +254,15 @@ class RolloutEngine(Closing):
             if not isinstance(name, str) or not isinstance(t, torch.Tensor):
                 raise RolloutError(f"update_weights: entry {name!r} is not (str, torch.Tensor)")
             items.append((name, t.detach().to("cpu").contiguous()))
+        self._push_weights(items)
+        self.weight_version = self.weight_version + 1 if version is None else int(version)
+        return self.weight_version
+
+    def _push_weights(self, items: list[tuple[str, Any]]) -> None:
+        """Load (name, tensor) pairs into the workers through the dial (``engine_quant``); reset the prefix cache."""
+        if self.engine_quant != "none":
+            dtype = self._llm.llm_engine.model_config.dtype
+            items = list(quantize_state_dict(dict(items), self.engine_quant, dtype=dtype).items())
         if not self.in_process and os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION") != "1":
             raise RolloutError("update_weights on an engine with in_process=False needs "
                                "VLLM_ALLOW_INSECURE_SERIALIZATION=1 "
@@ -249,8 +273,19 @@ class RolloutEngine(Closing):
         except Exception as e:
             raise RolloutError(f"weight update failed: {type(e).__name__}: {e}") from e
         self._llm.reset_prefix_cache()
-        self.weight_version = self.weight_version + 1 if version is None else int(version)
-        return self.weight_version
+
+    def _checkpoint_weights(self) -> list[tuple[str, Any]]:
+        """The model directory's whole state dict (a full reload: every module repacked as on the first load)."""
+        from safetensors import safe_open
+
+        items = []
+        for path in sorted(self.model_dir.glob("*.safetensors")):
+            with safe_open(str(path), "pt") as f:
+                items += [(k, f.get_tensor(k)) for k in f.keys()]
+        if not any(is_quantized_weight(k) for k, _ in items):
+            raise RolloutError(f"engine_quant={self.engine_quant!r}: no attention or expert weights found in "
+                               f"{str(self.model_dir)!r}")
+        return items
 
 
 def _load_weights_on_worker(worker: Any, items: list) -> int:
