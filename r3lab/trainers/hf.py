@@ -77,8 +77,10 @@ class HFTrainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), update.max_grad_norm)
         self.optimizer.step()
         stats = loss.stats(update.clip_eps)
+        with torch.no_grad():
+            entropy = float(cur.entropy.mean())
         return PolicyStepStats(loss=stats["loss"], clip_frac=stats["clip_frac"], approx_kl=stats["approx_kl"],
-                               grad_norm=float(grad_norm), entropy=float(cur.entropy.mean()),
+                               grad_norm=float(grad_norm), entropy=entropy,
                                tis_weight_mean=stats["tis_weight_mean"], logprobs=_numpy(cur.logprobs))
 
     def export_weights(self) -> Mapping[str, Any]:
