@@ -174,11 +174,11 @@ def test_config_refuses_nonsense():
         RLConfig(mode="R4")
     with pytest.raises(ConfigError, match="mini-batches"):
         RLConfig(prompts_per_step=3, samples_per_prompt=3, mini_batches=2)
-    with pytest.raises(ConfigError, match="tis_cap"):
+    with pytest.raises(ConfigError, match="--tis-cap must be > 1"):  # errors name the flag that fixes them
         RLConfig(tis_cap=0.5)
-    with pytest.raises(ConfigError, match="samples_per_prompt"):
+    with pytest.raises(ConfigError, match="--samples-per-prompt must be >= 2"):
         RLConfig(samples_per_prompt=1)
-    with pytest.raises(ConfigError, match="bf16 trainer"):
+    with pytest.raises(ConfigError, match="--router-dtype bfloat16 needs --trainer-dtype bfloat16"):
         RLConfig(router_dtype="bfloat16")
 
 
