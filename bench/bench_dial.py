@@ -21,7 +21,7 @@ import numpy as np
 
 from r3lab import metrics
 from r3lab.config import ENGINE_QUANTS, DriftConfig
-from r3lab.experiments.drift import _seed_inputs, drift_summary, replay_drift
+from r3lab.experiments.drift import drift_summary, replay_drift, seed_inputs
 from r3lab.paths import MODELS, model_dir
 from r3lab.replay import load_hf_model
 from r3lab.rollout import RolloutEngine
@@ -65,7 +65,7 @@ def measure(config: DriftConfig, quants: tuple[str, ...]) -> list[dict]:
         for q in quants:
             t0 = time.perf_counter()
             with RolloutEngine(path, engine_quant=q) as engine:
-                results = {s: engine.generate(*_seed_inputs(config, s)) for s in config.seeds}
+                results = {s: engine.generate(*seed_inputs(config, s)) for s in config.seeds}
             werr = weight_error(path, q)
             for s in config.seeds:
                 samples = replay_drift(trainer, results[s])

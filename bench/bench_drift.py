@@ -14,8 +14,9 @@ import tempfile
 from pathlib import Path
 
 from r3lab.experiments import DriftConfig, drift_table, run_drift
+from r3lab.paths import results_dir
 
-RESULTS = Path(__file__).resolve().parent / "results" / "drift.md"
+RESULTS = results_dir() / "drift.md"
 REFERENCE = RESULTS.parent / "drift-run"  # the reference run: regenerated whole by this script only
 
 

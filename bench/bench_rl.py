@@ -21,9 +21,10 @@ import time
 from pathlib import Path
 
 from r3lab.experiments.rl import MODES, RLConfig, comparison_rows, comparison_table, run_comparison
+from r3lab.paths import results_dir
 from r3lab.runs import Run, list_runs
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = results_dir()
 REFERENCE = RESULTS / "rl"
 MODELS = ("tiny-qwen3-moe", "tiny-glm4-moe")
 SEEDS = (0, 1, 2)

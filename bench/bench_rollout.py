@@ -73,8 +73,8 @@ def main(argv=None) -> int:
     if args.quick:
         args.prompts, args.tokens, args.pairs = 8, 16, 3
 
+    from r3lab.corpus import corpus_prompts
     from r3lab.rollout import RolloutEngine, SamplingConfig
-    from r3lab.testing import corpus_prompts
 
     texts = corpus_prompts(args.prompts, words=16, seed=0)
     sp = SamplingConfig(max_tokens=args.tokens, temperature=1.0, seed=0, ignore_eos=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from r3lab.routes import Routes
-from r3lab.testing.routes import workload_routes
+from r3lab.workloads import workload_routes
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ The package reads as the pipeline, data flowing one way::
     slicing      per-rank shards for the trainer's parallel layout          (trainer side)
     staging      routes to many trainer ranks, one chunk per DP rank        (trainer side)
     replay       routes into the trainer's routers (Megatron, transformers) (trainer side)
+    trainers     the trainer interface the experiments use (transformers; megatron-bridge)
     metrics      drift and routing metrics, pure functions on arrays
     experiments  joins the two sides: the drift experiment
     viz          plotly figures from results;  widgets: live monitor and ablation dashboard
@@ -26,8 +27,8 @@ from r3lab.errors import R3LabError, RouteFormatError
 from r3lab.routes import Routes, compact_dtype
 
 __version__ = "0.1.0"
-STAGES = ("routes", "compaction", "rollout", "slicing", "staging", "replay", "metrics", "experiments", "runs", "viz",
-          "widgets", "moe_layout", "paths", "testing", "errors", "cli")
+STAGES = ("routes", "compaction", "rollout", "slicing", "staging", "replay", "trainers", "metrics", "experiments",
+          "runs", "viz", "widgets", "moe_layout", "config", "corpus", "workloads", "paths", "testing", "errors", "cli")
 __all__ = ["Routes", "compact_dtype", "R3LabError", "RouteFormatError", "__version__", *STAGES]
 
 

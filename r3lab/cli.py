@@ -119,16 +119,17 @@ def _runs(args: argparse.Namespace) -> None:
 
 
 def _figures(args: argparse.Namespace) -> None:
-    from r3lab.paths import results_dir
+    from r3lab.paths import figures_dir, results_dir
     from r3lab.viz import EXPORT_FORMATS, paper_figures
 
-    out = Path(args.out) if args.out else Path(__file__).resolve().parent.parent / "docs" / "figures"
-    for path in paper_figures(results_dir(args.results), out, formats=args.formats or EXPORT_FORMATS):
+    for path in paper_figures(results_dir(args.results), figures_dir(args.out), formats=args.formats or EXPORT_FORMATS):
         print(f"wrote {path}")
 
 
 def _bench(name: str, rest: list[str]) -> None:
-    script = Path(__file__).resolve().parent.parent / "bench" / f"bench_{name}.py"
+    from r3lab.paths import bench_script
+
+    script = bench_script(name)
     if not script.is_file():
         raise R3LabError(
             f"`r3lab bench {name}` needs a source checkout: benchmarks live in the repository's bench/ "

@@ -24,10 +24,12 @@ __all__ = [
     "DTYPES",
     "ENGINE_QUANTS",
     "TRAINER_DTYPES",
+    "TRAINERS",
     "RLConfig",
     "DriftConfig",
     "run_name",
     "run_names",
+    "RLMetric",
     "add_config_flags",
     "quick_help",
     "config_overrides",
@@ -39,11 +41,30 @@ ENGINE_QUANTS = ("none", "fp8", "int8", "int6", "int4")  # the mismatch dial (r3
 _QUANT_HELP = ("the mismatch dial: simulated weight quantization of the engine's attention and expert weights "
                "(per output channel, dequantized to its dtype; routers, norms, embeddings, LM head exact)")
 TRAINER_DTYPES = {"bfloat16": "bf16, fp32 router", "float32": "fp32"}  # the drift experiment's trainer settings
+# the drift experiment's trainers (r3lab.trainers): transformers on CPU, and a Megatron GPTModel loaded by
+# megatron-bridge on a GPU node (scoring only)
+TRAINERS = {"hf": "a transformers trainer", "megatron-bridge": "a megatron-bridge Megatron-core GPTModel (GPU)"}
 
 # config fields that the command line sweeps over: the flag takes a list and the experiment runs one per value
 _SWEEPS = {"mode": "modes", "seed": "seeds"}
 
 C = TypeVar("C", bound="_Config")
+
+
+class RLMetric:
+    """Keys of the RL loop's step records (a run's steps.jsonl): one name for the loop that writes them and the
+    table, figures and notebooks that read them."""
+
+    REWARD = "reward_mean"
+    K3_KL = "mismatch/k3_kl"  # train-inference k3 KL of the old policy against the engine
+    F_1_5 = "mismatch/extreme_frac_tau1.5"
+    F_2 = "mismatch/extreme_frac_tau2"
+    ABS_DIFF = "mismatch/logprob_abs_diff_mean"
+    ENGINE_TRAINER_DISAGREEMENT = "routing/engine_trainer_disagreement"
+    ENGINE_MAX_VIO = "routing/engine_max_vio"
+    ROUTE_CHANGE_LAST_MB = "routing/route_change_last_mb"
+    USED_ROUTE_CHANGE_LAST_MB = "routing/used_route_change_last_mb"
+    CLIP_FRAC = "train/clip_frac"
 
 
 def knob(default: Any, help: str, *, choices: Sequence[Any] | None = None, flag: str | None = None,
@@ -158,9 +179,11 @@ class RLConfig(_Config):
                               f"{self.lr}, {self.clip_eps}, {self.max_grad_norm}, {self.temperature}")
         dtypes = (self.engine_dtype, self.trainer_dtype, self.router_dtype)
         if any(d not in DTYPES for d in dtypes):
-            raise ConfigError(f"--engine-dtype, --trainer-dtype and --router-dtype must be among {DTYPES}, got {dtypes}")
+            raise ConfigError(f"--engine-dtype, --trainer-dtype and --router-dtype must be among {DTYPES}, "
+                              f"got {dtypes}")
         if self.trainer_dtype == "float32" and self.router_dtype != "float32":
-            raise ConfigError("an fp32 trainer has fp32 routers: --router-dtype bfloat16 needs --trainer-dtype bfloat16")
+            raise ConfigError("an fp32 trainer has fp32 routers: --router-dtype bfloat16 needs "
+                              "--trainer-dtype bfloat16")
         if self.engine_quant not in ENGINE_QUANTS:
             raise ConfigError(f"--engine-quant must be one of {ENGINE_QUANTS}, got {self.engine_quant!r}")
         if len(self.target_letter) != 1:
@@ -188,6 +211,10 @@ class DriftConfig(_Config):
     trainer_dtypes: tuple[str, ...] = knob(("bfloat16", "float32"), "trainer settings to score with",
                                            choices=tuple(TRAINER_DTYPES))
     engine_quant: str = knob("none", _QUANT_HELP, choices=ENGINE_QUANTS)
+    trainer: str = knob("hf", "the trainer that scores: hf (transformers, CPU) or megatron-bridge (GPU node)",
+                        choices=tuple(TRAINERS))
+    gpu_memory_utilization: float | None = knob(None, "the engine's GPU memory share (a GPU trainer shares the GPU "
+                                                "after it)", unset="the engine's default")
     data: str | None = knob(None, "the data folder with models/ and corpus/", unset="the checkout's data/")
 
     _quick: typing.ClassVar[dict[str, Any]] = {"prompts": 8, "max_tokens": 16, "seeds": (0,)}
@@ -202,7 +229,12 @@ class DriftConfig(_Config):
             raise ConfigError(f"--temperature must be > 0, got {self.temperature!r}")
         bad = [d for d in self.trainer_dtypes if d not in TRAINER_DTYPES]
         if bad or not self.trainer_dtypes:
-            raise ConfigError(f"--trainer-dtypes must be among {sorted(TRAINER_DTYPES)}, got {list(self.trainer_dtypes)}")
+            raise ConfigError(f"--trainer-dtypes must be among {sorted(TRAINER_DTYPES)}, "
+                              f"got {list(self.trainer_dtypes)}")
+        if self.trainer not in TRAINERS:
+            raise ConfigError(f"--trainer must be one of {sorted(TRAINERS)}, got {self.trainer!r}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization < 1:
+            raise ConfigError(f"--gpu-memory-utilization must be in (0, 1), got {self.gpu_memory_utilization!r}")
         if self.engine_quant not in ENGINE_QUANTS:
             raise ConfigError(f"--engine-quant must be one of {ENGINE_QUANTS}, got {self.engine_quant!r}")
 
@@ -270,12 +302,13 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type[_Config]) -> Non
         elif cls is RLConfig and f.name == "mode":
             default = f"default: {' '.join(MODES)}"
         parser.add_argument(*names, dest=dest, type=typ, nargs="+" if sweep else None, default=None,
-                            choices=f.metadata.get("choices"), metavar=None if f.metadata.get("choices") else typ.__name__.upper(),
+                            choices=f.metadata.get("choices"),
+                            metavar=None if f.metadata.get("choices") else typ.__name__.upper(),
                             help=f"{f.metadata.get('help', '')} ({default})")
 
 
 def config_overrides(args: argparse.Namespace, cls: type[_Config]) -> dict[str, Any]:
-    """The fields the user set on the command line (sweep flags excluded: read them as ``args.modes``/``args.seeds``)."""
+    """The fields the user set on the command line (sweep flags excluded: read ``args.modes``/``args.seeds``)."""
     hints = typing.get_type_hints(cls)
     out: dict[str, Any] = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]

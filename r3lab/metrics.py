@@ -22,7 +22,11 @@ __all__ = [
     "max_violation",
     "extreme_fraction_curve",
     "load_shift",
+    "ENGINE_ROWS",
+    "TRAINER_ROWS",
+    "ROW_CONVENTIONS",
     "response_rows",
+    "k3_by_flip",
     "per_layer_flip_drift",
 ]
 
@@ -211,21 +215,49 @@ def load_shift(load: np.ndarray, reference: np.ndarray) -> np.ndarray:
     return 0.5 * np.abs(a - b).sum(axis=1)
 
 
-def response_rows(cu_seqlens: np.ndarray, response_lengths: np.ndarray) -> np.ndarray:
-    """Route rows (engine convention: ``P + R - 1`` per sample) of every sampled token's input position.
+# Route rows of a sample of P prompt and R sampled tokens come in two conventions. The engine records a row per
+# token it ran a forward on: P + R - 1 (its last sampled token is never fed back). The trainer's forward sees all
+# P + R tokens: P + R rows (``r3lab.rollout.append_last_row`` turns the first into the second). Either way, the
+# sampled token r (0-based) is scored from the logits at its input position P + r - 1: that row carries its routing.
+ENGINE_ROWS = "engine"  # P + R - 1 rows per sample
+TRAINER_ROWS = "trainer"  # P + R rows per sample
+ROW_CONVENTIONS = (ENGINE_ROWS, TRAINER_ROWS)
 
-    Sample i's sampled token r (0-based) is predicted from position ``P_i + r - 1``: row
-    ``cu_seqlens[i] + P_i - 1 + r``, with ``P_i = rows_i - R_i + 1``. Returns int64 ``[sum R_i]``, sample-major.
+
+def response_rows(cu_seqlens: np.ndarray, response_lengths: np.ndarray, convention: str = ENGINE_ROWS) -> np.ndarray:
+    """Route rows of every sampled token's input position (the row whose routing produced the token's logits).
+
+    Sample i's sampled token r (0-based) is predicted from position ``P_i + r - 1``: row ``cu_seqlens[i] + P_i - 1
+    + r``, with ``P_i = rows_i - R_i + 1`` (``ENGINE_ROWS``) or ``rows_i - R_i`` (``TRAINER_ROWS``). Returns int64
+    ``[sum R_i]``, sample-major.
     """
+    if convention not in ROW_CONVENTIONS:
+        raise R3LabError(f"row convention must be one of {ROW_CONVENTIONS}, got {convention!r}")
     cu = np.asarray(cu_seqlens, dtype=np.int64)
     n = np.asarray(response_lengths, dtype=np.int64)
     if cu.ndim != 1 or n.shape != (cu.size - 1,):
         raise R3LabError(f"{n.size} response lengths for {cu.size - 1} route sequences")
     rows = np.diff(cu)
-    if (n < 1).any() or (n > rows).any():
-        raise R3LabError("every sample needs 1 <= response tokens <= its route rows (P + R - 1 with P >= 1)")
-    starts = cu[:-1] + rows - n  # row of the first sampled token's input position
+    extra = 1 if convention == ENGINE_ROWS else 0  # engine rows lack the last sampled token's row
+    if (n < 1).any() or (n + 1 - extra > rows).any():
+        want = "P + R - 1" if extra else "P + R"
+        raise R3LabError(f"every sample needs 1 <= response tokens and {want} route rows with P >= 1 "
+                         f"({convention} rows)")
+    starts = cu[:-1] + rows - n - 1 + extra  # row of the first sampled token's input position
     return np.repeat(starts - np.concatenate([[0], np.cumsum(n)[:-1]]), n) + np.arange(n.sum())
+
+
+def k3_by_flip(logp_train: np.ndarray, logp_infer: np.ndarray, flipped: np.ndarray) -> dict[str, float | None]:
+    """k3 KL on route-flipped and on agreeing tokens: ``{"flipped": ..., "agreeing": ...}`` (None: no such token).
+
+    A token is route-flipped when engine and trainer chose a different expert set in some layer at its input
+    position (``token_route_flips`` of the rows ``response_rows`` selects).
+    """
+    a, b = np.asarray(logp_train, dtype=np.float64), np.asarray(logp_infer, dtype=np.float64)
+    f = np.asarray(flipped, dtype=bool)
+    if f.shape != a.shape or a.shape != b.shape:
+        raise R3LabError(f"flipped {f.shape} and the log-probs {a.shape}, {b.shape} must have one shape")
+    return {name: k3_kl(a[m], b[m]) if m.any() else None for name, m in (("flipped", f), ("agreeing", ~f))}
 
 
 def per_layer_flip_drift(differs: np.ndarray, logp_train: np.ndarray, logp_infer: np.ndarray) -> dict[str, np.ndarray]:

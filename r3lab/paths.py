@@ -11,14 +11,15 @@ from pathlib import Path
 
 from r3lab.errors import R3LabError
 
-__all__ = ["data_dir", "model_dir", "corpus_path", "runs_dir", "results_dir", "MODELS"]
+__all__ = ["data_dir", "model_dir", "corpus_path", "runs_dir", "results_dir", "figures_dir", "bench_script", "MODELS"]
 
 MODELS = ("tiny-qwen3-moe", "tiny-glm4-moe")  # the shipped checkpoints, in data/models/
+CHECKOUT = Path(__file__).resolve().parent.parent  # a source checkout's root (an installed wheel has no bench/ there)
 
 
 def data_dir(override: str | os.PathLike | None = None) -> Path:
     """The data folder: ``override``, else ``$R3LAB_DATA``, else the checkout's ``data/``, else ``./data``."""
-    candidates = [override, os.environ.get("R3LAB_DATA"), Path(__file__).resolve().parent.parent / "data", Path("data")]
+    candidates = [override, os.environ.get("R3LAB_DATA"), CHECKOUT / "data", Path("data")]
     tried = []
     for c in candidates:
         if not c:
@@ -73,8 +74,18 @@ def results_dir(override: str | os.PathLike | None = None) -> Path:
 
     They ship in a source checkout, not in the wheel; a missing folder is an error that says so.
     """
-    p = Path(override) if override else Path(__file__).resolve().parent.parent / "bench" / "results"
+    p = Path(override) if override else CHECKOUT / "bench" / "results"
     if not p.is_dir():
         raise R3LabError(f"no results folder at {p}: committed results live in a source checkout's bench/results "
                          "(or pass a folder of your own)")
     return p
+
+
+def figures_dir(override: str | os.PathLike | None = None) -> Path:
+    """Where the paper figures go: ``override``, else the checkout's ``docs/figures``."""
+    return Path(override) if override else CHECKOUT / "docs" / "figures"
+
+
+def bench_script(name: str) -> Path:
+    """A source checkout's benchmark ``bench/bench_NAME.py`` (it may not exist: an installed r3lab has no bench/)."""
+    return CHECKOUT / "bench" / f"bench_{name}.py"

@@ -5,12 +5,13 @@
 1. CUDA vLLM samples corpus prompts with native route capture (``r3lab.rollout.RolloutEngine``) and scores its
    samples again by prefill (its noise floor); the engine is shut down.
 2. megatron-bridge loads the same Hugging Face checkpoint into a Megatron-core GPTModel with RouterReplay
-   (``r3lab.experiments.megatron_drift.load_bridge_model``).
+   (``r3lab.trainers.megatron_bridge.load_bridge_model``).
 3. The model scores every sample with its own routing (none) and replaying the engine's routes (R3), sliced by
    ``r3lab.slicing.shard`` and set by ``r3lab.replay.megatron_replay``; checks: replaying its own recorded routes
    is bit-identical, R3 lowers k3 KL against the engine overall and on route-flipped tokens in every cell.
-4. The cells are written as a ``drift`` run (``r3lab.runs``, the CPU experiment's format) under data/runs/ and
-   printed as a table (also to ``--out``).
+4. The cells are written as a ``drift`` run (``r3lab.runs``) under data/runs/ and printed as a table (also to
+   ``--out``): the one drift loop and table of the CPU experiment (``r3lab.experiments.run_drift`` with
+   ``trainer="megatron-bridge"``).
 
 Exit code 0: all checks passed; 1: a check failed; 2: this machine cannot run it, with a message, not a traceback:
 no CUDA device, a module the check uses does not import (Transformer Engine's PyTorch extension, megatron-bridge,
@@ -150,22 +151,21 @@ def main() -> int:
     import torch
 
     from r3lab import runs
-    from r3lab.experiments.megatron_drift import (
-        MegatronDriftConfig,
-        megatron_drift_table,
-        megatron_token_logprobs,
-        run_megatron_drift,
-    )
+    from r3lab.config import DriftConfig
+    from r3lab.experiments import drift_table, run_drift
     from r3lab.paths import runs_dir
+    from r3lab.trainers.megatron_bridge import megatron_token_logprobs
 
-    over = {"trainer_dtype": args.trainer_dtype}
+    # the GPU check's sizes: 32 prompts x 48 tokens, seeds 0-2, one trainer setting; the engine takes 30% of the GPU
+    over = {"trainer": "megatron-bridge", "trainer_dtypes": (args.trainer_dtype,), "prompts": 32, "seeds": (0, 1, 2),
+            "gpu_memory_utilization": 0.3}
     if args.quick:
         over.update(prompts=8, max_tokens=16, seeds=(0,))
     if args.models:
         over["models"] = tuple(args.models)
     if args.seeds:
         over["seeds"] = tuple(args.seeds)
-    config = MegatronDriftConfig(**over)
+    config = DriftConfig(**over)
     failures: list[str] = []
 
     def check(ok: bool, what: str) -> None:
@@ -173,12 +173,14 @@ def main() -> int:
         if not ok:
             failures.append(what)
 
-    def on_model(name, model, results) -> None:
+    def on_trainer(name, trainer, results) -> None:
         print(f"{name}: Megatron model loaded by megatron-bridge", flush=True)
         same = True
+        model, vocab = trainer.model, trainer.vocab_size
         for r in results[:4]:
-            lp, own = megatron_token_logprobs(model, r.token_ids, len(r.prompt_ids), record=True)
-            again, _ = megatron_token_logprobs(model, r.token_ids, len(r.prompt_ids), routes=own)
+            # identical inputs (the same sequence, the same expert batches): bit equality is the claim
+            lp, own = megatron_token_logprobs(model, r.token_ids, len(r.prompt_ids), record=True, vocab_size=vocab)
+            again, _ = megatron_token_logprobs(model, r.token_ids, len(r.prompt_ids), routes=own, vocab_size=vocab)
             same &= bool(np.array_equal(lp, again))
         check(same, f"{name}: replaying the trainer's own recorded routes gives bit-identical log-probs "
                     "(shard + RouterReplay change nothing but the ids)")
@@ -194,10 +196,11 @@ def main() -> int:
 
     device = torch.cuda.get_device_name(0)
     print(f"gpu_check on {device}: {config.to_dict()}", flush=True)
-    rows = run_megatron_drift(config, runs_root=runs_dir(), on_row=on_row, on_model=on_model)
+    rows = run_drift(config, progress=False, runs_root=runs_dir(), on_row=on_row, on_trainer=on_trainer)
     run = runs.load(rows[0].run_path)
     check(run.finished and len(run.steps) == len(rows), f"run written in the CPU drift format: {rows[0].run_path}")
-    table = megatron_drift_table(rows, config, device=device)
+    table = drift_table(rows, config, command="bash scripts/gpu_check.sh" + (" --quick" if args.quick else ""),
+                        device=device)
     table += ("\nChecks: " + ("all passed" if not failures else "FAILED: " + "; ".join(failures)) + ".\n")
     print(table)
     if args.out:

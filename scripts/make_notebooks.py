@@ -1,5 +1,6 @@
-"""Write notebooks/01-03 from the cells below: thin cells calling r3lab, one tagged ``parameters`` cell, no outputs,
-the r3lab kernelspec, and the CI-sized parameters in ``metadata["r3lab"]`` (tests/test_notebooks.py injects them).
+"""Write every notebook, notebooks/01-04, from the cells below (one way of authoring them all): thin cells calling
+r3lab, one tagged ``parameters`` cell, no outputs, the r3lab kernelspec, and the CI-sized parameters in
+``metadata["r3lab"]`` (tests/test_notebooks.py injects them).
 
 Run ``python scripts/make_notebooks.py`` after editing a notebook here; the committed .ipynb files are its output.
 """
@@ -15,8 +16,11 @@ ROOT = Path(__file__).resolve().parent.parent
 KERNELSPEC = {"name": "r3lab", "display_name": "r3lab (Python 3.11)", "language": "python"}
 
 
-def md(text: str):
-    return new_markdown_cell(text.strip())
+def md(text: str, *tags: str):
+    cell = new_markdown_cell(text.strip())
+    if tags:
+        cell.metadata["tags"] = list(tags)
+    return cell
 
 
 def code(text: str, *tags: str):
@@ -30,18 +34,25 @@ def params(text: str):
     return code(text, "parameters")
 
 
+# notebooks 02 and 03: the runs given, else the experiment run small here (r3lab.experiments.load_or_run)
 RL_LOAD = """
-rl = [load(p) for p in rl_runs] if rl_runs else [load(r.path) for r in run_comparison(
-    RLConfig.quick(model=model, steps=rl_steps, prompts_per_step=rl_prompts, samples_per_prompt=rl_samples,
-                   token_steps=1), modes=modes, seeds=(seed,), runs_root=paths.runs_dir(runs_dir), progress=True)]
+rl_config = RLConfig.quick(model=model, steps=rl_steps, prompts_per_step=rl_prompts, samples_per_prompt=rl_samples,
+                           token_steps=1)
+rl = load_or_run(rl_runs, rl_config, modes=modes, seeds=(seed,), runs_dir=runs_dir)
 [r.name for r in rl]
 """
 
 DRIFT_LOAD = """
 config = DriftConfig(models=(model,), prompts=prompts, max_tokens=max_tokens, seeds=(seed,),
                      trainer_dtypes=(trainer_dtype,))
-run = load(drift_run or run_drift(config, runs_root=paths.runs_dir(runs_dir))[0].run_path)
+(run,) = load_or_run(drift_run, config, runs_dir=runs_dir)
 run.steps
+"""
+
+IMPORTS_02_03 = """
+from r3lab import viz
+from r3lab.config import DriftConfig, RLConfig, RLMetric
+from r3lab.experiments import load_or_run
 """
 
 NB01 = [
@@ -74,29 +85,32 @@ import pandas as pd
 
 from r3lab import viz
 from r3lab.compaction import measure_codecs
+from r3lab.corpus import corpus_prompts
 from r3lab.experiments import replay_drift
 from r3lab.paths import model_dir
-from r3lab.replay import load_hf_model
 from r3lab.rollout import RolloutEngine, SamplingConfig
 from r3lab.routes import Routes
-from r3lab.testing import corpus_prompts, workload_routes
+from r3lab.trainers.hf import HFTrainer
+from r3lab.workloads import workload_routes
 """),
-    md("## Generate with the embedded engine"),
+    md("## Generate with the embedded engine (closed when the cell ends, whatever happens after)"),
     code("""
-engine = RolloutEngine(model_dir(model), seed=seed)
-results = engine.generate(corpus_prompts(prompts, seed=seed), SamplingConfig(max_tokens=max_tokens, seed=seed + 1))
+with RolloutEngine(model_dir(model), seed=seed) as engine:
+    sampling = SamplingConfig(max_tokens=max_tokens, seed=seed + 1)
+    results = engine.generate(corpus_prompts(prompts, seed=seed), sampling)
+    tokenizer = engine.tokenizer
 engine_routes = RolloutEngine.stack_routes(results)
 engine_routes
 """),
     md("The trainer (transformers) scores the same tokens with its own routing and records the experts it chose."),
     code("""
-samples = replay_drift(load_hf_model(model_dir(model), trainer_dtype), results)
+samples = replay_drift(HFTrainer.load(model_dir(model), trainer_dtype), results)
 trainer_routes = Routes.concat([s.trainer_routes for s in samples])
 """),
     md("## One sample, token by layer (highlighted: the trainer chose a different expert set)"),
     code("""
 shown = viz.most_flipped_sample(engine_routes, trainer_routes) if sample is None else sample
-tokens = engine.tokenizer.convert_ids_to_tokens(results[shown].token_ids)
+tokens = tokenizer.convert_ids_to_tokens(results[shown].token_ids)
 route_view = viz.route_view_figure(engine_routes, trainer_routes, sample=shown, tokens=tokens,
                                    prompt_len=len(results[shown].prompt_ids))
 route_view
@@ -113,7 +127,6 @@ codecs
 pd.DataFrame(records).round(3)
 """),
     code("""
-engine.close()
 viz.export_figures({"route_view": route_view, "codecs": codecs}, out_dir) if export else []
 """),
 ]
@@ -147,12 +160,7 @@ runs_dir = None  # runs made here go here; None: r3lab's runs folder ($R3LAB_RUN
 out_dir = "out/02_expert_distribution"
 export = False
 """),
-    code("""
-from r3lab import paths, viz
-from r3lab.experiments import DriftConfig, run_drift
-from r3lab.experiments.rl import RLConfig, run_comparison
-from r3lab.runs import load
-"""),
+    code(IMPORTS_02_03),
     md("## Engine vs trainer on the same tokens"),
     code(DRIFT_LOAD),
     code("""
@@ -175,10 +183,10 @@ shift = viz.load_shift_figure(rl)
 shift
 """),
     code("""
-viz.rl_curves_figure(rl, "routing/engine_trainer_disagreement", log=False)
+viz.rl_curves_figure(rl, RLMetric.ENGINE_TRAINER_DISAGREEMENT, log=False)
 """),
     code("""
-viz.rl_curves_figure(rl, "routing/engine_max_vio", log=False)
+viz.rl_curves_figure(rl, RLMetric.ENGINE_MAX_VIO, log=False)
 """),
     code("""
 viz.export_figures({"expert_load": load_fig, "layer_disagreement": disagreement, "load_imbalance": imbalance,
@@ -216,12 +224,7 @@ runs_dir = None  # None: r3lab's runs folder ($R3LAB_RUNS, else the checkout's d
 out_dir = "out/03_logprob_drift"
 export = False
 """),
-    code("""
-from r3lab import paths, viz
-from r3lab.experiments import DriftConfig, run_drift
-from r3lab.experiments.rl import RLConfig, run_comparison
-from r3lab.runs import load
-"""),
+    code(IMPORTS_02_03),
     md("## The drift experiment"),
     code(DRIFT_LOAD),
     code("""
@@ -269,12 +272,98 @@ viz.delta_histogram_figure(None, rl_logps)
 viz.flip_split_figure(None, rl_logps, rl_flipped)
 """),
     code("""
-viz.rl_curves_figure(rl, "mismatch/k3_kl")
+viz.rl_curves_figure(rl, RLMetric.K3_KL)
 """),
     code("""
 figures = {"drift": drift, "prob_density": density, "f_tau": f_tau, "flip_split": split}
 viz.export_figures(figures, out_dir) if export else []
 """),
+]
+
+NB04 = [
+    md("""
+# 04 · RL ablation: none vs R2 vs R3 over RL steps
+
+Metrics of the GRPO loop per replay mode, read from finished runs (`r3lab.runs`): the committed reference runs in
+`bench/results/rl/` by default. Below them, the **ablation dashboard** (pick model, modes, temperature, dtypes,
+prompts, seed, steps; **Run** starts `r3lab rl` in a child process and its figures grow in place; **Export** writes
+them as PNG/SVG/PDF) and the **live monitor** following a job that runs while the kernel stays free.
+"""),
+    params("""
+reference_runs = None  # a folder of finished RL runs; None: the committed reference runs (bench/results/rl)
+reference_prefix = "tiny-qwen3-moe-default-"  # the runs of that folder to plot (name prefix)
+model = "tiny-qwen3-moe"  # the model of the runs started from this notebook
+modes = ["none", "R2", "R3"]
+live_steps = 6  # the live job: RL steps, prompts per step, samples per prompt, tokens per sample
+live_prompts_per_step = 4
+live_samples_per_prompt = 4
+live_max_tokens = 16
+live_timeout_s = 1800  # how long the last cell waits for the live job
+out_dir = None  # where runs (and exported figures, in figures/) go; None: data/runs
+"""),
+    code("""
+from r3lab import viz, widgets
+from r3lab.config import RLMetric
+
+runs = widgets.load_runs(reference_runs or widgets.reference_runs_dir(), reference_prefix)
+[(r.name, len(r.step_records), r.finished) for r in runs]
+"""),
+    md("""
+## Metrics over RL steps
+
+Median over seeds per mode, min - max as a band; one colour per mode in every r3lab figure.
+"""),
+    code("""
+viz.rl_curves_figure(runs, RLMetric.K3_KL, title="train-inference k3 KL (trainer old policy vs engine)")
+"""),
+    code("""
+viz.rl_curves_figure(runs, RLMetric.F_2, title="F(2): share of tokens with ratio beyond 2x")
+"""),
+    code("""
+viz.rl_curves_figure(runs, RLMetric.REWARD, title="reward")
+"""),
+    code("""
+viz.rl_curves_figure(runs, RLMetric.ROUTE_CHANGE_LAST_MB, title="policy route change vs old policy (last mini-batch)")
+"""),
+    code("""
+viz.rl_curves_figure(runs, RLMetric.CLIP_FRAC, title="clip fraction")
+"""),
+    md("""
+## Ablation dashboard
+
+Set the controls and press **Run**: `r3lab rl` runs in a child process, the progress bar counts steps as they land,
+and the figures extend in place (the *layer* control picks the layer of the disagreement figure). A failing job
+shows its output here. **Export** writes the figures into `figures/` of the runs folder.
+"""),
+    code("""
+dashboard = widgets.AblationDashboard(out_dir, model=model, modes=modes, steps=live_steps,
+                                      prompts_per_step=live_prompts_per_step,
+                                      samples_per_prompt=live_samples_per_prompt, max_tokens=live_max_tokens)
+dashboard
+"""),
+    md("""
+## Live monitor on a running job
+
+Any run folder written by another process can be followed, e.g. a job started in a terminal with `r3lab rl --runs
+DIR --name PREFIX ...`: `widgets.monitor(DIR, PREFIX)`. Here the notebook starts a small job itself
+(`widgets.start_rl` returns its handle) and follows it; the monitor stops when the runs finish or when it is closed.
+""", "live"),
+    code("""
+job = widgets.start_rl(out_dir, model=model, modes=modes, steps=live_steps,
+                       prompts_per_step=live_prompts_per_step, samples_per_prompt=live_samples_per_prompt,
+                       max_tokens=live_max_tokens)
+live = widgets.monitor(job)
+live
+""", "live"),
+    md("""
+The next cell blocks until the job is done (for a top-to-bottom run, e.g. in CI); interactively, skip it and watch
+the curves above. `job.close()` ends the job if it still runs.
+""", "live"),
+    code("""
+done = live.wait(live_timeout_s)
+job.close()
+(live.state, done)
+""", "live"),
 ]
 
 CI_DRIFT = {"prompts": 4, "max_tokens": 12}
@@ -285,6 +374,8 @@ NOTEBOOKS = {
                                                       "seq_len": 2048, "skew": 1.0}}, 2),
     "02_expert_distribution": (NB02, {**CI_DRIFT, **CI_RL}, 6),
     "03_logprob_drift": (NB03, {**CI_DRIFT, **CI_RL}, 11),
+    "04_rl_ablation": (NB04, {"live_max_tokens": 8, "live_prompts_per_step": 2, "live_samples_per_prompt": 2,
+                              "live_steps": 2, "live_timeout_s": 600, "modes": ["none", "R3"]}, 5),
 }
 
 

@@ -35,21 +35,32 @@ def test_replaying_engine_routes_cuts_drift_on_flipped_tokens(name):
 def test_drift_config_refuses_nonsense():
     with pytest.raises(ValueError, match="seeds"):
         DriftConfig(seeds=(1, 1))
-    with pytest.raises(ValueError, match="trainer dtypes"):
+    with pytest.raises(ValueError, match="trainer-dtypes"):
         DriftConfig(trainer_dtypes=("float16",))
     with pytest.raises(ValueError, match="prompts"):
         DriftConfig(prompts=0)
-    assert np.isclose(DriftConfig.quick().prompts, 8)
+    with pytest.raises(ValueError, match="--trainer must be one of"):
+        DriftConfig(trainer="jax")
+
+
+def test_the_quick_drift_config_is_a_smaller_run_of_the_same_experiment():
+    """--quick shrinks the run (prompts, tokens, seeds) and changes nothing else; overrides still apply."""
+    full, quick = DriftConfig(), DriftConfig.quick()
+    assert (quick.prompts, quick.max_tokens, quick.seeds) == (8, 16, (0,))
+    assert quick.prompts < full.prompts and quick.max_tokens < full.max_tokens and len(quick.seeds) < len(full.seeds)
+    same = {k: v for k, v in quick.to_dict().items() if k not in ("prompts", "max_tokens", "seeds")}
+    assert same == {k: v for k, v in full.to_dict().items() if k in same}
+    assert DriftConfig.quick(prompts=3).prompts == 3
+    assert DriftConfig.from_dict(quick.to_dict()) == quick
 
 
 def test_the_committed_reference_drift_run_is_consistent():
     """bench/results/drift-run (read by `r3lab figures`): its routes, tokens and steps say the same thing."""
-    from pathlib import Path
-
     from r3lab import metrics
+    from r3lab.paths import results_dir
     from r3lab.runs import load
 
-    run = load(Path(__file__).resolve().parent.parent / "bench" / "results" / "drift-run")
+    run = load(results_dir() / "drift-run")
     assert run.kind == "drift" and run.finished
     assert len(run.step_records) == len(run.config["models"]) * len(run.config["trainer_dtypes"]) * len(
         run.config["seeds"])

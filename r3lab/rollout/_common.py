@@ -9,13 +9,16 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from r3lab._process import Closing, free_port
 from r3lab.moe_layout import ModelConfigError, MoELayout
+from r3lab.rollout.types import RolloutError
 
 __all__ = [
     "Closing",
@@ -23,6 +26,7 @@ __all__ = [
     "ENGINE_DEFAULTS",
     "CPU_DEFAULTS",
     "as_cli_args",
+    "check_prompts",
     "check_model_dir",
     "default_cpu_bind",
     "vllm_env",
@@ -139,3 +143,37 @@ def _env(**values: str | None) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def check_prompts(prompts: Any, *, max_tokens: int, max_model_len: int, vocab_size: int = 0,
+                  tokenize: Callable[[str], Sequence[int]] | None = None) -> list[list[int]]:
+    """Token ids of each prompt, checked: a non-empty list, each prompt non-empty plain ints in ``[0, vocab_size)``
+    (0: unchecked) that fit the context with ``max_tokens`` more. Strings need ``tokenize`` (the embedded engine's
+    tokenizer); without one (the server client) a string is an error that says to pass token ids."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise RolloutError(f"prompts must be a list of strings or token-id lists, got {type(prompts).__name__}")
+    if len(prompts) == 0:
+        raise RolloutError("prompts is empty: nothing to generate")
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            if tokenize is None:
+                raise RolloutError(f"prompt {i}: the server client takes token ids "
+                                   "(the engine's tokenizer decides text)")
+            ids = [int(t) for t in tokenize(p)]
+        elif isinstance(p, (Sequence, np.ndarray)) and not isinstance(p, bytes):
+            arr = np.asarray(p)
+            if arr.size and (arr.ndim != 1 or arr.dtype.kind not in "iu"):
+                raise RolloutError(f"prompt {i}: token ids must be a flat list of ints, got {arr.dtype} {arr.shape}")
+            ids = [int(t) for t in arr.reshape(-1)]  # plain ints: numpy ints break vLLM's serializer
+        else:
+            raise RolloutError(f"prompt {i}: expected a string or a list of token ids, got {type(p).__name__}")
+        if not ids:
+            raise RolloutError(f"prompt {i} is empty (no tokens): the engine needs at least one prompt token")
+        if vocab_size and (min(ids) < 0 or max(ids) >= vocab_size):
+            raise RolloutError(f"prompt {i}: token id outside [0, {vocab_size})")
+        if len(ids) + max_tokens > max_model_len:
+            raise RolloutError(f"prompt {i} has {len(ids)} tokens; with max_tokens={max_tokens} it exceeds the context "
+                               f"length {max_model_len}")
+        out.append(ids)
+    return out

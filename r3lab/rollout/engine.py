@@ -37,7 +37,15 @@ from typing import Any
 
 import numpy as np
 
-from r3lab.rollout._common import CPU_DEFAULTS, ENGINE_DEFAULTS, Closing, check_model_dir, default_cpu_bind, vllm_env
+from r3lab.rollout._common import (
+    CPU_DEFAULTS,
+    ENGINE_DEFAULTS,
+    Closing,
+    check_model_dir,
+    check_prompts,
+    default_cpu_bind,
+    vllm_env,
+)
 from r3lab.rollout.quant import QUANT_SETTINGS, is_quantized_weight, quantize_state_dict
 from r3lab.rollout.types import RolloutError, RolloutResult, SamplingConfig, validate_engine_routes
 from r3lab.routes import Routes
@@ -140,34 +148,9 @@ class RolloutEngine(Closing):
     # ---- generation -----------------------------------------------------------------------------
     def encode_prompts(self, prompts: Sequence[str | Sequence[int]], max_tokens: int = 1) -> list[list[int]]:
         """Token ids of each prompt, checked: non-empty, plain ints in the vocabulary, fits the context."""
-        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-            raise RolloutError(f"prompts must be a list of strings or token-id lists, got {type(prompts).__name__}")
-        if len(prompts) == 0:
-            raise RolloutError("prompts is empty: nothing to generate")
         vocab = int(getattr(self._llm.llm_engine.model_config.hf_config, "vocab_size", 0) or 0)
-        out = []
-        for i, p in enumerate(prompts):
-            if isinstance(p, str):
-                ids = list(self.tokenizer.encode(p, add_special_tokens=False))
-            elif isinstance(p, (Sequence, np.ndarray)) and not isinstance(p, bytes):
-                arr = np.asarray(p)
-                if arr.size and (arr.ndim != 1 or arr.dtype.kind not in "iu"):
-                    raise RolloutError(f"prompt {i}: token ids must be a flat list of ints, "
-                                       f"got {arr.dtype} {arr.shape}")
-                ids = [int(t) for t in arr.reshape(-1)]  # plain ints: numpy ints break vLLM's serializer
-            else:
-                raise RolloutError(f"prompt {i}: expected a string or a list of token ids, got {type(p).__name__}")
-            if not ids:
-                raise RolloutError(f"prompt {i} is empty (no tokens): the engine needs at least one prompt token")
-            if vocab and (min(ids) < 0 or max(ids) >= vocab):
-                raise RolloutError(f"prompt {i}: token id outside [0, {vocab})")
-            if len(ids) + max_tokens > self.max_model_len:
-                raise RolloutError(
-                    f"prompt {i} has {len(ids)} tokens; with max_tokens={max_tokens} it exceeds the context length "
-                    f"{self.max_model_len}"
-                )
-            out.append(ids)
-        return out
+        return check_prompts(prompts, max_tokens=max_tokens, max_model_len=self.max_model_len, vocab_size=vocab,
+                             tokenize=lambda text: self.tokenizer.encode(text, add_special_tokens=False))
 
     def generate(self, prompts: Sequence[str | Sequence[int]], sampling: SamplingConfig | None = None, *,
                  routes_prompt_start: int | Sequence[int] = 0, progress: bool | None = None) -> list[RolloutResult]:

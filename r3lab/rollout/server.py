@@ -41,6 +41,7 @@ from r3lab.rollout._common import (
     Closing,
     as_cli_args,
     check_model_dir,
+    check_prompts,
     default_cpu_bind,
     free_port,
     quiet_log_level,
@@ -149,22 +150,10 @@ class RolloutServer(Closing):
                  routes_prompt_start: int = 0) -> list[RolloutResult]:
         """Token-id prompts in one completions request; results in prompt order, then sample order."""
         sampling = sampling or SamplingConfig()
-        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
-            raise RolloutError("prompts must be a non-empty list of token-id lists")
-        ids = []
-        for i, p in enumerate(prompts):
-            if isinstance(p, str):
-                raise RolloutError(f"prompt {i}: the server client takes token ids "
-                                   "(the engine's tokenizer decides text)")
-            arr = [int(t) for t in p]
-            if not arr:
-                raise RolloutError(f"prompt {i} is empty (no tokens)")
-            if len(arr) + sampling.max_tokens > self.max_model_len:
-                raise RolloutError(f"prompt {i} has {len(arr)} tokens; with max_tokens={sampling.max_tokens} "
-                                   f"it exceeds the context length {self.max_model_len}")
-            if not 0 <= routes_prompt_start <= len(arr):
-                raise RolloutError(f"prompt {i}: routes_prompt_start={routes_prompt_start} outside [0, {len(arr)}]")
-            ids.append(arr)
+        ids = check_prompts(prompts, max_tokens=sampling.max_tokens, max_model_len=self.max_model_len)
+        for i, p in enumerate(ids):
+            if not 0 <= routes_prompt_start <= len(p):
+                raise RolloutError(f"prompt {i}: routes_prompt_start={routes_prompt_start} outside [0, {len(p)}]")
         body = dict(sampling.to_openai(), model=self.served_name, prompt=ids, return_token_ids=True,
                     routed_experts_prompt_start=int(routes_prompt_start))
         resp = self.request(body)

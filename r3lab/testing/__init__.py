@@ -1,15 +1,17 @@
 """Helpers for tests, benchmarks and notebooks (in the spirit of ``numpy.testing``): not part of the R3 path.
 
-* :mod:`r3lab.testing.corpus`: prompts from the shipped Markov corpus.
-* :mod:`r3lab.testing.routes`: random valid routes, and routes shaped like a workload.
+* :mod:`r3lab.testing.routes`: random valid routes.
+* ``corpus_prompts`` and ``workload_routes`` are re-exported from their data modules, :mod:`r3lab.corpus` and
+  :mod:`r3lab.workloads` (product code imports them there: nothing outside ``testing`` imports ``testing``).
 * :mod:`r3lab.testing.hf`: tiny transformers MoE configs (one factory for every family), expert relabelling.
 * :mod:`r3lab.testing.megatron`: megatron-core on CPU ranks (imported on its own: it patches
   process-wide state when used, and imports torch).
 """
 
-from r3lab.testing.corpus import corpus_prompts
+from r3lab.corpus import corpus_prompts
 from r3lab.testing.hf import MOE_FAMILIES, permuted_experts, tiny_moe_config
-from r3lab.testing.routes import random_route_tensors, random_routes, workload_routes
+from r3lab.testing.routes import random_route_tensors, random_routes
+from r3lab.workloads import workload_routes
 
 __all__ = [
     "corpus_prompts",

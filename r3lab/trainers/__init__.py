@@ -1,0 +1,15 @@
+"""Trainers behind one interface (:mod:`r3lab.trainers.base`): what the drift experiment and the RL loop run.
+
+* :mod:`r3lab.trainers.base`: :class:`Scorer` / :class:`Trainer` protocols, :class:`TokenBatch` and the results.
+* :mod:`r3lab.trainers.hf`: :class:`HFTrainer`, transformers on one process (the default ``trainer="hf"``).
+* :mod:`r3lab.trainers.megatron_bridge`: :class:`MegatronBridgeTrainer`, a one-rank Megatron GPTModel loaded by
+  megatron-bridge on a GPU node (scoring only, ``trainer="megatron-bridge"``).
+* :mod:`r3lab.trainers.loss`: the clipped policy-gradient objective every trainer's ``policy_step`` uses.
+
+The trainer modules import torch (and transformers / megatron-core when used); this package's own import stays
+light: the protocols and :class:`TokenBatch` are numpy.
+"""
+
+from r3lab.trainers.base import PolicyStepStats, PolicyUpdate, Scorer, TokenBatch, Trainer, TrainerScores
+
+__all__ = ["Scorer", "Trainer", "TokenBatch", "TrainerScores", "PolicyUpdate", "PolicyStepStats"]

@@ -1,0 +1,91 @@
+"""The transformers trainer: one model, AdamW, routing replay through :mod:`r3lab.replay` (its hooks).
+
+Scoring is :func:`r3lab.replay.score_batch` over a right-padded batch (:func:`padded_batch`); a one-sample batch
+runs the plain causal forward, as :func:`r3lab.replay.token_logprobs` does. Weights go back to the engine in the
+checkpoint's names (``revert_weight_conversion``: transformers 5 fuses each MoE block's experts on load).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from r3lab.errors import ConfigError
+from r3lab.replay import load_hf_model, remove_router_casts, score_batch
+from r3lab.routes import Routes
+from r3lab.trainers.base import PolicyStepStats, PolicyUpdate, TokenBatch, TrainerScores
+from r3lab.trainers.loss import clipped_policy_loss
+
+__all__ = ["HFTrainer", "padded_batch"]
+
+
+def padded_batch(batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The batch right-padded to ``batch.width``: ``ids [B, S]``, ``attention_mask``, and ``response`` (True where
+    position t holds a scored token, scored from the logits at t - 1)."""
+    ids = torch.zeros((len(batch), batch.width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    response = torch.zeros_like(ids, dtype=torch.bool)
+    for b, (q, p) in enumerate(zip(batch.sequences, batch.prompt_lens, strict=True)):
+        ids[b, : len(q)] = torch.tensor(q)
+        mask[b, : len(q)] = 1
+        response[b, p : len(q)] = True
+    return ids, mask, response
+
+
+def _numpy(t: torch.Tensor | None) -> np.ndarray | None:
+    return None if t is None else t.detach().double().cpu().numpy()
+
+
+class HFTrainer:
+    """A transformers causal LM as a :class:`~r3lab.trainers.base.Trainer` (``lr`` given: with AdamW, in train mode)."""
+
+    name = "hf"
+    batch_forward = True  # score() runs a multi-sample batch as one padded forward
+
+    def __init__(self, model: torch.nn.Module, *, lr: float | None = None):
+        self.model = model
+        self.optimizer = None
+        if lr is not None:
+            model.train()
+            self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, dtype: str = "float32", *, router_dtype: str = "float32",
+             lr: float | None = None) -> HFTrainer:
+        """The checkpoint in ``dtype``; a bf16 model keeps fp32 routers unless ``router_dtype="bfloat16"``."""
+        model = load_hf_model(path, dtype)
+        if router_dtype == "bfloat16":
+            remove_router_casts(model)  # routers back in the checkpoint's own dtype (GLM keeps its fp32 bias)
+        return cls(model, lr=lr)
+
+    def score(self, batch: TokenBatch, *, routes: Routes | None = None, record: bool = False,
+              entropy: bool = False) -> TrainerScores:
+        s = score_batch(self.model, *padded_batch(batch), routes=routes, record=record, entropy=entropy)
+        return TrainerScores(_numpy(s.logprobs), s.routes, _numpy(s.entropy))
+
+    def policy_step(self, batch: TokenBatch, update: PolicyUpdate, *, routes: Routes | None = None) -> PolicyStepStats:
+        if self.optimizer is None:
+            raise ConfigError("this HFTrainer has no optimizer: build it with lr=... to take policy steps")
+        cur = score_batch(self.model, *padded_batch(batch), routes=routes, grad=True, entropy=True)
+        loss = clipped_policy_loss(cur.logprobs, update)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), update.max_grad_norm)
+        self.optimizer.step()
+        stats = loss.stats(update.clip_eps)
+        with torch.no_grad():
+            entropy = float(cur.entropy.mean())
+        return PolicyStepStats(loss=stats["loss"], clip_frac=stats["clip_frac"], approx_kl=stats["approx_kl"],
+                               grad_norm=float(grad_norm), entropy=entropy,
+                               tis_weight_mean=stats["tis_weight_mean"], logprobs=_numpy(cur.logprobs))
+
+    def export_weights(self) -> Mapping[str, Any]:
+        """Detached CPU copies in the checkpoint's layout and names (per-expert ``gate_proj``/``up_proj``/...)."""
+        from transformers.core_model_loading import revert_weight_conversion
+
+        state = {k: v.detach().to("cpu").clone() for k, v in self.model.state_dict().items()}
+        return revert_weight_conversion(self.model, state)
