@@ -52,6 +52,7 @@ import numpy as np
 import orjson
 
 from r3lab.compaction.codecs import BitPack, BitPackPlanesV1, IdCodec, id_bits, parse_pipeline
+from r3lab.compaction.framing import byte_view as _byte_view
 from r3lab.compaction.kernels import first_bad_row
 from r3lab.errors import RouteFormatError
 from r3lab.routes import Routes, check_cu_seqlens, compact_dtype
@@ -106,12 +107,6 @@ def encode(routes: Routes, codec: Any = "raw") -> bytes:
         )
     )
     return body + _CRC.pack(zlib.crc32(body))
-
-
-def _byte_view(buf: bytes | bytearray | memoryview) -> memoryview:
-    """A flat byte view of any buffer, without copying."""
-    mv = memoryview(buf)
-    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
 
 def _int(header: dict, key: str, *, minimum: int = 0) -> int:
