@@ -24,7 +24,8 @@ band). A receiving rank checks both checksums *and* that the chunk is the one it
 DP rank, mini-batch, stage, sequence ids, token count, layer ids), so a mix-up is caught, not trained on.
 
 **All or none.** Every rank's wait has a deadline. Each rank reports to a coordinator (a thread-safe
-object locally, a threaded Ray actor on Ray) whether it got a good chunk; :func:`barrier` passes only
+object locally, a threaded Ray actor on Ray, keys in the process group's store on torch.distributed)
+whether it got a good chunk; :func:`barrier` passes only
 when every rank of the layout reported success. If any rank cannot get its chunk in time, gets a
 corrupt or wrong one, or never reports, every rank raises the same :class:`StagingError` naming the
 rank and chunk, before any rank could enter a collective and hang. A rank returns or raises within

@@ -108,7 +108,10 @@ class TorchDistBackend:
         group: Any = None,
         prefix: str = "r3lab-staging",
     ):
-        self.store = store.clone() if hasattr(store, "clone") else store
+        try:  # a client of its own, so the timeouts set here stay here
+            self.store = store.clone()
+        except (AttributeError, RuntimeError):  # stores without clone (HashStore): share it
+            self.store = store
         self.driver, self.device, self.group, self.prefix = int(driver), device, group, prefix
         self._ranks = None if ranks is None else [int(r) for r in ranks]
         self._tensors: dict[str, Any] = {}
