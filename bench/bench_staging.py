@@ -160,7 +160,10 @@ def run_dist(routes: Routes, layout: ParallelLayout, codecs: list[str]) -> dict[
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, world, True, timeout=datetime.timedelta(seconds=900))
+    store = dist.TCPStore(  # the ranks are started below: do not wait for them here
+        "127.0.0.1", port, world, True, timeout=datetime.timedelta(seconds=900), wait_for_workers=False
+    )
+    print(f"torch.distributed: starting {world - 1} rank processes", flush=True)
     ctx = mp.start_processes(_dist_rank, args=(world, port, codecs), nprocs=world - 1, join=False, start_method="spawn")
     dist.init_process_group("gloo", store=store, rank=0, world_size=world, timeout=datetime.timedelta(seconds=900))
     rows = {}
@@ -228,6 +231,7 @@ def main() -> None:
                 print(codec, name, {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}, flush=True)
     finally:
         ray.shutdown()
+    print("Ray is down", flush=True)
     for codec, r in run_dist(routes, layout, args.codecs).items():  # after Ray, so the two never share the cores
         rows.append((codec, DIST, r))
     write(args, routes, rows)
