@@ -1,4 +1,4 @@
-"""Per-rank route staging on Ray vs whole-batch put, at a scaled-down version of the seeds' example.
+"""Per-rank route staging (Ray, torch.distributed) vs whole-batch put, at a scaled-down version of the seeds' example.
 
 Seeds' example (R3_BACKGROUND.md, SkyRL's R3 tracking issue): GLM-4.7-Flash, batch 128 prompts x 8 samples
 = 1024 sequences, 47 layers, top-4, 20k context: "~16 GiB of expert indices", 2 DP ranks per node, so
@@ -12,6 +12,8 @@ Side by side in one run, per codec:
   gets it, decodes all of it, and keeps its DP share (``dp_share``).
 * **per-rank staging** (``r3lab.staging``): the driver puts one object per DP rank; each worker gets
   and decodes only its own (``receive``: fetch, checks, all-or-none barrier).
+* **per-rank staging over torch.distributed** (``TorchDistBackend``, gloo on loopback): this process is the
+  driver, rank 0 of a process group with the DP ranks (one process each); it sends each rank its chunk.
 
 Columns: driver serialization (slice + encode) and put, the slowest worker's get, decode (+ slice for
 the whole batch) and barrier, end to end (driver start to the last worker done), bytes put into the
@@ -25,23 +27,27 @@ Run: ``python bench/bench_staging.py`` (writes bench/results/staging.md); ``--qu
 from __future__ import annotations
 
 import argparse
+import datetime
 import math
 import os
 import platform
+import socket
 import time
 from pathlib import Path
 
 import numpy as np
+import orjson
 
 from r3lab.compaction import decode, encode
 from r3lab.routes import Routes
 from r3lab.slicing import ParallelLayout
-from r3lab.staging import RankCoords, RayBackend, StagingPlan, stage
+from r3lab.staging import RankCoords, RayBackend, StagingPlan, TorchDistBackend, stage
 from r3lab.testing.staging import RankWorker
 
 NUM_LAYERS, TOP_K, NUM_EXPERTS, CONTEXT = 47, 4, 64, 20_000
 SEEDS_SEQS, SEEDS_GIB = 1024, 16
 MiB = 2**20
+DIST = "per-rank staging, torch.distributed"
 EXTRA_HEADER = (
     "| codec | GiB put (seeds) | GiB read by workers, whole-batch | GiB read by workers, per-rank "
     "| per-worker memory GiB, whole-batch | per-worker memory GiB, per-rank "
@@ -61,10 +67,10 @@ def make_batch(num_seqs: int, length: int, seed: int = 0) -> Routes:
     return Routes(vals, np.arange(num_seqs + 1) * length, NUM_EXPERTS, validate=False)
 
 
-def run_whole(ray, workers, routes: Routes, layout: ParallelLayout, codec: str) -> dict:
+def run_whole(ray, workers, backend: RayBackend, routes: Routes, layout: ParallelLayout, codec: str) -> dict:
     t0 = time.perf_counter()
     whole, st = stage(
-        routes, StagingPlan.build(len(routes), ParallelLayout(num_layers=NUM_LAYERS)), RayBackend(), codec=codec
+        routes, StagingPlan.build(len(routes), ParallelLayout(num_layers=NUM_LAYERS)), backend, codec=codec
     )
     t1 = time.perf_counter()
     res = ray.get([w.receive_whole.remote(whole, layout, RankCoords(d), timeout=600) for d, w in enumerate(workers)])
@@ -86,10 +92,10 @@ def run_whole(ray, workers, routes: Routes, layout: ParallelLayout, codec: str) 
     )
 
 
-def run_per_rank(ray, workers, routes: Routes, layout: ParallelLayout, codec: str) -> dict:
+def run_per_rank(ray, workers, backend: RayBackend, routes: Routes, layout: ParallelLayout, codec: str) -> dict:
     t0 = time.perf_counter()
     plan = StagingPlan.build(len(routes), layout)
-    staged, st = stage(routes, plan, RayBackend(), codec=codec)
+    staged, st = stage(routes, plan, backend, codec=codec)
     t1 = time.perf_counter()
     res = ray.get(
         [
@@ -101,6 +107,10 @@ def run_per_rank(ray, workers, routes: Routes, layout: ParallelLayout, codec: st
     if not all(r["ok"] for r in res):
         raise RuntimeError(f"staging failed: {[r for r in res if not r['ok']]}")
     staged.release()
+    return _per_rank_row(st, res, t1 - t0, t2 - t0)
+
+
+def _per_rank_row(st, res: list[dict], driver_s: float, total_s: float) -> dict:
     s = [r["stats"] for r in res]
     return dict(
         ser=st.slice_s + st.encode_s,
@@ -108,14 +118,77 @@ def run_per_rank(ray, workers, routes: Routes, layout: ParallelLayout, codec: st
         get=max(x["wait_s"] for x in s),
         dec=max(x["decode_s"] for x in s),
         barrier=max(x["barrier_s"] for x in s),
-        total=t2 - t0,
-        driver=t1 - t0,
+        total=total_s,
+        driver=driver_s,
         put_bytes=st.bytes_put,
         read_bytes=sum(x["bytes_read"] for x in s),
         heap=max(r["peak_heap"] for r in res),
         mapped=max(x["bytes_read"] for x in s),
         share=max(r["share_bytes"] for r in res),
     )
+
+
+def _dist_rank(child: int, world: int, port: int, codecs: list[str]) -> None:
+    """A trainer rank of the torch.distributed run: warm up, then receive each codec's batch, post the result."""
+    import torch.distributed as dist
+
+    index = child + 1  # global rank: the driver is 0
+
+    from r3lab.testing.staging import RankWorker
+
+    store = dist.TCPStore("127.0.0.1", port, world, False, timeout=datetime.timedelta(seconds=900))
+    dist.init_process_group("gloo", store=store, rank=index, world_size=world, timeout=datetime.timedelta(seconds=900))
+    worker, backend = RankWorker(), TorchDistBackend(store)
+    for c in codecs:
+        worker.warm_up(c, NUM_EXPERTS, TOP_K)
+    store.set(f"ready/{index}", "1")
+    for c in codecs:
+        staged = backend.attach(f"bench-{c}", timeout=900)
+        res = worker.receive(staged, RankCoords(index - 1), 0, timeout=600, measure=True, return_arrays=False)
+        store.set(f"result/{c}/{index}", orjson.dumps(res))
+    store.wait(["done"], datetime.timedelta(seconds=900))
+    dist.destroy_process_group()
+
+
+def run_dist(routes: Routes, layout: ParallelLayout, codecs: list[str]) -> dict[str, dict]:
+    """Per-rank staging over torch.distributed (gloo): this process is the driver (rank 0), one process per DP rank."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    world = layout.dp + 1
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = dist.TCPStore(  # the ranks are started below: do not wait for them here
+        "127.0.0.1", port, world, True, timeout=datetime.timedelta(seconds=900), wait_for_workers=False
+    )
+    print(f"torch.distributed: starting {world - 1} rank processes", flush=True)
+    ctx = mp.start_processes(_dist_rank, args=(world, port, codecs), nprocs=world - 1, join=False, start_method="spawn")
+    dist.init_process_group("gloo", store=store, rank=0, world_size=world, timeout=datetime.timedelta(seconds=900))
+    rows = {}
+    try:
+        store.wait([f"ready/{i}" for i in range(1, world)], datetime.timedelta(seconds=900))
+        backend = TorchDistBackend(store)
+        plan = StagingPlan.build(len(routes), layout)
+        for c in codecs:
+            t0 = time.perf_counter()
+            staged, st = stage(routes, plan, backend, codec=c, stage_id=f"bench-{c}")
+            t1 = time.perf_counter()
+            keys = [f"result/{c}/{i}" for i in range(1, world)]
+            store.wait(keys, datetime.timedelta(seconds=900))
+            t2 = time.perf_counter()
+            res = [orjson.loads(store.get(k)) for k in keys]
+            if not all(r["ok"] for r in res):
+                raise RuntimeError(f"staging failed: {[r for r in res if not r['ok']]}")
+            staged.release()
+            rows[c] = _per_rank_row(st, res, t1 - t0, t2 - t0)
+            print(c, "torch.distributed", {k: round(v, 3) if isinstance(v, float) else v for k, v in rows[c].items()})
+        store.set("done", "1")
+        ctx.join(600)
+    finally:
+        dist.destroy_process_group()
+    return rows
 
 
 def main() -> None:
@@ -147,16 +220,20 @@ def main() -> None:
         actor = ray.remote(RankWorker).options(num_cpus=0)
         workers = [actor.remote() for _ in range(args.dp)]
         ray.get([w.warm_up.remote(c, NUM_EXPERTS, TOP_K) for w in workers for c in args.codecs], timeout=600)
-        RayBackend().open("warm-up", ["none"])  # start the coordinator actor once, outside the measurements
+        backend = RayBackend()  # one for the run: its coordinator actor starts once, outside the measurements
         layout = ParallelLayout(num_layers=NUM_LAYERS, dp=args.dp)
+        backend.open("warm-up", StagingPlan.build(args.dp, layout), {}, [])
         rows = []
         for codec in args.codecs:
             for name, fn in (("whole-batch put", run_whole), ("per-rank staging", run_per_rank)):
-                r = fn(ray, workers, routes, layout, codec)
+                r = fn(ray, workers, backend, routes, layout, codec)
                 rows.append((codec, name, r))
                 print(codec, name, {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}, flush=True)
     finally:
         ray.shutdown()
+    print("Ray is down", flush=True)
+    for codec, r in run_dist(routes, layout, args.codecs).items():  # after Ray, so the two never share the cores
+        rows.append((codec, DIST, r))
     write(args, routes, rows)
 
 
@@ -170,18 +247,33 @@ def write(args, routes: Routes, rows) -> None:
     seeds_ids = SEEDS_SEQS * CONTEXT * NUM_LAYERS * TOP_K
     scale = seeds_ids / ids
     lines = [
-        "| codec | strategy | driver: slice+encode s | put s | worker get s | worker decode (+slice) s | barrier s "
-        "| end to end s | MiB put | MiB read by workers | per-worker heap peak MiB "
-        "| per-worker object-store MiB mapped | per-worker memory / share |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| codec | backend | strategy | driver: slice+encode s | put s | worker get s | worker decode (+slice) s "
+        "| barrier s | end to end s | MiB put | MiB read by workers | per-worker heap peak MiB "
+        "| per-worker chunk MiB (mapped / received) | per-worker memory / share |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for codec, name, r in rows:
+        backend, strategy = ("torch.distributed (gloo)", "per-rank staging") if name == DIST else ("Ray", name)
         lines.append(
-            f"| {codec} | {name} | {_f(r['ser'])} | {_f(r['put'])} | {_f(r['get'])} | {_f(r['dec'])} | "
+            f"| {codec} | {backend} | {strategy} | {_f(r['ser'])} | {_f(r['put'])} | {_f(r['get'])} | {_f(r['dec'])} | "
             f"{_f(r['barrier'])} | {_f(r['total'])} | {r['put_bytes'] / MiB:,.1f} | {r['read_bytes'] / MiB:,.1f} | "
             f"{r['heap'] / MiB:,.1f} | {r['mapped'] / MiB:,.1f} | {(r['heap'] + r['mapped']) / r['share']:.2f}x |"
         )
     by = {(c, n): r for c, n, r in rows}
+    per_rank = [
+        "| codec | end to end s, Ray | end to end s, torch.distributed | worker get s, Ray | worker get s, "
+        "torch.distributed | MiB read per rank (both) | per-rank memory MiB, Ray | per-rank memory MiB, "
+        "torch.distributed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for codec in args.codecs:
+        ray_r, d = by[(codec, "per-rank staging")], by[(codec, DIST)]
+        per_rank.append(
+            f"| {codec} | {_f(ray_r['total'])} | {_f(d['total'])} | {_f(ray_r['get'])} | {_f(d['get'])} | "
+            f"{ray_r['mapped'] / MiB:,.1f} / {d['mapped'] / MiB:,.1f} | "
+            f"{(ray_r['heap'] + ray_r['mapped']) / MiB:,.1f} | "
+            f"{(d['heap'] + d['mapped']) / MiB:,.1f} |"
+        )
     extra = []
     for codec in args.codecs:
         w, p = by[(codec, "whole-batch put")], by[(codec, "per-rank staging")]
@@ -197,16 +289,23 @@ def write(args, routes: Routes, rows) -> None:
         )
     env = f"{platform.machine()}, {os.cpu_count()} CPUs, numpy {np.__version__}, Python {platform.python_version()}"
     import ray
+    import torch
 
-    text = f"""# Per-rank route staging vs whole-batch put (Ray)
+    text = f"""# Per-rank route staging vs whole-batch put (Ray, torch.distributed)
 
 Batch: {args.seqs} sequences x {args.length:,} tokens = {T:,} tokens, {NUM_LAYERS} layers, top-{TOP_K} of {NUM_EXPERTS}
 experts (uint8): {ids:,} expert ids, {B / MiB:,.1f} MiB compact. Scale vs the seeds' example
 ({SEEDS_SEQS} x {CONTEXT:,} tokens): 1/{scale:.0f} of the ids. {dp} DP ranks = {dp} Ray worker actors on one node
-(local Ray {ray.__version__} cluster, 2 CPUs, object store in /dev/shm). Machine: {env}; shared with other jobs,
-so seconds are indicative, bytes and memory are not. Produced by `python bench/bench_staging.py`.
+(local Ray {ray.__version__} cluster, 2 CPUs, object store in /dev/shm), then {dp} gloo processes of a
+torch {torch.__version__} process group on loopback with this process as the driver (rank 0). Machine: {env};
+shared with other jobs, so seconds are indicative, bytes and memory are not. Produced by
+`python bench/bench_staging.py`.
 
 {chr(10).join(lines)}
+
+Per-rank staging by backend (the same chunks, checks and barrier; memory per rank = heap peak + chunk bytes):
+
+{chr(10).join(per_rank)}
 
 - *whole-batch put*: one object with the whole batch; every worker gets it, decodes all of it, keeps its DP share
   (what SkyRL did before #1376). *per-rank staging*: `r3lab.staging.stage` puts one object per DP rank, each
@@ -219,6 +318,10 @@ so seconds are indicative, bytes and memory are not. Produced by `python bench/b
   in full, checksum included). *per-worker memory* = heap peak + mapped, over the worker's compact DP share
   ({B / dp / MiB:,.1f} MiB here). The resident high-water mark (VmHWM) is not used: it misses shared pages a worker
   had mapped for an earlier object, so it under-counts object-store reads.
+- torch.distributed: the driver sends each rank its chunk as a uint8 tensor (`isend`; gloo here, NCCL with
+  device tensors on GPU nodes); a rank's *get* is its `irecv` into a tensor of the chunk's size (its *chunk MiB*:
+  torch allocates it outside tracemalloc, so it is counted there, not in the heap peak; `raw` then decodes it
+  zero-copy). The manifest and the all-or-none tally go through the group's TCPStore.
 - On one node a worker's get maps shared memory; across nodes every worker's node first pulls the object over the
   network, so *MiB read by workers* is also the network volume of a multi-node job (whole batch: once per node).
 

@@ -153,6 +153,7 @@ STAGE_ERRORS = {
     ("r3lab.rollout", "ModelConfigError"): "ConfigError",
     ("r3lab.moe_layout", "ModelConfigError"): "ConfigError",
     ("r3lab.runs", "RunFormatError"): "RunFormatError",
+    ("r3lab.staging", "StagingError"): "StagingError",
 }
 
 

@@ -54,6 +54,7 @@ import orjson
 
 from r3lab.compaction.codecs import PipelineSpec, parse_pipeline
 from r3lab.compaction.codecs.base import Buffer
+from r3lab.compaction.framing import byte_view as _byte_view
 from r3lab.compaction.kernels import first_bad_row
 from r3lab.compaction.legacy import LEGACY_BITPACK, v1_coder
 from r3lab.errors import RouteFormatError
@@ -103,12 +104,6 @@ def encode(routes: Routes, codec: PipelineSpec = "raw") -> bytes:
         )
     )
     return body + _CRC.pack(zlib.crc32(body))
-
-
-def _byte_view(buf: bytes | bytearray | memoryview) -> memoryview:
-    """A flat byte view of any buffer, without copying."""
-    mv = memoryview(buf)
-    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
 
 def _int(header: dict[str, Any], key: str, *, minimum: int = 0) -> int:

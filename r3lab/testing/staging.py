@@ -1,7 +1,8 @@
 """A trainer-rank stand-in for staging tests and benchmarks: receive a share, slice it, measure memory.
 
-:class:`RankWorker` runs in-process (local backend, one thread per rank) or as a Ray actor
-(``ray.remote(RankWorker)``). Memory is measured inside the worker around the receive (fetch + decode):
+:class:`RankWorker` runs in-process (local backend, one thread per rank), as a Ray actor
+(``ray.remote(RankWorker)``) or in a torch.distributed rank process (given the batch from ``attach``).
+Memory is measured inside the worker around the receive (fetch + decode):
 the tracemalloc peak (Python and numpy allocations) and the growth of the process's resident high-water
 mark (``VmHWM``, reset through ``/proc/self/clear_refs`` where Linux allows; it also counts object-store
 pages the rank touches). Measure with one rank per process: both numbers are per process.
@@ -75,6 +76,7 @@ class RankWorker:
         mini_batch: int = 0,
         *,
         timeout: float = 30.0,
+        grace: float | None = None,
         measure: bool = False,
         return_arrays: bool = True,
     ) -> dict[str, Any]:
@@ -83,7 +85,7 @@ class RankWorker:
         mem = _Meter(measure)
         try:
             with mem:
-                share, stats = receive(staged, rank, mini_batch, timeout=timeout)
+                share, stats = receive(staged, rank, mini_batch, timeout=timeout, grace=grace)
         except StagingError as e:
             return {"ok": False, "error": type(e).__name__, "message": str(e), "elapsed": time.perf_counter() - t0}
         out: dict[str, Any] = {
