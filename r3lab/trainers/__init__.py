@@ -1,0 +1,1 @@
+"""Trainers: the models that score and update the policy (transformers, Megatron-core)."""
