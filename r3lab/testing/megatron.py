@@ -1,9 +1,8 @@
 """Run megatron-core 0.16.1 on CPU ranks (gloo, loopback): tiny MoE GPT models for tests and benches.
 
-A test harness, not part of the R3 path: it patches process-wide state. Megatron assumes CUDA and
-Transformer Engine in a few places; :func:`patch_megatron_for_cpu` bypasses them for the whole process
-(``torch.cuda.current_device``, the CUDA RNG tracker's ``add``/``fork``, ``moe_utils.te_general_gemm``),
-and :func:`launch` hands results back from spawned ranks by pickling them.
+A test harness on randomly initialised models. The CPU support itself is product code in
+:mod:`r3lab.trainers.megatron` (the process-wide patches, the local spec with a plain RMSNorm, the forward
+passes and the launcher of gloo ranks) and is re-exported here under the names the tests use.
 The model uses the local (non-TE) layer spec with a plain RMSNorm module (the local spec's
 ``WrappedTorchNorm`` refuses sequence parallelism), learned-absolute positions, an explicit attention
 mask and the ``allgather`` token dispatcher. Context parallelism needs Transformer Engine attention and
@@ -30,22 +29,20 @@ shape, so a model split by TP/PP/VPP/EP computes the same function as the unspli
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
-import pickle
 import re
-import tempfile
-import warnings
 import zlib
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 
 from r3lab._process import free_port
 from r3lab.errors import R3LabError
 from r3lab.slicing import ParallelLayout
+from r3lab.trainers.megatron.cpu import CPURMSNorm, local_block_spec, patch_megatron_for_cpu
+from r3lab.trainers.megatron.forward import causal_mask, forward_tokens, pipeline_forward
+from r3lab.trainers.megatron.launch import launch
 
 __all__ = [
     "TinyGPTSpec",
@@ -59,54 +56,8 @@ __all__ = [
     "pipeline_forward",
     "router_layer_numbers",
     "launch",
+    "CPURMSNorm",
 ]
-
-_PATCHED = False
-
-
-def patch_megatron_for_cpu() -> None:
-    """Bypass the CUDA / Transformer Engine assumptions of megatron-core 0.16.1 (idempotent)."""
-    global _PATCHED
-    if _PATCHED:
-        return
-    warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
-    warnings.filterwarnings("ignore", message=".*Apex.*")
-    from megatron.core.tensor_parallel import random as tp_random
-    from megatron.core.transformer.moe import moe_utils
-
-    if not torch.cuda.is_available():
-        torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
-    moe_utils.te_general_gemm = None  # referenced unconditionally; a NameError without TE
-
-    def add(self, name, seed):  # CPU twin of CudaRNGStatesTracker.add
-        if seed in self.seeds_:
-            raise Exception(f"seed {seed} already exists")
-        self.seeds_.add(seed)
-        if name in self.states_:
-            raise Exception(f"rng state {name} already exists")
-        gen = torch.Generator()
-        gen.manual_seed(seed)
-        self.states_[name] = gen.get_state()
-
-    @contextlib.contextmanager
-    def fork(self, name=tp_random._MODEL_PARALLEL_RNG_TRACKER_NAME):  # CPU twin of .fork
-        if name not in self.states_:
-            raise Exception(f"rng state {name} is not added")
-        orig = torch.get_rng_state()
-        torch.set_rng_state(self.states_[name])
-        try:
-            yield
-        finally:
-            self.states_[name] = torch.get_rng_state()
-            torch.set_rng_state(orig)
-
-    tp_random.CudaRNGStatesTracker.add = add
-    tp_random.CudaRNGStatesTracker.fork = fork
-    if not torch.cuda.is_available():  # activation recomputation saves and restores the CUDA RNG state
-        tp_random._get_cuda_rng_state = lambda *a, **k: torch.empty(0, dtype=torch.uint8)
-        tp_random._set_cuda_rng_state = lambda *a, **k: None
-    _PATCHED = True
-
 
 def init_cpu_parallel(layout: ParallelLayout | None = None, *, etp: int | None = None, seed: int = 1234) -> None:
     """Initialize Megatron's model-parallel groups for ``layout`` on CPU (a 1-rank gloo group if none exists).
@@ -154,14 +105,6 @@ def destroy_cpu_parallel(*, keep_process_group: bool = True) -> None:
     parallel_state.destroy_model_parallel()
     if not keep_process_group and dist.is_initialized():
         dist.destroy_process_group()
-
-
-class CPURMSNorm(torch.nn.RMSNorm):
-    """Plain RMSNorm with Megatron's norm constructor signature; unlike WrappedTorchNorm it allows SP."""
-
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_: Any):
-        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
-        self.weight.sequence_parallel = bool(config.sequence_parallel)  # grads all-reduced over TP
 
 
 @dataclasses.dataclass
@@ -252,16 +195,7 @@ class TinyGPTSpec:
 
 
 def _block_spec(config, vp_stage: int | None):
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage)
-    layer_specs = []
-    for ls in spec.layer_specs:
-        ls = dataclasses.replace(
-            ls, submodules=dataclasses.replace(ls.submodules, input_layernorm=CPURMSNorm, pre_mlp_layernorm=CPURMSNorm)
-        )
-        layer_specs.append(ls)
-    return dataclasses.replace(spec, layer_specs=layer_specs, layer_norm=CPURMSNorm)
+    return local_block_spec(config, vp_stage)
 
 
 def build_tiny_gpt(spec: TinyGPTSpec, *, seed: int = 0, init_parallel: bool = True) -> list[torch.nn.Module]:
@@ -365,133 +299,3 @@ def router_layer_numbers(chunks: Sequence[torch.nn.Module]) -> list[int]:
             if isinstance(mod, TopKRouter) and getattr(mod, "router_replay", None) is not None:
                 out.append(int(mod.layer_number))
     return out
-
-
-def causal_mask(seq_len: int, segment_ids: torch.Tensor | None = None, batch: int = 1) -> torch.Tensor:
-    """Megatron attention mask ``[B, 1, S, S]`` (True = masked): causal, and block-diagonal per segment.
-
-    ``segment_ids`` ``[B, S]`` emulates a packed (THD) micro-batch with the local attention: tokens
-    attend only to earlier tokens of the same segment.
-    """
-    m = torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool), diagonal=1)[None, None].expand(
-        batch, 1, seq_len, seq_len
-    )
-    if segment_ids is not None:
-        m = m | (segment_ids[:, None, :, None] != segment_ids[:, None, None, :])
-    return m.contiguous()
-
-
-def forward_tokens(
-    model: torch.nn.Module,
-    tokens: torch.Tensor | None,
-    *,
-    position_ids: torch.Tensor | None = None,
-    attention_mask: torch.Tensor | None = None,
-    input_tensor: torch.Tensor | None = None,
-    grad: bool = False,
-) -> torch.Tensor:
-    """One forward of one (micro)batch ``tokens`` ``[B, S]`` on this rank's model chunk.
-
-    Non-first pipeline stages take the previous stage's output ``[S_local, B, H]`` as ``input_tensor``
-    (``model.set_input_tensor``). Returns logits ``[B, S, V/tp]`` on the last stage, else hidden states.
-    ``position_ids`` default to ``arange(S)``; ``attention_mask`` to :func:`causal_mask`.
-    """
-    if tokens is None and input_tensor is None:
-        raise R3LabError("forward_tokens needs tokens (first stage) or input_tensor (later stages)")
-    if tokens is not None:
-        B, S = tokens.shape
-    else:
-        B = input_tensor.shape[1]
-        S = attention_mask.shape[-1] if attention_mask is not None else None
-        if S is None:
-            raise R3LabError("later pipeline stages need tokens or attention_mask to know the sequence length")
-    if position_ids is None:
-        position_ids = torch.arange(S, dtype=torch.long)[None].expand(B, S)
-    if attention_mask is None:
-        attention_mask = causal_mask(S, batch=B)
-    model.set_input_tensor(input_tensor)
-    with torch.set_grad_enabled(grad):
-        return model(input_ids=tokens, position_ids=position_ids, attention_mask=attention_mask)
-
-
-def pipeline_forward(
-    chunks: Sequence[torch.nn.Module],
-    tokens: torch.Tensor,
-    *,
-    position_ids: torch.Tensor | None = None,
-    attention_mask: torch.Tensor | None = None,
-    hidden_size: int,
-) -> torch.Tensor | None:
-    """Forward-only pass of one micro-batch through all (virtual) pipeline stages, activations sent by gloo p2p.
-
-    Every rank passes the same full ``tokens`` ``[B, S]``. Order: chunk 0 on stages 0..pp-1, then
-    chunk 1, ... Returns the logits on the last stage's last chunk, else None.
-    """
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    pp, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
-    B, S = tokens.shape
-    seq_local = S // ps.get_tensor_model_parallel_world_size() if chunks[0].config.sequence_parallel else S
-    out = None
-    for c, model in enumerate(chunks):
-        for stage in range(pp):
-            if stage != pp_rank:
-                continue
-            first = c == 0 and stage == 0
-            last = c == len(chunks) - 1 and stage == pp - 1
-            inp = None
-            if not first:
-                inp = torch.empty(seq_local, B, hidden_size, dtype=chunks[0].config.params_dtype)
-                dist.recv(inp, src=ps.get_pipeline_model_parallel_prev_rank())
-            y = forward_tokens(
-                model, tokens, position_ids=position_ids, attention_mask=attention_mask, input_tensor=inp
-            )
-            if last:
-                out = y
-            else:
-                dist.send(y.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
-    return out
-
-
-# ---- multi-process launcher -------------------------------------------------------------------
-def _worker(rank: int, world_size: int, port: int, outdir: str, fn: Callable, args: tuple) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
-    torch.set_num_threads(1)
-    patch_megatron_for_cpu()
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        result = fn(rank, world_size, *args)
-        with open(os.path.join(outdir, f"{rank}.pkl"), "wb") as f:
-            pickle.dump(result, f)
-    finally:
-        with contextlib.suppress(Exception):
-            from megatron.core import parallel_state
-
-            parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
-
-
-def launch(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned CPU ranks (gloo, loopback).
-
-    ``fn`` must be importable (module level) and its arguments and return value picklable. Returns the
-    return values by rank; a failing rank raises ``torch.multiprocessing.ProcessRaisedException``.
-    """
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory(prefix="r3lab_launch_") as outdir:
-        mp.start_processes(
-            _worker,
-            args=(world_size, free_port(), outdir, fn, args),
-            nprocs=world_size,
-            join=True,
-            start_method="spawn",
-        )
-        results = []
-        for r in range(world_size):
-            with open(os.path.join(outdir, f"{r}.pkl"), "rb") as f:
-                results.append(pickle.load(f))
-    return results

@@ -1,0 +1,60 @@
+"""The Megatron-core trainer's building blocks on CPU ranks (and, unchanged, on GPU nodes).
+
+* :mod:`~r3lab.trainers.megatron.cpu`: the CPU patches of megatron-core 0.16.1, the local layer spec, the
+  parallel-group setup.
+* :mod:`~r3lab.trainers.megatron.checkpoint`: :func:`build_model` loads a Hugging Face checkpoint
+  (mbridge's mappings) into this rank's GPTModel chunks; :func:`export_hf_state_dict` gathers them back.
+* :mod:`~r3lab.trainers.megatron.forward`: masks, the forward-only pipeline pass, token log-probs.
+* :mod:`~r3lab.trainers.megatron.launch`: :func:`launch` runs a function on spawned gloo ranks.
+
+megatron-core, mbridge and transformers are imported when used, not when this package is imported.
+"""
+
+from r3lab.trainers.megatron.checkpoint import (
+    GroupRoutingMismatchWarning,
+    MegatronLoadError,
+    MegatronModel,
+    build_model,
+    checkpoint_state_dict,
+    export_hf_state_dict,
+    group_routing_mismatch,
+    layout_for,
+    load_checkpoint,
+)
+from r3lab.trainers.megatron.cpu import (
+    CPU_CONFIG,
+    CPURMSNorm,
+    cpu_patches_applied,
+    destroy_parallel,
+    init_parallel,
+    local_block_spec,
+    patch_megatron_for_cpu,
+)
+from r3lab.trainers.megatron.forward import causal_mask, forward_tokens, gather_vocab, pipeline_forward, token_logprobs
+from r3lab.trainers.megatron.launch import LaunchTimeout, launch
+
+__all__ = [
+    "CPU_CONFIG",
+    "CPURMSNorm",
+    "GroupRoutingMismatchWarning",
+    "LaunchTimeout",
+    "MegatronLoadError",
+    "MegatronModel",
+    "build_model",
+    "causal_mask",
+    "checkpoint_state_dict",
+    "cpu_patches_applied",
+    "destroy_parallel",
+    "export_hf_state_dict",
+    "forward_tokens",
+    "gather_vocab",
+    "group_routing_mismatch",
+    "init_parallel",
+    "launch",
+    "layout_for",
+    "load_checkpoint",
+    "local_block_spec",
+    "patch_megatron_for_cpu",
+    "pipeline_forward",
+    "token_logprobs",
+]

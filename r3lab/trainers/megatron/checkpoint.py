@@ -1,0 +1,398 @@
+"""A Megatron-core GPTModel from a Hugging Face checkpoint, and its weights back: mbridge's mappings, on CPU.
+
+The name and format mapping (Hugging Face <-> Megatron names, q/k/v and gate/up fusion, TP split and
+merge rules) is mbridge 0.15.1's (the bridge verl uses; ``pip install --no-deps mbridge==0.15.1``), family
+by family (``qwen3_moe``, ``glm4_moe``, ...). What this module adds, because mbridge assumes Transformer
+Engine and CUDA:
+
+* the model is built with Megatron's local spec (:func:`~r3lab.trainers.megatron.cpu.local_block_spec`);
+  its parameter names differ from TE's in two places, translated before mbridge's mapping:
+  ``input_layernorm.weight`` -> ``self_attention.linear_qkv.layer_norm_weight`` and
+  ``mlp.experts.local_experts.{j}.linear_fc{1,2}.weight`` -> ``mlp.experts.linear_fc{1,2}.weight{e}``
+  (``e`` the global expert id, ``ep_rank * experts_per_rank + j``);
+* every rank reads the tensors it needs from the safetensors file and keeps its own TP/EP shard (no
+  scatter), and :func:`export_hf_state_dict` gathers the shards over TP/ETP with mbridge's merge rules and
+  collects the pieces on one rank with ``gather_object`` (fine for small models; a large one should
+  stream tensor by tensor, as mbridge's ``export_weights`` does on GPU nodes);
+* the TransformerConfig gets the CPU settings (:data:`~r3lab.trainers.megatron.cpu.CPU_CONFIG`),
+  routing replay on, load balancing off, and three corrections of mbridge's ``glm4_moe`` config:
+  ``add_qkv_bias`` from the checkpoint's ``attention_bias`` (mbridge hard-codes True), the partial rotary
+  factor and rope theta from ``rope_parameters`` (transformers 5 moved them there; mbridge reads the old
+  attributes), the shared expert's width times ``n_shared_experts``, and the router's group settings
+  (``n_group``/``topk_group``) which mbridge leaves unset.
+
+Group-limited routing differs by construction between Megatron-core and transformers/vLLM for some
+configs (:func:`group_routing_mismatch`): Megatron scores a group by the sum of its best
+``top_k // topk_group`` experts, DeepSeek-V3-style models (GLM-4-MoE included) by the sum of their best 2.
+:func:`build_model` warns (:class:`GroupRoutingMismatchWarning`) or raises, as asked; replayed routes
+are unaffected (replay bypasses selection).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from r3lab.errors import R3LabError
+from r3lab.moe_layout import MoELayout
+from r3lab.slicing import ParallelLayout
+from r3lab.trainers.megatron.cpu import CPU_CONFIG, init_parallel, local_block_spec, patch_megatron_for_cpu
+
+__all__ = [
+    "MegatronLoadError",
+    "GroupRoutingMismatchWarning",
+    "MegatronModel",
+    "layout_for",
+    "group_routing_mismatch",
+    "build_model",
+    "load_checkpoint",
+    "export_hf_state_dict",
+    "checkpoint_state_dict",
+]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+
+
+class MegatronLoadError(R3LabError, ValueError):
+    """The checkpoint cannot be loaded into (or exported from) the Megatron model: family, name or shape."""
+
+
+class GroupRoutingMismatchWarning(UserWarning):
+    """Megatron-core and transformers/vLLM select experts differently for this config (group scoring)."""
+
+
+@dataclasses.dataclass
+class MegatronModel:
+    """This rank's model chunks (one per virtual pipeline stage) and what built them."""
+
+    chunks: list[torch.nn.Module]
+    layout: ParallelLayout
+    model_dir: Path
+    bridge: Any  # the mbridge Bridge whose mappings load and export
+    hf_config: Any
+    loaded_names: set[str] = dataclasses.field(default_factory=set)  # checkpoint tensors this rank read
+
+    @property
+    def config(self):
+        return self.chunks[0].config
+
+
+def _read_config(model_dir: Path) -> dict[str, Any]:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise MegatronLoadError(f"{model_dir} has no config.json")
+    return json.loads(path.read_text())
+
+
+def layout_for(model_dir: str | Path, **parallel: Any) -> ParallelLayout:
+    """A :class:`ParallelLayout` with the checkpoint's layers (``num_layers``, ``moe_layer_ids``) and ``parallel``."""
+    moe = MoELayout.from_model_dir(model_dir)
+    return ParallelLayout(num_layers=moe.num_hidden_layers, moe_layer_ids=tuple(moe.moe_layer_ids), **parallel)
+
+
+def group_routing_mismatch(cfg: dict[str, Any]) -> str | None:
+    """Why Megatron-core routes this checkpoint differently from transformers/vLLM, or None if it does not.
+
+    Megatron-core 0.16 (``moe_utils.group_limited_topk``) scores each expert group by the sum of its best
+    ``top_k // topk_group`` scores; DeepSeek-V3-style routers (transformers, vLLM) by the sum of the best 2.
+    They agree only when ``n_group <= 1``, ``topk_group >= n_group`` (no group is dropped) or
+    ``top_k // topk_group == 2``. No Megatron setting changes the 2.
+    """
+    n_group, topk_group = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
+    top_k = int(cfg.get("num_experts_per_tok") or 0)
+    if n_group <= 1 or topk_group >= n_group or top_k // max(topk_group, 1) == 2:
+        return None
+    return (
+        f"group-limited routing (n_group={n_group}, topk_group={topk_group}, top_k={top_k}): Megatron-core scores a "
+        f"group by its best top_k // topk_group = {top_k // topk_group} expert score(s), transformers and vLLM by the "
+        "sum of the best 2, so native routes differ by construction (replayed routes are unaffected)"
+    )
+
+
+def _bridge(hf_config: Any, dtype: torch.dtype):
+    try:
+        import mbridge.models  # noqa: F401  (registers the families)
+        from mbridge.core.bridge import _MODEL_REGISTRY
+    except ImportError as e:
+        raise MegatronLoadError(
+            "loading a checkpoint into Megatron needs mbridge: pip install --no-deps mbridge==0.15.1"
+        ) from e
+    cls = _MODEL_REGISTRY.get(hf_config.model_type)
+    if cls is None:
+        raise MegatronLoadError(
+            f"mbridge has no mapping for model_type {hf_config.model_type!r}; known: {sorted(_MODEL_REGISTRY)}"
+        )
+    return cls(hf_config, dtype=dtype)
+
+
+def _config_overrides(cfg: dict[str, Any], layout: ParallelLayout) -> dict[str, Any]:
+    rope = cfg.get("rope_parameters") or {}
+    o: dict[str, Any] = dict(CPU_CONFIG)
+    o.update(
+        moe_enable_routing_replay=True,
+        variable_seq_lengths=False,  # the allgather dispatcher refuses it; micro-batches have a fixed shape
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_router_dtype="fp32",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        sequence_parallel=layout.sequence_parallel and layout.tp > 1,
+        num_layers_in_first_pipeline_stage=layout.first_stage_layers,
+        num_layers_in_last_pipeline_stage=layout.last_stage_layers,
+        add_qkv_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", False))),
+    )
+    if cfg.get("model_type") == "qwen3_moe":
+        o["add_qkv_bias"] = False
+    if cfg.get("n_shared_experts"):
+        o["moe_shared_expert_intermediate_size"] = int(cfg["moe_intermediate_size"]) * int(cfg["n_shared_experts"])
+    if int(cfg.get("n_group") or 1) > 1:
+        o["moe_router_num_groups"] = int(cfg["n_group"])
+        o["moe_router_group_topk"] = int(cfg["topk_group"])
+    o["_rotary_percent"] = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    o["_rotary_base"] = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    return o
+
+
+def build_model(
+    model_dir: str | Path,
+    layout: ParallelLayout,
+    *,
+    dtype: str = "float32",
+    etp: int | None = None,
+    group_routing: str = "warn",
+    init: bool = True,
+    load: bool = True,
+) -> MegatronModel:
+    """Build this rank's Megatron-core GPTModel chunks for ``layout`` and load ``model_dir``'s weights (eval mode).
+
+    Call in every rank of a torch.distributed world of ``layout.world_size`` processes (gloo on CPU), e.g.
+    under :func:`~r3lab.trainers.megatron.launch.launch`. ``init`` (re)initialises Megatron's parallel groups
+    from ``layout``; ``etp`` is the expert tensor-parallel size (None: tp). ``group_routing``: what to do when
+    :func:`group_routing_mismatch` finds the config routes differently in Megatron: ``"warn"``, ``"raise"`` or
+    ``"ignore"``. Routers get a ``RouterReplay`` each (``moe_enable_routing_replay``).
+    """
+    if dtype not in _DTYPES:
+        raise MegatronLoadError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    if group_routing not in ("warn", "raise", "ignore"):
+        raise MegatronLoadError(f"group_routing must be 'warn', 'raise' or 'ignore', got {group_routing!r}")
+    if layout.cp > 1:
+        raise MegatronLoadError(
+            "context parallelism needs Transformer Engine attention: Megatron's local DotProductAttention asserts "
+            "'Context parallelism is only supported by TEDotProductAttention!' (GPU nodes only)"
+        )
+    model_dir = Path(model_dir)
+    cfg = _read_config(model_dir)
+    moe = MoELayout.from_config(cfg)
+    if layout.num_layers != moe.num_hidden_layers or tuple(layout.moe_layer_ids) != tuple(moe.moe_layer_ids):
+        raise MegatronLoadError(
+            f"layout has {layout.num_layers} layers, MoE layers {list(layout.moe_layer_ids)}; {model_dir.name} has "
+            f"{moe.num_hidden_layers}, MoE layers {list(moe.moe_layer_ids)} (use layout_for)"
+        )
+    why = group_routing_mismatch(cfg)
+    if why and group_routing == "raise":
+        raise MegatronLoadError(f"{model_dir.name}: {why}")
+    if why and group_routing == "warn":
+        warnings.warn(f"{model_dir.name}: {why}", GroupRoutingMismatchWarning, stacklevel=2)
+    patch_megatron_for_cpu()
+    if init:
+        init_parallel(tp=layout.tp, pp=layout.pp, vpp=layout.vpp, cp=layout.cp, ep=layout.ep, etp=etp)
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from transformers import AutoConfig
+
+    want = layout.world_size
+    if dist.get_world_size() != want:
+        raise MegatronLoadError(
+            f"the layout needs {want} ranks (tp*pp*cp*dp), torch.distributed has {dist.get_world_size()}"
+        )
+    hf_config = AutoConfig.from_pretrained(str(model_dir))
+    td = _DTYPES[dtype]
+    bridge = _bridge(hf_config, td)
+    over = _config_overrides(cfg, layout)
+    rotary_percent, rotary_base = over.pop("_rotary_percent"), over.pop("_rotary_base")
+    bridge.set_extra_args(**over)
+    config = bridge.config
+    vpp = layout.vpp if layout.vpp > 1 else None
+    pp_rank, pp = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+    chunks = []
+    for vp in range(vpp or 1):
+        vp_stage = vp if vpp else None
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=local_block_spec(config, vp_stage),
+            vocab_size=int(cfg["vocab_size"]),
+            max_sequence_length=int(cfg["max_position_embeddings"]),
+            pre_process=pp_rank == 0 and vp == 0,
+            post_process=pp_rank == pp - 1 and vp == (vpp or 1) - 1,
+            share_embeddings_and_output_weights=bool(cfg.get("tie_word_embeddings", False)),
+            position_embedding_type="rope",
+            rotary_percent=rotary_percent,
+            rotary_base=int(rotary_base) if float(rotary_base).is_integer() else rotary_base,
+            vp_stage=vp_stage,
+        )
+        model.eval()
+        chunks.append(model)
+    out = MegatronModel(chunks, layout, model_dir, bridge, hf_config)
+    if load:
+        load_checkpoint(out)
+    return out
+
+
+# ---- names ------------------------------------------------------------------------------------
+def _local_tensors(chunk: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Parameters, then the routers' ``expert_bias`` buffers (a state_dict entry, not a parameter)."""
+    params = list(chunk.named_parameters())
+    seen = {n for n, _ in params}
+    extra = [(n, t) for n, t in chunk.named_buffers() if n.endswith("expert_bias") and n not in seen]
+    return params + extra
+
+
+def _te_global_name(chunk: torch.nn.Module, name: str, experts_per_rank: int, ep_rank: int) -> str:
+    """A local-spec parameter name -> the TE-spec, global name mbridge's mappings expect."""
+    m = _LAYER.match(name)
+    if m:
+        layer = chunk.decoder.layers[int(m.group(1))]
+        name = f"decoder.layers.{int(layer.layer_number) - 1}." + name[m.end() :]
+    if name.endswith(".input_layernorm.weight"):
+        return name[: -len("input_layernorm.weight")] + "self_attention.linear_qkv.layer_norm_weight"
+    e = _LOCAL_EXPERT.search(name)
+    if e:
+        return f"{name[: e.start()]}.mlp.experts.{e.group(2)}.weight{ep_rank * experts_per_rank + int(e.group(1))}"
+    return name
+
+
+def _is_expert(te_name: str) -> bool:
+    return ".mlp.experts.linear_fc" in te_name
+
+
+def _tp_of(te_name: str) -> tuple[int, int, Any]:
+    from megatron.core import parallel_state as ps
+
+    if _is_expert(te_name):
+        return (
+            ps.get_expert_tensor_parallel_world_size(),
+            ps.get_expert_tensor_parallel_rank(),
+            ps.get_expert_tensor_parallel_group(),
+        )
+    return (
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_tensor_model_parallel_group(),
+    )
+
+
+def _mapped(model: MegatronModel):
+    """(chunk, local name, tensor, TE global name, HF names) for every tensor of this rank, in a fixed order."""
+    from megatron.core import parallel_state as ps
+
+    n_exp = int(model.config.num_moe_experts or 0)
+    per_rank = n_exp // ps.get_expert_model_parallel_world_size() if n_exp else 0
+    ep_rank = ps.get_expert_model_parallel_rank()
+    for chunk in model.chunks:
+        for name, t in _local_tensors(chunk):
+            te = _te_global_name(chunk, name, per_rank, ep_rank)
+            try:
+                hf = model.bridge._weight_name_mapping_mcore_to_hf(te)
+            except (NotImplementedError, AssertionError, IndexError) as e:
+                raise MegatronLoadError(f"mbridge maps no checkpoint name to Megatron parameter {name!r} ({te})") from e
+            yield chunk, name, t, te, hf
+
+
+def load_checkpoint(model: MegatronModel) -> None:
+    """Copy the checkpoint's tensors into this rank's shards (every tensor checked by name and shape)."""
+    from safetensors import safe_open
+
+    files = sorted(model.model_dir.glob("*.safetensors"))
+    if not files:
+        raise MegatronLoadError(f"{model.model_dir} has no .safetensors file")
+    where: dict[str, Path] = {}
+    for f in files:
+        with safe_open(str(f), "pt") as h:
+            where.update({k: f for k in h.keys()})
+    used: set[str] = set()
+    handles: dict[Path, Any] = {}
+    try:
+        with torch.no_grad():
+            for _, name, t, te, hf_names in _mapped(model):
+                missing = [h for h in hf_names if h not in where]
+                if missing:
+                    raise MegatronLoadError(f"{model.model_dir.name} lacks {missing} (for Megatron {name!r})")
+                hf = []
+                for h in hf_names:
+                    if where[h] not in handles:
+                        handles[where[h]] = safe_open(str(where[h]), "pt")
+                    hf.append(handles[where[h]].get_tensor(h))
+                used.update(hf_names)
+                full = model.bridge._weight_to_mcore_format(te, hf)
+                size, rank, _ = _tp_of(te)
+                piece = full
+                if getattr(t, "tensor_model_parallel", False) and size > 1:
+                    piece = list(model.bridge._weight_split_across_tp(te, full, t, size))[rank]
+                if tuple(piece.shape) != tuple(t.shape):
+                    raise MegatronLoadError(
+                        f"Megatron {name!r} has shape {tuple(t.shape)}, the checkpoint gives {tuple(piece.shape)} "
+                        f"(from {hf_names})"
+                    )
+                t.copy_(piece.to(t.dtype))
+    finally:
+        handles.clear()
+    model.loaded_names = used
+
+
+def export_hf_state_dict(model: MegatronModel, *, dst: int = 0) -> dict[str, torch.Tensor] | None:
+    """Gather the TP/ETP/EP/PP shards into the checkpoint's names and layout; the full dict on rank ``dst``.
+
+    Collective: every rank of the world must call it. Tensors keep the model's dtype (cast to the checkpoint's
+    to save it). Other ranks get None.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    mine: dict[str, torch.Tensor] = {}
+    owner_dense = (
+        ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank(with_context_parallel=True) == 0
+    )
+    owner_expert = ps.get_expert_tensor_parallel_rank() == 0 and ps.get_expert_data_parallel_rank() == 0
+    with torch.no_grad():
+        for _, _, t, te, _ in _mapped(model):
+            size, _, group = _tp_of(te)
+            full = t.detach()
+            if getattr(t, "tensor_model_parallel", False) and size > 1:
+                parts = [torch.empty_like(full) for _ in range(size)]
+                dist.all_gather(parts, full.contiguous(), group=group)
+                full = model.bridge._weight_merge_across_tp(te, parts, t)
+            if not (owner_expert if _is_expert(te) else owner_dense):
+                continue
+            names, tensors = model.bridge._weight_to_hf_format(te, full)
+            for n, x in zip(names, tensors, strict=True):
+                mine[n] = x.detach().clone().contiguous()
+    got: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == dst else None  # type: ignore[assignment]
+    dist.gather_object(mine, got, dst=dst)
+    if dist.get_rank() != dst:
+        return None
+    out: dict[str, torch.Tensor] = {}
+    for r, part in enumerate(got):
+        for n, x in part.items():
+            if n in out:
+                raise MegatronLoadError(f"two ranks exported {n!r} (rank {r} and an earlier one): ownership is wrong")
+            out[n] = x
+    return dict(sorted(out.items()))
+
+
+def checkpoint_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors by name, as stored (the oracle :func:`export_hf_state_dict` must reproduce)."""
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return dict(sorted(out.items()))

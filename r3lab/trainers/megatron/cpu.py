@@ -1,0 +1,189 @@
+"""Megatron-core 0.16.1 on CPU ranks: the few CUDA / Transformer Engine assumptions, bypassed explicitly.
+
+Megatron assumes CUDA and Transformer Engine in four places that a CPU forward and backward reach:
+``torch.cuda.current_device`` (called while building layers), the CUDA RNG tracker's ``add``/``fork``
+(tensor-parallel initialisation and dropout regions), the CUDA RNG state saved by activation
+recomputation, and ``moe_utils.te_general_gemm`` (a NameError without TE). :func:`patch_megatron_for_cpu`
+replaces exactly those, once per process; :func:`cpu_patches_applied` says whether it ran. The patches are
+process-wide because Megatron reads them as module globals: call it in each trainer rank before building.
+On a machine with CUDA only the TE and RNG-tracker patches apply.
+
+The layer spec is Megatron's local (non-TE) spec with every norm a plain :class:`CPURMSNorm`
+(the local spec's ``WrappedTorchNorm`` refuses sequence parallelism); :func:`local_block_spec` builds it.
+Attention is Megatron's local ``DotProductAttention``: it needs an explicit attention mask and refuses
+context parallelism (only TE's attention implements CP).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import warnings
+from typing import Any
+
+import torch
+
+from r3lab._process import free_port
+from r3lab.errors import R3LabError
+
+__all__ = [
+    "patch_megatron_for_cpu",
+    "cpu_patches_applied",
+    "CPURMSNorm",
+    "local_block_spec",
+    "CPU_CONFIG",
+    "init_parallel",
+    "destroy_parallel",
+]
+
+_PATCHED = False
+
+#: TransformerConfig settings a CPU rank needs (no fused kernels, no grouped GEMM, the allgather dispatcher).
+CPU_CONFIG: dict[str, Any] = dict(
+    moe_token_dispatcher_type="allgather",
+    moe_grouped_gemm=False,
+    moe_shared_expert_overlap=False,  # CUDA streams
+    moe_router_fusion=False,  # the fused top-k ignores RouterReplay
+    gradient_accumulation_fusion=False,
+    bias_activation_fusion=False,
+    bias_dropout_fusion=False,
+    masked_softmax_fusion=False,
+    apply_rope_fusion=False,
+    persist_layer_norm=False,
+    use_cpu_initialization=True,
+)
+
+
+def cpu_patches_applied() -> bool:
+    """Whether :func:`patch_megatron_for_cpu` has run in this process."""
+    return _PATCHED
+
+
+def patch_megatron_for_cpu() -> None:
+    """Bypass the CUDA / Transformer Engine assumptions of megatron-core 0.16.1 in this process (idempotent)."""
+    global _PATCHED
+    if _PATCHED:
+        return
+    warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
+    warnings.filterwarnings("ignore", message=".*Apex.*")
+    from megatron.core.tensor_parallel import random as tp_random
+    from megatron.core.transformer.moe import moe_utils
+
+    if not torch.cuda.is_available():
+        torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None  # referenced unconditionally; a NameError without TE
+
+    def add(self, name, seed):  # CPU twin of CudaRNGStatesTracker.add
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        self.seeds_.add(seed)
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        gen = torch.Generator()
+        gen.manual_seed(seed)
+        self.states_[name] = gen.get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name=tp_random._MODEL_PARALLEL_RNG_TRACKER_NAME):  # CPU twin of .fork
+        if name not in self.states_:
+            raise Exception(f"rng state {name} is not added")
+        orig = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+    if not torch.cuda.is_available():
+        tp_random.CudaRNGStatesTracker.add = add
+        tp_random.CudaRNGStatesTracker.fork = fork
+        # activation recomputation saves and restores the CUDA RNG state
+        tp_random._get_cuda_rng_state = lambda *a, **k: torch.empty(0, dtype=torch.uint8)
+        tp_random._set_cuda_rng_state = lambda *a, **k: None
+    _PATCHED = True
+
+
+class CPURMSNorm(torch.nn.RMSNorm):
+    """Plain RMSNorm with Megatron's norm constructor signature; unlike WrappedTorchNorm it allows SP."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_: Any):
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        self.weight.sequence_parallel = bool(config.sequence_parallel)  # grads all-reduced over TP
+
+
+def local_block_spec(config, vp_stage: int | None = None):
+    """Megatron's local GPT block spec for ``config`` (this rank's stage) with every norm a :class:`CPURMSNorm`."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage)
+    layer_specs = []
+    for ls in spec.layer_specs:
+        sub = ls.submodules
+        attn = sub.self_attention
+        asub = attn.submodules
+        norms = {
+            f: CPURMSNorm
+            for f in ("q_layernorm", "k_layernorm")
+            if getattr(asub, f, IdentityOp) not in (IdentityOp, None)
+        }
+        if norms:
+            attn = dataclasses.replace(attn, submodules=dataclasses.replace(asub, **norms))
+        sub = dataclasses.replace(sub, input_layernorm=CPURMSNorm, pre_mlp_layernorm=CPURMSNorm, self_attention=attn)
+        layer_specs.append(dataclasses.replace(ls, submodules=sub))
+    return dataclasses.replace(spec, layer_specs=layer_specs, layer_norm=CPURMSNorm)
+
+
+def init_parallel(
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    vpp: int = 1,
+    cp: int = 1,
+    ep: int = 1,
+    etp: int | None = None,
+    seed: int = 1234,
+) -> None:
+    """Initialise Megatron's model-parallel groups on this process's torch.distributed group (gloo on CPU).
+
+    Without a process group a one-rank gloo group on a free loopback port is created. Re-initialising
+    destroys the previous groups first, so one process can build several layouts in turn.
+    """
+    patch_megatron_for_cpu()
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    world = dist.get_world_size()
+    if world % (tp * pp * cp):
+        raise R3LabError(f"world size {world} is not a multiple of tp*pp*cp = {tp}*{pp}*{cp}")
+    if parallel_state.model_parallel_is_initialized():
+        destroy_parallel(keep_process_group=True)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+    )
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_parallel(*, keep_process_group: bool = True) -> None:
+    """Tear down the model-parallel groups and Megatron's router-replay registry (and the gloo group if asked)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    RouterReplay.clear_global_router_replay_instances()
+    parallel_state.destroy_model_parallel()
+    if not keep_process_group and dist.is_initialized():
+        dist.destroy_process_group()

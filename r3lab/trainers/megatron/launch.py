@@ -1,0 +1,103 @@
+"""Trainer ranks as torch.distributed processes: spawned, gloo on loopback, bounded waits, all or none.
+
+:func:`launch` runs ``fn(rank, world_size, *args)`` on ``world_size`` processes started with
+``torch.multiprocessing`` (spawn) and returns every rank's return value, or raises: when a rank raises
+(:class:`torch.multiprocessing.ProcessRaisedException` names it), when a rank dies, or when the whole
+run takes longer than ``timeout_s`` (:class:`LaunchTimeout`; every rank is then terminated). Collectives
+inside a rank wait at most ``collective_timeout_s`` (the gloo process group's timeout).
+
+Why processes rather than Ray actors: Megatron's parallel state is one torch.distributed world per
+process, the same on GPU nodes (torchrun, NCCL); spawned ranks need nothing beyond torch, start in
+seconds and die with the driver. A Ray actor would host the same function unchanged.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from r3lab._process import free_port
+from r3lab.errors import R3LabError
+
+__all__ = ["launch", "LaunchTimeout"]
+
+
+class LaunchTimeout(R3LabError, TimeoutError):
+    """The ranks did not all finish within the launch's timeout; all were terminated."""
+
+
+def _worker(rank: int, world_size: int, port: int, outdir: str, coll_s: float, fn: Callable, args: tuple) -> None:
+    import torch.distributed as dist
+
+    from r3lab.trainers.megatron.cpu import patch_megatron_for_cpu
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    patch_megatron_for_cpu()
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=coll_s))
+    try:
+        result = fn(rank, world_size, *args)
+        tmp = os.path.join(outdir, f"{rank}.pkl.tmp")
+        with open(tmp, "wb") as f:
+            pickle.dump(result, f)
+        os.replace(tmp, os.path.join(outdir, f"{rank}.pkl"))
+    finally:
+        try:
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+        except Exception:  # noqa: BLE001 - teardown must not hide the rank's own error
+            pass
+        dist.destroy_process_group()
+
+
+def launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 300.0,
+    collective_timeout_s: float = 120.0,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned CPU ranks (gloo, loopback); results by rank.
+
+    ``fn`` must be importable (module level) and its arguments and return value picklable. The launch
+    returns within ``timeout_s`` (raising :class:`LaunchTimeout` after terminating every rank) and raises
+    if any rank fails; it never returns a partial result.
+    """
+    import torch.multiprocessing as mp
+
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise R3LabError(f"world_size must be a positive int, got {world_size!r}")
+    with tempfile.TemporaryDirectory(prefix="r3lab_launch_") as outdir:
+        ctx = mp.start_processes(
+            _worker,
+            args=(world_size, free_port(), outdir, float(collective_timeout_s), fn, args),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+                if time.monotonic() >= deadline:
+                    raise LaunchTimeout(f"{world_size} ranks did not finish within {timeout_s:.0f} s; terminated")
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.terminate()
+                    p.join(5)
+        results = []
+        for r in range(world_size):
+            path = os.path.join(outdir, f"{r}.pkl")
+            if not os.path.exists(path):
+                raise R3LabError(f"rank {r} exited without a result")
+            with open(path, "rb") as f:
+                results.append(pickle.load(f))
+    return results
