@@ -9,13 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import make_dumps as md
 import numpy as np
 import pytest
 import torch
 
-import make_dumps as md
 from r3lab import runs
-from r3lab.importers import (ImportFormatError, UnsafeFileError, import_run, safe_torch_load, sample_tokens)
+from r3lab.importers import ImportFormatError, UnsafeFileError, import_run, safe_torch_load, sample_tokens
 
 ROOT = Path(__file__).resolve().parent.parent
 
