@@ -12,7 +12,7 @@ from r3lab.doctor import HEALTH_NAMES, LOGP_TRAIN_COLUMNS, facts, health_series
 from r3lab.errors import R3LabError
 from r3lab.runs import Run, load
 
-__all__ = ["NotAvailable", "health_figure", "run_figures"]
+__all__ = ["NotAvailable", "health_figure", "run_figures", "drawn"]
 
 
 class NotAvailable:
@@ -105,3 +105,8 @@ def run_figures(run: Run | str | os.PathLike, *, step: int | None = None) -> dic
     return out
 
 
+
+
+def drawn(figures: dict[str, Any]) -> dict[str, Any]:
+    """The figures of :func:`run_figures` that were drawn (for ``viz.export_figures``)."""
+    return {k: v for k, v in figures.items() if not isinstance(v, NotAvailable)}
