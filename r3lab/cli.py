@@ -54,6 +54,19 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--results", help="the committed results folder (default: the checkout's bench/results)")
     f.add_argument("--out", help="where figures go (default: the checkout's docs/figures)")
     f.add_argument("--formats", nargs="+", choices=("png", "svg", "pdf"), help="default: all three")
+    im = sub.add_parser("import", help="import another framework's R3 dump (slime, miles, nemo-rl, prime-rl) as a run")
+    im.add_argument("kind", choices=("slime", "miles", "nemo-rl", "prime-rl"), help="the framework that wrote SRC")
+    im.add_argument("src", help="the dump: a file or its folder (slime/miles .pt, NeMo-RL train_data_step*.jsonl, "
+                    "prime-rl token_exports/)")
+    im.add_argument("--out", required=True, help="the run folder to write (must not exist)")
+    im.add_argument("--config", help="the model's config.json (maps the dump's layer axis to global layer ids; "
+                    "needed when the dump has routes)")
+    im.add_argument("--train", help="slime/miles: the --save-debug-train-data dumps (trainer log-probs) to join")
+    im.add_argument("--reward-key", help="slime/miles: the key of a dict reward to read (default: 'score')")
+    dr = sub.add_parser("doctor", help="check a run (own or imported) for the silent failures of routing replay")
+    dr.add_argument("run", help="the run folder")
+    dr.add_argument("--strict", action="store_true", help="exit non-zero on warnings too (mismatch health)")
+    dr.add_argument("--json", action="store_true", help="print the report as JSON")
     b = sub.add_parser("bench", help="run a benchmark from a source checkout's bench/ folder")
     b.add_argument("name", choices=sorted(BENCHMARKS), help="; ".join(f"{k}: {v}" for k, v in BENCHMARKS.items()))
     b.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark (e.g. --quick)")
@@ -126,6 +139,25 @@ def _figures(args: argparse.Namespace) -> None:
         print(f"wrote {path}")
 
 
+def _import(args: argparse.Namespace) -> None:
+    from r3lab.importers import import_run
+
+    opts = {"config": args.config, "train": args.train, "reward_key": args.reward_key}
+    path = import_run(args.kind, args.src, args.out, **opts)
+    print(f"imported {args.kind} dump {args.src} as run {path}")
+
+
+def _doctor(args: argparse.Namespace) -> None:
+    import json
+
+    from r3lab.doctor import diagnose
+
+    report = diagnose(args.run)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.text())
+    if report.failed or (args.strict and report.warned):
+        sys.exit(1)
+
+
 def _bench(name: str, rest: list[str]) -> None:
     from r3lab.paths import bench_script
 
@@ -154,6 +186,10 @@ def main(argv: list[str] | None = None) -> None:
             _runs(args)
         elif args.command == "figures":
             _figures(args)
+        elif args.command == "import":
+            _import(args)
+        elif args.command == "doctor":
+            _doctor(args)
         elif args.command == "bench":
             _bench(args.name, args.args)
         else:

@@ -297,3 +297,52 @@ def most_flipped_sample(engine: np.ndarray, trainer: np.ndarray, cu_seqlens: np.
 
 
 __all__ += ["response_differs", "most_flipped_sample"]
+
+
+# ---- doctor statistics (r3lab.doctor): pure functions on arrays --------------------------------------------------
+__all__ += ["constant_layers", "jump_steps", "outlier_layers"]
+
+
+def constant_layers(values: np.ndarray) -> np.ndarray:
+    """Per layer of ``[T, L, K]`` routes: whether every row holds the same expert set (a dead capture: all-zero or
+    constant rows); False where there are fewer than two rows."""
+    v = np.asarray(values)
+    if v.ndim != 3:
+        raise R3LabError(f"routes must be [T, L, K], got shape {v.shape}")
+    if v.shape[0] < 2:
+        return np.zeros(v.shape[1], dtype=bool)
+    s = np.sort(v, axis=2)
+    return (s == s[:1]).all(axis=(0, 2))
+
+
+def jump_steps(series: np.ndarray, *, window: int = 5, factor: float = 10.0, floor: float = 0.0) -> np.ndarray:
+    """Per step of a metric series: whether it exceeds ``factor`` times the median of the ``window`` steps before
+    it and ``floor`` (the rise that precedes collapse in the R3 and TIS reports). NaNs never jump; the first
+    step has nothing before it."""
+    x = np.asarray(series, dtype=np.float64)
+    if x.ndim != 1:
+        raise R3LabError(f"series must be 1-D, got shape {x.shape}")
+    if window < 1 or factor <= 1:
+        raise R3LabError(f"window must be >= 1 and factor > 1, got {window}, {factor}")
+    out = np.zeros(x.size, dtype=bool)
+    for i in range(1, x.size):
+        prev = x[max(0, i - window):i]
+        prev = prev[np.isfinite(prev)]
+        if prev.size and np.isfinite(x[i]):
+            out[i] = x[i] > factor * max(float(np.median(prev)), 1e-300) and x[i] > floor
+    return out
+
+
+def outlier_layers(per_layer: np.ndarray, *, factor: float = 3.0, floor: float = 0.0) -> np.ndarray:
+    """Per layer: whether its value exceeds ``factor`` times the median of the other layers and ``floor`` (a layer
+    whose engine-vs-trainer disagreement stands out from the rest)."""
+    x = np.asarray(per_layer, dtype=np.float64)
+    if x.ndim != 1:
+        raise R3LabError(f"per_layer must be 1-D, got shape {x.shape}")
+    out = np.zeros(x.size, dtype=bool)
+    if x.size < 3:
+        return out
+    for j in range(x.size):
+        rest = np.delete(x, j)
+        out[j] = x[j] > factor * float(np.median(rest)) and x[j] > floor
+    return out

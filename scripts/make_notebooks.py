@@ -366,6 +366,76 @@ job.close()
 """, "live"),
 ]
 
+
+def nb06_your_run() -> list:
+    """Notebook 06: the doctor's report on any run (own or imported), then every figure its fields allow."""
+    return [
+        md("""
+# 06 · Your run
+
+Open a run made elsewhere: import the dump first (`r3lab import slime|miles|nemo-rl|prime-rl SRC --out RUN
+--config config.json`), or point `run` at any r3lab run folder. The doctor checks the capture (dead, out-of-range
+or misplaced routes, row counts, dense or shifted layers), the replay and the mismatch health step by step; then
+come every figure the run's fields allow. A figure whose fields the run lacks says so in its place.
+"""),
+        params("""
+run = "data/runs/my-run"  # an r3lab run folder: imported (r3lab import ...) or made by r3lab
+step = None  # the step whose routes and tokens to draw; None: the last step with routes
+out_dir = "out/06_your_run"
+export = False
+"""),
+        code("""
+from r3lab import doctor, importers, viz
+"""),
+        md("## The doctor"),
+        code("""
+report = doctor.diagnose(run)
+report
+"""),
+        code("""
+figures = importers.run_figures(run, step=step)
+list(figures)
+"""),
+        md("## Mismatch health per step"),
+        code("""
+figures["health"]
+"""),
+        md("## Expert load and imbalance"),
+        code("""
+figures["expert_load"]
+"""),
+        code("""
+figures["load_imbalance"]
+"""),
+        md("## Engine vs trainer routing"),
+        code("""
+figures["layer_disagreement"]
+"""),
+        code("""
+figures["route_view"]
+"""),
+        md("## Log-prob drift"),
+        code("""
+figures["delta_histogram"]
+"""),
+        code("""
+figures["extreme_fraction"]
+"""),
+        code("""
+figures["prob_density"]
+"""),
+        code("""
+figures["flip_split"]
+"""),
+        code("""
+figures["layer_drift"]
+"""),
+        code("""
+viz.export_figures(importers.drawn(figures), out_dir) if export else []
+"""),
+    ]
+
+
 CI_DRIFT = {"prompts": 4, "max_tokens": 12}
 CI_RL = {"rl_steps": 2, "rl_prompts": 2, "rl_samples": 4}
 NOTEBOOKS = {
@@ -376,6 +446,9 @@ NOTEBOOKS = {
     "03_logprob_drift": (NB03, {**CI_DRIFT, **CI_RL}, 11),
     "04_rl_ablation": (NB04, {"live_max_tokens": 8, "live_prompts_per_step": 2, "live_samples_per_prompt": 2,
                               "live_steps": 2, "live_timeout_s": 600, "modes": ["none", "R3"]}, 5),
+
+
+    "06_your_run": (nb06_your_run(), {"run": None}, 7),  # tests/test_notebooks.py imports a generated dump as run
 }
 
 

@@ -1,0 +1,542 @@
+"""``r3lab doctor RUN``: the silent failures of routing replay, found loudly, on r3lab's own runs and imported ones.
+
+One :class:`Report` with one :class:`Check` per line: what was checked, on how many rows, the worst offender
+(step, sample, position, layer) and how to fix it. Each check comes from a bug the field hit:
+
+* capture (FAIL): all-zero or constant routes (vLLM #33013, #49184); expert ids out of range or repeated in a
+  row; route rows against tokens, ``P + R - 1`` per sample (partial and multi-turn rollouts returning only the
+  last segment: verl #5344, #6054); rows for dense layers or every MoE layer shifted by one (verl #5037/#5452,
+  slime #819), from the model config and per-layer statistics; MTP/speculative rows misplaced (vLLM #48622,
+  SGLang #37949) where the dump says speculative decoding was on;
+* replay (FAIL): replay that changes nothing (orphaned routers: verl #7340; MTP layers on backbone routes:
+  NeMo-RL #3903); routes the trainer replayed that differ from the engine's;
+* mismatch health (WARN): k3, F(2), the largest |Δlogp|, IS effective sample size and TIS clip fraction per
+  step, steps where k3 jumps, per-layer load imbalance (verl's ``max_vio``), layers whose engine-vs-trainer
+  disagreement stands out.
+
+Health checks warn rather than fail: a run may mean to be off-policy (staleness, a high learning rate), and the
+report says so instead of stopping it. :func:`diagnose` is what the RL loop calls at the end of a run (the doctor
+sits below the experiments and draws nothing; ``r3lab.importers.figures`` draws what a run allows).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from r3lab import metrics
+from r3lab.errors import R3LabError
+from r3lab.runs import Run, load
+
+__all__ = ["Check", "Report", "Thresholds", "diagnose", "health_series", "HEALTH_NAMES", "OK", "WARN", "FAIL",
+           "SKIP", "facts", "LOGP_TRAIN_COLUMNS"]
+
+OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
+LOGP_TRAIN_COLUMNS = ("logp_train", "logp_old", "logp_none")  # trainer log-prob column by run kind: imported, rl, drift
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Where health checks start to warn; defaults sit above every committed reference run without staleness."""
+
+    k3: float = 1e-2
+    f2: float = 1e-2
+    abs_dlogp: float = 5.0  # a probability ratio of e^5 ~ 150 either way
+    ess: float = 0.5
+    tis_clip: float = 0.05
+    jump_factor: float = 10.0
+    jump_window: int = 5
+    vio_share: float = 0.95  # of the largest max_vio possible, E/k - 1 (all load on k experts)
+    layer_factor: float = 3.0
+    layer_floor: float = 0.1
+
+
+@dataclass
+class Check:
+    """One line of the report."""
+
+    name: str
+    status: str
+    what: str
+    rows: int = 0
+    worst: str = ""
+    fix: str = ""
+    detail: str = ""
+
+    def line(self) -> str:
+        s = f"{self.status.upper():4s}  {self.name:<22s} {self.what} ({self.rows} rows)"
+        if self.detail:
+            s += f": {self.detail}"
+        if self.worst and self.status in (WARN, FAIL):
+            s += f"; worst: {self.worst}"
+        if self.fix and self.status in (WARN, FAIL):
+            s += f"; fix: {self.fix}"
+        return s
+
+
+@dataclass
+class Report:
+    run: str
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def failed(self) -> list[Check]:
+        return [c for c in self.checks if c.status == FAIL]
+
+    @property
+    def warned(self) -> list[Check]:
+        return [c for c in self.checks if c.status == WARN]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+    def check(self, name: str) -> Check:
+        for c in self.checks:
+            if c.name == name:
+                return c
+        raise KeyError(f"no check {name!r} (have {[c.name for c in self.checks]})")
+
+    def text(self) -> str:
+        head = (f"r3lab doctor: {self.run}: {len(self.failed)} failed, {len(self.warned)} warnings, "
+                f"{sum(c.status == OK for c in self.checks)} ok, {sum(c.status == SKIP for c in self.checks)} skipped")
+        return "\n".join([head, *(c.line() for c in self.checks)])
+
+    __str__ = text
+
+    def _repr_markdown_(self) -> str:
+        return "```\n" + self.text() + "\n```"
+
+    def summary(self) -> dict[str, Any]:
+        """The block an RL run's summary carries: counts and each check's status."""
+        return {"doctor/failed": len(self.failed), "doctor/warnings": len(self.warned),
+                "doctor/checks": {c.name: c.status for c in self.checks}}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"run": self.run, "checks": [asdict(c) for c in self.checks]}
+
+
+# ---- what a run has ------------------------------------------------------------------------------------------------
+@dataclass
+class _Facts:
+    run: Run
+    engine_steps: list[int]
+    trainer_steps: list[int]
+    replayed_steps: list[int]
+    token_steps: list[int]
+    moe_ids: list[int] | None
+    num_experts: int | None
+    top_k: int | None
+    capture: dict[str, Any]
+    speculative: bool
+
+
+def _layout(run: Run) -> tuple[list[int] | None, int | None, int | None]:
+    """MoE layer ids, experts and top-k from the run's config (imported: its ``model``; own: its model's config)."""
+    m = run.config.get("model")
+    if isinstance(m, Mapping) and "moe_layer_ids" in m:
+        return [int(x) for x in m["moe_layer_ids"]], int(m["num_experts"]), int(m["top_k"])
+    names = [m] if isinstance(m, str) else list(run.config.get("models") or [])
+    if len(names) == 1:
+        try:
+            from r3lab.moe_layout import MoELayout
+            from r3lab.paths import model_dir
+
+            lay = MoELayout.from_model_dir(model_dir(names[0], run.config.get("data")))
+            return list(lay.moe_layer_ids), lay.num_experts, lay.top_k
+        except R3LabError:
+            return None, None, None
+    return None, None, None
+
+
+def _step_moe_ids(run: Run, step: int) -> list[int] | None:
+    """MoE layer ids of the model a step ran (runs over several models name it in each step record)."""
+    rec = next((r for r in run.step_records if r.get("step") == step), None)
+    if not rec or not isinstance(rec.get("model"), str):
+        return None
+    try:
+        from r3lab.moe_layout import MoELayout
+        from r3lab.paths import model_dir
+
+        return list(MoELayout.from_model_dir(model_dir(rec["model"], run.config.get("data"))).moe_layer_ids)
+    except R3LabError:
+        return None
+
+
+def facts(run: Run) -> _Facts:
+    """What a run holds that the checks and the figures need (route and token steps, layout, import log)."""
+    moe, E, K = _layout(run)
+    cap = run.config.get("capture") or {}
+    return _Facts(run, run.route_steps("engine"), run.route_steps("trainer"), run.route_steps("replayed"),
+                  run.token_steps(), moe, E, K, cap, bool(cap.get("counts", {}).get("speculative_rows") is not None
+                                                           and cap.get("rows", {}).get("speculative_rows")))
+
+
+def _where(**kw: Any) -> str:
+    return ", ".join(f"{k} {v}" for k, v in kw.items() if v is not None)
+
+
+def _cap(f: _Facts, key: str) -> tuple[int, int, dict[str, Any] | None]:
+    c = f.capture
+    return int(c.get("counts", {}).get(key, 0)), int(c.get("rows", {}).get(key, 0)), c.get("worst", {}).get(key)
+
+
+def _fmt_worst(w: Mapping[str, Any] | None) -> str:
+    if not w:
+        return ""
+    return _where(**{k: v for k, v in w.items() if k != "score"})
+
+
+# ---- capture ------------------------------------------------------------------------------------------------------
+def _constant(f: _Facts) -> Check:
+    rows, bad, worst = 0, 0, ""
+    for what, steps in (("engine", f.engine_steps), ("trainer", f.trainer_steps)):
+        for s in steps:
+            r = f.run.routes(s, what)
+            rows += r.total_tokens * r.num_layers
+            nz = r.values[np.repeat(r.lengths > 0, r.lengths)]
+            const = metrics.constant_layers(nz)
+            if const.any():
+                bad += int(const.sum())
+                j = int(np.argmax(const))
+                worst = worst or _where(step=s, routes=what, layer=int(r.layer_ids[j]), experts=nz[0, j].tolist())
+    n, m, w = _cap(f, "constant_routes")
+    rows += m
+    if n:
+        bad += n
+        worst = worst or _fmt_worst(w)
+    if rows == 0:
+        return Check("constant routes", SKIP, "all-zero or constant routes", detail="the run has no routes")
+    return Check("constant routes", FAIL if bad else OK, "all-zero or constant routes per layer", rows, worst,
+                 "the engine returned placeholder routes: enable routed-expert capture in the engine (vLLM "
+                 "enable_return_routed_experts / SGLang --enable-return-routed-experts) and check the capture buffer "
+                 "is filled before it is read (vLLM #33013, #49184)",
+                 f"{bad} (sample, layer) blocks constant" if bad else "none constant")
+
+
+def _ids(f: _Facts) -> Check:
+    stored = sum(f.run.routes(s, "engine").total_tokens for s in f.engine_steps)
+    n1, m1, w1 = _cap(f, "ids_out_of_range")
+    n2, m2, w2 = _cap(f, "repeated_ids")
+    rows = stored + max(m1, m2)
+    if rows == 0:
+        return Check("expert ids", SKIP, "ids in [0, E) and distinct in each row", detail="the run has no routes")
+    bad = n1 + n2
+    return Check("expert ids", FAIL if bad else OK, "ids in [0, E) and distinct in each top-k row", rows,
+                 _fmt_worst(w1 or w2),
+                 "the layer axis or expert numbering is off: ids must be the model's routed-expert numbers "
+                 "(no shared experts, no EP-local ids); re-export with the engine's global ids",
+                 f"{n1} rows out of range, {n2} rows with a repeated id" if bad else "all in range and distinct")
+
+
+def _row_count(f: _Facts) -> Check:
+    rows, bad, worst = 0, 0, ""
+    for s in f.engine_steps:
+        if s not in f.token_steps:
+            continue
+        r = f.run.routes(s, "engine")
+        t = f.run.tokens([s])
+        R = t.groupby("sample").size().reindex(range(len(r)), fill_value=0).to_numpy()
+        n = r.lengths
+        have = n > 0  # samples left out at import are counted below from the import log
+        if "prompt_length" in t:
+            P = t.groupby("sample")["prompt_length"].first().reindex(range(len(r))).to_numpy()
+            want = P + R - 1
+        else:
+            want = np.where(n >= R, n, R)  # P unknown: at least R rows (P >= 1)
+        off = have & (n != want)
+        rows += int(have.sum())
+        if off.any():
+            bad += int(off.sum())
+            i = int(np.argmax(np.abs(n - want) * off))
+            worst = worst or _where(step=s, sample=i, rows=int(n[i]), expected=int(want[i]))
+    n1, m1, w1 = _cap(f, "row_count")
+    n2, m2, w2 = _cap(f, "missing_routes")
+    rows += max(m1, m2)
+    bad += n1 + n2
+    worst = worst or _fmt_worst(w1 or w2)
+    if rows == 0:
+        return Check("route rows", SKIP, "route rows = P + R - 1 per sample", detail="the run has no routes")
+    detail = (f"{n1 + (bad - n1 - n2)} samples with the wrong row count, {n2} without routes" if bad
+              else "every sample has P + R - 1 rows")
+    return Check("route rows", FAIL if bad else OK, "route rows = P + R - 1 per sample", rows, worst,
+                 "a partial or multi-turn rollout returned routes of its last segment only (verl #5344, #6054): "
+                 "concatenate every turn's routes, prompt included, and keep routes for every sample", detail)
+
+
+def _layers(f: _Facts) -> Check:
+    name, what = "layer axis", "routes on MoE layers only, not shifted"
+    problems, worst, rows = [], "", 0
+    for wh, steps in (("engine", f.engine_steps), ("trainer", f.trainer_steps)):
+        for s in steps:
+            moe_ids = f.moe_ids if f.moe_ids is not None else _step_moe_ids(f.run, s)
+            if moe_ids is None:
+                continue
+            r = f.run.routes(s, wh)
+            rows += r.num_layers
+            if r.layer_ids.tolist() != sorted(moe_ids):
+                problems.append(f"{wh} routes of step {s} name layers {r.layer_ids.tolist()}, the model's MoE "
+                                f"layers are {sorted(moe_ids)}")
+                worst = worst or _where(step=s, routes=wh)
+    real = {int(k): v for k, v in (f.capture.get("layer_real") or {}).items()}
+    seen = {int(k): v for k, v in (f.capture.get("layer_seen") or {}).items()}
+    if real and f.moe_ids is not None:
+        rows += sum(seen.values())
+        looks = {g for g, v in real.items() if v > seen[g] / 2}
+        moe = set(f.moe_ids)
+        dense_real = sorted((looks - moe) & set(seen))
+        moe_dead = sorted((moe - looks) & set(seen))
+        if looks and (looks == {g + 1 for g in moe} & set(seen) or looks == {g - 1 for g in moe} & set(seen)):
+            problems.append(f"the routes look shifted by one layer: rows that look routed are on layers "
+                            f"{sorted(looks)}, the MoE layers are {sorted(moe)}")
+        elif dense_real or moe_dead:
+            if dense_real:
+                problems.append(f"dense layers {dense_real} carry routes")
+            if moe_dead:
+                problems.append(f"MoE layers {moe_dead} carry no routes")
+        if dense_real or moe_dead:
+            worst = worst or _where(layer=(dense_real or moe_dead)[0])
+    n, m, w = _cap(f, "dense_rows")
+    if n and not problems:
+        problems.append(f"{n} dense-layer blocks carry routes")
+        worst = worst or _fmt_worst(w)
+    if rows == 0:
+        return Check(name, SKIP, what, detail="no routes, or no model config to name the MoE layers")
+    return Check(name, FAIL if problems else OK, what, rows, worst,
+                 "map the dump's layer axis with the model's config.json: engines return rows for dense layers too "
+                 "(verl #5037, vLLM #33013); an off-by-one layer index in the replay hook shifts every MoE layer "
+                 "(verl #5452, slime #819)", "; ".join(problems) or "every MoE layer routed, no dense layer")
+
+
+def _speculative(f: _Facts) -> Check:
+    n, m, w = _cap(f, "speculative_rows")
+    if not m:
+        return Check("speculative rows", SKIP, "MTP/speculative rows in place",
+                     detail="the dump does not say speculative decoding was on")
+    return Check("speculative rows", FAIL if n else OK, "MTP/speculative rows in place (P + R - 1)", m,
+                 _fmt_worst(w), "draft-token rows were kept or rejected-draft rows not dropped (vLLM #48622, SGLang "
+                 "#37949): keep one row per accepted token", f"{n} samples off" if n else "in place")
+
+
+# ---- replay ---------------------------------------------------------------------------------------------------------
+def _replay_effect(f: _Facts) -> Check:
+    name, what = "replay effect", "replay changes the trainer's log-probs where routes flipped"
+    flipped, changed = 0, 0
+    worst = ""
+    for s in f.token_steps:
+        t = f.run.tokens([s])
+        if not {"logp_none", "logp_r3", "flipped"} <= set(t.columns):
+            return Check(name, SKIP, what, detail="needs trainer log-probs with and without replay (logp_none, "
+                         "logp_r3) and route flips")
+        fl = t["flipped"].to_numpy(bool)
+        d = np.abs(t["logp_r3"].to_numpy() - t["logp_none"].to_numpy())
+        flipped += int(fl.sum())
+        changed += int((d[fl] > 0).sum())
+        if fl.any() and not (d[fl] > 0).any():
+            i = int(np.flatnonzero(fl)[0])
+            worst = worst or _where(step=s, sample=int(t["sample"].iloc[i]), position=int(t["position"].iloc[i]))
+    if not f.token_steps:
+        return Check(name, SKIP, what, detail="the run has no token tables")
+    if flipped == 0:
+        return Check(name, SKIP, what, detail="no route-flipped tokens to test replay on")
+    bad = changed == 0
+    return Check(name, FAIL if bad else OK, what, flipped, worst,
+                 "the replayed routes never reach the routers (orphaned routers: verl #7340; MTP layers on backbone "
+                 "routes: NeMo-RL #3903): check every router of the model is patched and its replay buffer is set",
+                 f"{changed} of {flipped} route-flipped tokens changed under replay")
+
+
+def _replayed_routes(f: _Facts) -> Check:
+    name, what = "replayed routes", "routes the trainer used under replay = the engine's"
+    if not f.replayed_steps:
+        return Check(name, SKIP, what, detail="the run stores no routes of the trainer under replay ('replayed')")
+    rows, bad, worst = 0, 0, ""
+    for s in f.replayed_steps:
+        if s not in f.engine_steps:
+            continue
+        e, r = f.run.routes(s, "engine"), f.run.routes(s, "replayed")
+        if e.values.shape != r.values.shape or not np.array_equal(e.layer_ids, r.layer_ids):
+            bad += 1
+            worst = worst or _where(step=s, detail=f"shapes {e!r} vs {r!r}")
+            continue
+        d = metrics.set_differs(e.values, r.values)
+        rows += d.size
+        if d.any():
+            bad += int(d.sum())
+            t, j = np.argwhere(d)[0]
+            i = int(np.searchsorted(e.cu_seqlens, t, side="right") - 1)
+            worst = worst or _where(step=s, sample=i, position=int(t - e.cu_seqlens[i]), layer=int(e.layer_ids[j]))
+    return Check(name, FAIL if bad else OK, what, rows, worst,
+                 "the trainer did not route with the replayed ids: check the rows are sliced to each rank's tokens in "
+                 "the same order (CP/SP/packing) and that no router falls back to its own top-k",
+                 f"{bad} (token, layer) rows differ" if bad else "identical")
+
+
+# ---- mismatch health -----------------------------------------------------------------------------------------------
+HEALTH_NAMES = _HEALTH = {"k3_kl": "k3", "extreme_frac_tau2": "F(2)", "logprob_abs_diff_max": "max |dlogp|",
+           "is_eff_sample_size": "IS ESS", "tis_clipfrac": "TIS clip"}
+
+
+def _health_series(f: _Facts) -> tuple[list[int], dict[str, np.ndarray], int, dict[int, str]]:
+    """Per step: the mismatch metrics (from step records, else from token tables), tokens, worst token per step."""
+    recs = [r for r in f.run.step_records if "mismatch/k3_kl" in r]
+    worst: dict[int, str] = {}
+    if recs:
+        steps = [int(r["step"]) for r in recs]
+        ser = {k: np.array([np.nan if r.get(f"mismatch/{k}") is None else r[f"mismatch/{k}"] for r in recs], float)
+               for k in _HEALTH}
+        n = int(sum(r.get("mismatch/tokens") or 0 for r in recs))
+        for s in f.token_steps:
+            w = _worst_token(f.run.tokens([s]))
+            if w:
+                worst[s] = w
+        return steps, ser, n, worst
+    steps, rows, n = [], [], 0
+    for s in f.token_steps:
+        t = f.run.tokens([s])
+        col = next((c for c in LOGP_TRAIN_COLUMNS if c in t), None)
+        if col is None or "logp_infer" not in t:
+            continue
+        m = t["loss_mask"].to_numpy() > 0 if "loss_mask" in t else np.ones(len(t), bool)
+        if not m.any():
+            continue
+        mm = metrics.mismatch_metrics(t[col].to_numpy()[m], t["logp_infer"].to_numpy()[m])
+        steps.append(s)
+        rows.append(mm)
+        n += mm["tokens"]
+        worst[s] = _worst_token(t) or ""
+    return steps, {k: np.array([r[k] for r in rows], float) for k in _HEALTH}, n, worst
+
+
+def _worst_token(t: Any) -> str | None:
+    col = next((c for c in LOGP_TRAIN_COLUMNS if c in t), None)
+    if col is None or "logp_infer" not in t or not len(t):
+        return None
+    d = np.abs(t[col].to_numpy() - t["logp_infer"].to_numpy())
+    if "loss_mask" in t:
+        d = np.where(t["loss_mask"].to_numpy() > 0, d, -1)
+    i = int(np.nanargmax(d))
+    return _where(sample=int(t["sample"].iloc[i]), position=int(t["position"].iloc[i]), dlogp=f"{d[i]:.3g}")
+
+
+def _health(f: _Facts, th: Thresholds) -> list[Check]:
+    steps, ser, n, worst_tok = _health_series(f)
+    names = ["k3", "F(2)", "max |dlogp|", "IS ESS", "TIS clip", "k3 jumps"]
+    if not steps:
+        return [Check(nm, SKIP, "mismatch health per step", detail="needs engine and trainer log-probs")
+                for nm in names]
+    out = []
+    fix = ("engine and trainer disagree: replay the engine's routes (R3), match the engine's and trainer's dtypes and "
+           "kernels, or correct with TIS/MIS")
+    rules = (("k3_kl", "k3", lambda v: v > th.k3, np.nanargmax, f"> {th.k3:g}"),
+             ("extreme_frac_tau2", "F(2)", lambda v: v > th.f2, np.nanargmax, f"> {th.f2:g}"),
+             ("logprob_abs_diff_max", "max |dlogp|", lambda v: v > th.abs_dlogp, np.nanargmax, f"> {th.abs_dlogp:g}"),
+             ("is_eff_sample_size", "IS ESS", lambda v: v < th.ess, np.nanargmin, f"< {th.ess:g}"),
+             ("tis_clipfrac", "TIS clip", lambda v: v > th.tis_clip, np.nanargmax, f"> {th.tis_clip:g}"))
+    for key, nm, bad, arg, rule in rules:
+        v = ser[key]
+        if np.isnan(v).all():
+            out.append(Check(nm, SKIP, f"{nm} per step", detail="not recorded"))
+            continue
+        flag = np.array([bad(x) if np.isfinite(x) else False for x in v])
+        i = int(arg(v))
+        out.append(Check(nm, WARN if flag.any() else OK, f"{nm} per step over {len(steps)} steps", n,
+                         _where(step=steps[i], value=f"{v[i]:.3g}") + (f", {worst_tok[steps[i]]}"
+                                                                        if worst_tok.get(steps[i]) else ""),
+                         fix, f"{int(flag.sum())} steps {rule}; worst {v[i]:.3g}" if flag.any()
+                         else f"worst {v[i]:.3g} (warns {rule})"))
+    k3 = ser["k3_kl"]
+    jumps = metrics.jump_steps(k3, window=th.jump_window, factor=th.jump_factor, floor=th.k3)
+    js = [steps[i] for i in np.flatnonzero(jumps)]
+    out.append(Check("k3 jumps", WARN if js else OK, f"k3 rising {th.jump_factor:g}x over the last "
+                     f"{th.jump_window} steps, above {th.k3:g}", len(steps),
+                     _where(step=js[0], k3=f"{k3[steps.index(js[0])]:.3g}") if js else "",
+                     "a jump in mismatch precedes collapse (R3 and TIS reports): look at what changed at that step "
+                     "(learning rate, staleness, a new weight sync) and stop or correct before it compounds",
+                     f"jumps at steps {js[:8]}" if js else "no jump"))
+    return out
+
+
+def _imbalance(f: _Facts, th: Thresholds) -> Check:
+    name, what = "max_vio", "per-layer expert load imbalance (verl rollout/moe/max_vio)"
+    worst_v, worst, rows = -math.inf, "", 0
+    E = K = None
+    for s in f.engine_steps:
+        r = f.run.routes(s, "engine")
+        if r.total_tokens == 0:
+            continue
+        E, K = r.num_experts, r.top_k
+        vio = metrics.max_violation(metrics.expert_load(r.values, r.num_experts))
+        rows += r.total_tokens * r.num_layers
+        j = int(np.argmax(vio))
+        if vio[j] > worst_v:
+            worst_v, worst = float(vio[j]), _where(step=s, layer=int(r.layer_ids[j]), max_vio=f"{vio[j]:.2f}")
+    if rows == 0:
+        vals = [(int(r["step"]), r["routing/engine_max_vio"]) for r in f.run.step_records
+                if r.get("routing/engine_max_vio") is not None]
+        if not vals or f.num_experts is None:
+            return Check(name, SKIP, what, detail="the run has no engine routes")
+        E, K = f.num_experts, f.top_k
+        s, worst_v = max(vals, key=lambda x: x[1])
+        rows, worst = len(vals), _where(step=s, max_vio=f"{worst_v:.2f}")
+    limit = th.vio_share * (E / K - 1)
+    return Check(name, WARN if worst_v > limit else OK, what, rows, worst,
+                 "experts collapse onto a few: check the router's load-balancing loss / bias update and that the "
+                 "captured layer is the one you think", f"worst {worst_v:.2f} (warns above {limit:.2f} = "
+                 f"{th.vio_share:g} x (E/k - 1))")
+
+
+def _layer_outliers(f: _Facts, th: Thresholds) -> Check:
+    name, what = "layer disagreement", "layers whose engine-vs-trainer disagreement stands out"
+    acc: dict[int, list[float]] = {}
+    rows = 0
+    for s in sorted(set(f.engine_steps) & set(f.trainer_steps)):
+        e, t = f.run.routes(s, "engine"), f.run.routes(s, "trainer")
+        if e.values.shape != t.values.shape or not e.total_tokens:
+            continue
+        rate = metrics.route_change_rate(e.values, t.values)
+        rows += e.total_tokens * e.num_layers
+        for g, v in zip(e.layer_ids, rate, strict=True):
+            acc.setdefault(int(g), []).append(float(v))
+    if not acc:
+        for r in f.run.step_records:
+            per = r.get("routing/engine_trainer_disagreement_per_layer")
+            if isinstance(per, Mapping):
+                rows += len(per)
+                for g, v in per.items():
+                    acc.setdefault(int(g), []).append(float(v))
+    if not acc:
+        return Check(name, SKIP, what, detail="this run has no trainer routes")
+    lids = sorted(acc)
+    mean = np.array([np.mean(acc[g]) for g in lids])
+    out = metrics.outlier_layers(mean, factor=th.layer_factor, floor=th.layer_floor)
+    j = int(np.argmax(mean))
+    return Check(name, WARN if out.any() else OK, what, rows,
+                 _where(layer=lids[j], disagreement=f"{mean[j]:.3f}", median=f"{np.median(mean):.3f}"),
+                 "one layer's router disagrees far more than the rest: check that layer's replay hook, its dtype "
+                 "(router in fp32?) and whether its index is off by one",
+                 f"layers {[lids[i] for i in np.flatnonzero(out)]} stand out" if out.any()
+                 else f"largest {mean[j]:.3f} at layer {lids[j]} (median {np.median(mean):.3f})")
+
+
+def diagnose(run: Run | str | os.PathLike, *, thresholds: Thresholds | None = None) -> Report:
+    """Every check on one run (own or imported); read the result with ``report.ok`` / ``print(report)``."""
+    r = run if isinstance(run, Run) else load(run)
+    th = thresholds or Thresholds()
+    f = facts(r)
+    checks = [_constant(f), _ids(f), _row_count(f), _layers(f), _speculative(f), _replay_effect(f),
+              _replayed_routes(f), *_health(f, th), _imbalance(f, th), _layer_outliers(f, th)]
+    return Report(str(r.path), checks)
+
+
+def health_series(run: Run | str | os.PathLike) -> tuple[list[int], dict[str, np.ndarray], int]:
+    """The mismatch health the doctor checks, per step: ``(steps, {metric: values}, tokens)`` (metrics: k3_kl,
+    extreme_frac_tau2, logprob_abs_diff_max, is_eff_sample_size, tis_clipfrac)."""
+    r = run if isinstance(run, Run) else load(run)
+    steps, ser, n, _ = _health_series(facts(r))
+    return steps, ser, n

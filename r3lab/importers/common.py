@@ -1,0 +1,454 @@
+"""What every importer shares: loading files without running code, the model's layer map, and the run writer.
+
+Safety: nothing an importer reads may run code. ``.pt`` files go through ``torch.load(weights_only=True)``
+(PyTorch's restricted unpickler: tensors, containers and plain scalars only); where a framework stores numpy
+arrays (Miles) the numpy reconstructors are allowed explicitly (:data:`NUMPY_ALLOWLIST`), nothing else. A file
+that needs any other class is refused with :class:`UnsafeFileError`, which says why and what to do. Pickles of
+a framework's own classes (verl's ``DataProto``, SkyRL's batches) are refused by suffix before they are opened.
+
+Row convention: a sample of ``P`` prompt and ``R`` response tokens carries ``P + R - 1`` route rows, row ``t``
+routing the input at position ``t`` (``len(tokens) - 1`` rows in slime/Miles' ``rollout_routed_experts``;
+the same convention as r3lab's engine routes, ``r3lab.metrics.response_rows``). Every sample is checked;
+one that breaks it keeps its tokens and log-probs, its routes are left out, and the break is recorded in the
+run's config (``capture``) for ``r3lab doctor``.
+
+Layer axis: engines return rows for every decoder layer, dense ones too (verl #5037, vLLM #33013); others
+return MoE layers only. :class:`LayerMap` maps a dump's layer axis to global layer ids with the model's
+``config.json`` (``r3lab.moe_layout``) and refuses an axis that matches neither.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from r3lab import metrics
+from r3lab.errors import R3LabError
+from r3lab.moe_layout import MoELayout
+from r3lab.routes import Routes
+from r3lab.runs import RunWriter
+
+__all__ = ["ImportFormatError", "UnsafeFileError", "NUMPY_ALLOWLIST", "safe_torch_load", "refuse_pickles",
+           "read_jsonl", "file_sha256", "LayerMap", "Sample", "CaptureLog", "write_run", "IMPORT_KIND",
+           "sample_tokens"]
+
+IMPORT_KIND = "imported"
+REFUSED_SUFFIXES = {".pkl": "a Python pickle", ".pickle": "a Python pickle", ".dill": "a dill pickle",
+                    ".joblib": "a joblib pickle"}
+_TOKEN_CHUNK = 4096  # samples per parquet row group: what an import holds of a step's token columns at once
+
+
+class ImportFormatError(R3LabError, ValueError):
+    """A dump does not have the documented layout (a key missing, lengths that disagree); names file and sample."""
+
+
+class UnsafeFileError(R3LabError, ValueError):
+    """A file would run code, or load classes beyond tensors and plain containers, if it were opened."""
+
+
+def _numpy_allowlist() -> list[Any]:
+    import numpy.dtypes as npd
+
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # numpy < 2
+        from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]
+    kinds = ("Bool", "Int8", "Int16", "Int32", "Int64", "UInt8", "UInt16", "UInt32", "UInt64", "Float16",
+             "Float32", "Float64")
+    return [_reconstruct, np.ndarray, np.dtype, *(getattr(npd, f"{k}DType") for k in kinds)]
+
+
+NUMPY_ALLOWLIST = _numpy_allowlist()
+"""The only globals a Miles dump may name beyond torch's own: numpy's array reconstructor, ndarray, dtype and the
+plain numeric dtype classes (no object arrays: ``numpy.dtypes.ObjectDType`` is not on the list)."""
+
+
+def refuse_pickles(path: Path) -> None:
+    """Refuse plain pickles by suffix: they execute code when loaded (verl DataProto, SkyRL batches)."""
+    what = REFUSED_SUFFIXES.get(path.suffix.lower())
+    if what:
+        raise UnsafeFileError(
+            f"{str(path)!r} is {what}; loading it would execute whatever code it names (verl's DataProto and "
+            "SkyRL's batches are pickles of their own classes), so r3lab does not open it. Re-export the run with "
+            "the framework's JSON/JSONL option (or torch.save of plain tensors, lists and dicts) and import that.")
+
+
+def safe_torch_load(path: str | os.PathLike, *, numpy_arrays: bool = False) -> Any:
+    """``torch.load(weights_only=True)``: tensors, containers and scalars only (plus numpy arrays if asked)."""
+    import torch
+
+    p = Path(path)
+    refuse_pickles(p)
+    if not p.is_file():
+        raise ImportFormatError(f"{str(p)!r} does not exist")
+    allow = NUMPY_ALLOWLIST if numpy_arrays else []
+    try:
+        with torch.serialization.safe_globals(allow):
+            return torch.load(p, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).split("WeightsUnpickler error:")[-1].strip().splitlines()[0][:300]
+        raise UnsafeFileError(
+            f"{str(p)!r} needs more than tensors, lists, dicts{' and numpy arrays' if numpy_arrays else ''} to "
+            f"load ({first}); loading it fully could run code, so r3lab refuses. Re-export it with the "
+            "framework's JSON option, or save only tensors, lists, dicts and numbers (Sample.to_dict(), not "
+            "Sample objects)") from e
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        raise ImportFormatError(f"{str(p)!r} is not a readable torch file: {e}") from e
+
+
+def read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line number, object)`` of each non-empty line, one at a time (a large file never sits in memory)."""
+    with open(path, "rb") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError as e:
+                raise ImportFormatError(f"{str(path)!r} line {i} is not JSON: {e}") from e
+            if not isinstance(obj, dict):
+                raise ImportFormatError(f"{str(path)!r} line {i} is not a JSON object")
+            yield i, obj
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class LayerMap:
+    """The model's MoE layers (global ids) and how to read a dump's layer axis of a given size."""
+
+    layout: MoELayout
+
+    @classmethod
+    def from_config(cls, path: str | os.PathLike) -> LayerMap:
+        """From a model's ``config.json`` (or the folder holding it)."""
+        p = Path(path)
+        if p.is_dir():
+            return cls(MoELayout.from_model_dir(p))
+        if not p.is_file():
+            raise ImportFormatError(f"model config {str(p)!r} does not exist (pass the model's config.json)")
+        try:
+            cfg = json.loads(p.read_text())
+        except ValueError as e:
+            raise ImportFormatError(f"model config {str(p)!r} is not JSON: {e}") from e
+        return cls(MoELayout.from_config(cfg))
+
+    @property
+    def moe_ids(self) -> np.ndarray:
+        return np.asarray(self.layout.moe_layer_ids, dtype=np.int64)
+
+    def axis_ids(self, size: int, where: str) -> np.ndarray:
+        """Global layer id of each entry of a dump's layer axis: every decoder layer, or the MoE layers only."""
+        if size == self.layout.num_hidden_layers:
+            return np.arange(size, dtype=np.int64)
+        if size == len(self.layout.moe_layer_ids):
+            return self.moe_ids
+        raise ImportFormatError(
+            f"{where}: a layer axis of {size} matches neither the model's {self.layout.num_hidden_layers} decoder "
+            f"layers nor its {len(self.layout.moe_layer_ids)} MoE layers ({self.layout.architecture}); pass the "
+            "config.json of the model that made this dump (--config)")
+
+
+@dataclass
+class Sample:
+    """One sample as an importer hands it over: everything per token is over the response (``R`` tokens)."""
+
+    step: int
+    tokens: np.ndarray  # all P + R token ids
+    response_length: int
+    logp_infer: np.ndarray | None = None  # engine log-prob of each response token
+    logp_train: np.ndarray | None = None  # trainer log-prob of each response token
+    loss_mask: np.ndarray | None = None
+    routes: np.ndarray | None = None  # [rows, layer axis, top_k] as in the dump
+    reward: float | None = None
+    advantage: np.ndarray | None = None
+    index: int | None = None
+    status: str | None = None
+    speculative: bool = False
+    where: str = ""  # file and sample number, for messages
+
+
+def _worst(cur: dict[str, Any] | None, score: float, **where: Any) -> dict[str, Any]:
+    return {"score": float(score), **where} if cur is None or score > cur["score"] else cur
+
+
+@dataclass
+class CaptureLog:
+    """What the importer found on the raw routes that cannot be stored (doctor reads it from the run config)."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+    rows: dict[str, int] = field(default_factory=dict)
+    worst: dict[str, dict[str, Any]] = field(default_factory=dict)
+    layer_real: dict[int, int] = field(default_factory=dict)  # global layer -> samples whose rows look like routing
+    layer_seen: dict[int, int] = field(default_factory=dict)
+
+    def add(self, check: str, bad: int, rows: int, score: float = 0.0, **where: Any) -> None:
+        self.counts[check] = self.counts.get(check, 0) + int(bad)
+        self.rows[check] = self.rows.get(check, 0) + int(rows)
+        if bad:
+            self.worst[check] = _worst(self.worst.get(check), score if score else bad, **where)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"counts": self.counts, "rows": self.rows, "worst": self.worst,
+                "layer_real": {str(k): v for k, v in sorted(self.layer_real.items())},
+                "layer_seen": {str(k): v for k, v in sorted(self.layer_seen.items())}}
+
+
+def _check_routes(s: Sample, sample_no: int, lmap: LayerMap, log: CaptureLog) -> np.ndarray | None:
+    """The sample's MoE-layer routes if they pass every capture check, else None (the failure is logged)."""
+    where = {"step": s.step, "sample": sample_no}
+    if s.routes is None:
+        log.add("missing_routes", 1, 1, **where)
+        return None
+    log.add("missing_routes", 0, 1)
+    r = s.routes
+    if r.ndim != 3:
+        raise ImportFormatError(f"{s.where}: routes must be [rows, layers, top_k], got shape {r.shape}")
+    want = len(s.tokens) - 1  # P + R - 1
+    if r.shape[0] != want:
+        log.add("row_count", 1, 1, score=abs(r.shape[0] - want), route_rows=int(r.shape[0]), expected=want, **where)
+        if s.speculative:
+            log.add("speculative_rows", 1, 1, route_rows=int(r.shape[0]), expected=want, **where)
+        return None
+    log.add("row_count", 0, 1)
+    if s.speculative:
+        log.add("speculative_rows", 0, 1)
+    ids = lmap.axis_ids(r.shape[1], s.where)
+    E = lmap.layout.num_experts
+    out_of_range = (r < 0) | (r >= E)
+    n_oor = int(out_of_range.any(axis=2).sum())
+    if n_oor:
+        t, j = np.argwhere(out_of_range.any(axis=2))[0]
+        log.add("ids_out_of_range", n_oor, r.shape[0] * r.shape[1], position=int(t), layer=int(ids[j]),
+                value=int(r[t, j][out_of_range[t, j]][0]), **where)
+    else:
+        log.add("ids_out_of_range", 0, r.shape[0] * r.shape[1])
+    srt = np.sort(r, axis=2)
+    repeated = (srt[:, :, 1:] == srt[:, :, :-1]).any(axis=2)  # [rows, axis]
+    constant = (srt == srt[:1]).all(axis=(0, 2)) if r.shape[0] > 1 else np.zeros(r.shape[1], bool)
+    moe = np.isin(ids, lmap.moe_ids)
+    for j, g in enumerate(ids):
+        real = not constant[j] and not repeated[:, j].any()
+        log.layer_seen[int(g)] = log.layer_seen.get(int(g), 0) + 1
+        log.layer_real[int(g)] = log.layer_real.get(int(g), 0) + int(real)
+    rep_moe = repeated[:, moe]
+    n_rep = int(rep_moe.sum())
+    if n_rep:
+        t, j = np.argwhere(rep_moe)[0]
+        log.add("repeated_ids", n_rep, rep_moe.size, position=int(t), layer=int(ids[moe][j]), **where)
+    else:
+        log.add("repeated_ids", 0, rep_moe.size)
+    const_moe = constant[moe]
+    if const_moe.any():
+        j = int(np.argmax(const_moe))
+        log.add("constant_routes", int(const_moe.sum()), int(moe.sum()), layer=int(ids[moe][j]),
+                value=srt[0, np.flatnonzero(moe)[j]].tolist(), **where)
+    else:
+        log.add("constant_routes", 0, int(moe.sum()))
+    dense_real = ~moe & ~constant & ~repeated.any(axis=0)
+    if (~moe).any():
+        if dense_real.any():
+            log.add("dense_rows", int(dense_real.sum()), int((~moe).sum()), layer=int(ids[int(np.argmax(dense_real))]),
+                    **where)
+        else:
+            log.add("dense_rows", 0, int((~moe).sum()))
+    if n_oor or n_rep or const_moe.any():
+        return None
+    return r[:, moe, :]
+
+
+def write_run(samples: Iterable[Sample], out: str | os.PathLike, *, source_format: str, files: Iterable[Path],
+              layer_map: LayerMap | None, extra: Mapping[str, Any] | None = None) -> Path:
+    """Stream samples (grouped by step, steps ascending) into an r3lab run folder ``out``; returns its path.
+
+    Per step: ``tokens/step-N.parquet`` (one row per response token: ``sample``, ``position``, ``token``,
+    ``prompt_length``, ``response_length``, ``logp_infer``, ``logp_train``, ``loss_mask``, ``reward``, ...
+    as the source has them), ``routes/step-N.engine.r3`` when routes exist, and a ``steps.jsonl`` record with
+    the mismatch metrics (``r3lab.metrics.mismatch_metrics``, ``mismatch/`` prefix) over loss-masked tokens.
+    ``prompts/step-N.parquet`` keeps the prompt tokens (``sample``, ``position``, ``token``) so the source's token
+    sequences come back whole (:func:`r3lab.importers.sample_tokens`). Memory: token columns are flushed every
+    few thousand samples; a step's routes are held compactly (one byte
+    per id for up to 256 experts) until the step is written.
+    """
+    files = [Path(f) for f in files]
+    outp = Path(out)
+    config = {"source": {"format": source_format, "files": {f.name: file_sha256(f) for f in files},
+                         "paths": [str(f) for f in files]},
+              "row_convention": "P+R-1", **(dict(extra or {}))}
+    if layer_map is not None:
+        lay = layer_map.layout
+        config["model"] = {"model_type": lay.model_type, "architecture": lay.architecture,
+                           "num_hidden_layers": lay.num_hidden_layers, "moe_layer_ids": list(lay.moe_layer_ids),
+                           "num_experts": lay.num_experts, "top_k": lay.top_k}
+    log = CaptureLog()
+    writer = RunWriter(outp.parent, outp.name, IMPORT_KIND, config)
+    totals = {"samples": 0, "tokens": 0, "steps": 0, "samples_without_routes": 0}
+    with writer:
+        step: int | None = None
+        acc: _StepAccumulator | None = None
+        for s in samples:
+            if step is None or s.step != step:
+                if acc is not None:
+                    acc.finish(writer, totals)
+                if step is not None and s.step < step:
+                    raise ImportFormatError(f"{s.where}: step {s.step} after step {step}; steps must ascend")
+                step, acc = s.step, _StepAccumulator(s.step, writer, layer_map, log)
+            acc.add(s)
+        if acc is not None:
+            acc.finish(writer, totals)
+        if totals["samples"] == 0:
+            raise ImportFormatError(f"no samples in {[str(f) for f in files]}")
+        meta = json.loads((writer.path / "config.json").read_text())
+        meta["config"]["capture"] = log.to_dict()
+        (writer.path / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
+        writer.finish({**totals, "source_format": source_format})
+    return writer.path
+
+
+class _StepAccumulator:
+    def __init__(self, step: int, writer: RunWriter, layer_map: LayerMap | None, log: CaptureLog):
+        self.step, self.writer, self.layer_map, self.log = step, writer, layer_map, log
+        self.cols: dict[str, list[np.ndarray]] = {}
+        self.prompt: dict[str, list[np.ndarray]] = {}
+        self.prompt_writer = None
+        self.routes: list[np.ndarray] = []
+        self.any_routes = False
+        self.n = 0
+        self.ntok = 0
+        self.pq_writer = None
+        self.lt: list[np.ndarray] = []  # log-probs of masked tokens for the step's metrics (float64, 16 B/token)
+        self.li: list[np.ndarray] = []
+        self.rewards: list[float] = []
+
+    def add(self, s: Sample) -> None:
+        R = int(s.response_length)
+        P = len(s.tokens) - R
+        if R < 1 or P < 1:
+            raise ImportFormatError(f"{s.where}: {len(s.tokens)} tokens with response_length {R}; need P >= 1, R >= 1")
+        cols: dict[str, np.ndarray] = {
+            "sample": np.full(R, self.n, np.int64), "position": np.arange(R, dtype=np.int64),
+            "token": np.asarray(s.tokens[P:], dtype=np.int64), "prompt_length": np.full(R, P, np.int64),
+            "response_length": np.full(R, R, np.int64)}
+        for name, v in (("logp_infer", s.logp_infer), ("logp_train", s.logp_train), ("loss_mask", s.loss_mask),
+                        ("advantage", s.advantage)):
+            if v is not None:
+                if v.shape != (R,):
+                    raise ImportFormatError(f"{s.where}: {name} has {v.shape[0] if v.ndim else 0} values for "
+                                            f"{R} response tokens")
+                cols[name] = v
+        if s.reward is not None:
+            cols["reward"] = np.full(R, float(s.reward), np.float64)
+            self.rewards.append(float(s.reward))
+        if s.index is not None:
+            cols["index"] = np.full(R, int(s.index), np.int64)
+        for k, v in cols.items():
+            self.cols.setdefault(k, []).append(v)
+        self.prompt.setdefault("sample", []).append(np.full(P, self.n, np.int64))
+        self.prompt.setdefault("position", []).append(np.arange(P, dtype=np.int64))
+        self.prompt.setdefault("token", []).append(np.asarray(s.tokens[:P], dtype=np.int64))
+        mask = np.ones(R, bool) if s.loss_mask is None else np.asarray(s.loss_mask) > 0
+        if s.logp_infer is not None and s.logp_train is not None:
+            self.lt.append(np.asarray(s.logp_train, np.float64)[mask])
+            self.li.append(np.asarray(s.logp_infer, np.float64)[mask])
+        if self.layer_map is not None:
+            kept = _check_routes(s, self.n, self.layer_map, self.log)
+            if kept is not None:
+                self.any_routes = True
+                self.routes.append(kept.astype(np.int64).astype(_compact(self.layer_map)))
+            else:
+                self.routes.append(None)  # type: ignore[arg-type]
+        elif s.routes is not None:
+            raise ImportFormatError(f"{s.where}: the dump has routes; pass the model's config.json (--config) so "
+                                    "its layer axis can be mapped to global layer ids")
+        self.n += 1
+        self.ntok += R
+        if self.n % _TOKEN_CHUNK == 0:
+            self._flush()
+
+    def _flush(self) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        if not self.cols:
+            return
+        prompt = pa.table({k: np.concatenate(v) for k, v in self.prompt.items()})
+        if self.prompt_writer is None:
+            out = self.writer.path / "prompts" / f"step-{self.step:06d}.parquet"
+            out.parent.mkdir(exist_ok=True)
+            self.prompt_writer = pq.ParquetWriter(out, prompt.schema)
+        self.prompt_writer.write_table(prompt)
+        self.prompt = {}
+        if self.lt:  # one array per chunk instead of two per sample
+            self.lt, self.li = [np.concatenate(self.lt)], [np.concatenate(self.li)]
+        cols = {k: np.concatenate(v) for k, v in self.cols.items()}
+        n = len(cols["sample"])
+        table = pa.table({"step": np.full(n, self.step, np.int64), **cols})
+        if self.pq_writer is None:
+            out = self.writer.path / "tokens" / f"step-{self.step:06d}.parquet"
+            out.parent.mkdir(exist_ok=True)
+            self.pq_writer = pq.ParquetWriter(out, table.schema)
+        elif table.schema != self.pq_writer.schema:
+            raise ImportFormatError(f"step {self.step}: samples differ in which fields they carry "
+                                    f"({sorted(table.schema.names)} vs {sorted(self.pq_writer.schema.names)})")
+        self.pq_writer.write_table(table)
+        self.cols = {}
+
+    def finish(self, writer: RunWriter, totals: dict[str, int]) -> None:
+        self._flush()
+        for w in (self.pq_writer, self.prompt_writer):
+            if w is not None:
+                w.close()
+        lm = self.layer_map
+        if lm is not None and self.any_routes:
+            shape = next(r for r in self.routes if r is not None).shape[1:]
+            parts = [r if r is not None else np.zeros((0, *shape), _compact(lm)) for r in self.routes]
+            totals["samples_without_routes"] += sum(r is None for r in self.routes)
+            routes = Routes.from_list(parts, num_experts=lm.layout.num_experts, layer_ids=lm.moe_ids)
+            writer.write_routes(self.step, "engine", routes)
+        elif lm is not None:
+            totals["samples_without_routes"] += self.n
+        rec: dict[str, Any] = {"step": self.step, "samples": self.n, "tokens": self.ntok}
+        if self.rewards:
+            rec["reward_mean"] = float(np.mean(self.rewards))
+        if self.lt and sum(a.size for a in self.lt):
+            lt, li = np.concatenate(self.lt), np.concatenate(self.li)
+            if np.isfinite(lt - li).all():
+                rec.update({f"mismatch/{k}": v for k, v in metrics.mismatch_metrics(lt, li).items()})
+        writer.log_step(rec)
+        totals["samples"] += self.n
+        totals["steps"] += 1
+        totals["tokens"] += self.ntok
+
+
+def sample_tokens(run_path: str | os.PathLike, step: int) -> list[np.ndarray]:
+    """The full token sequence (prompt + response) of every sample of an imported run's step, in sample order."""
+    import pyarrow.parquet as pq
+
+    p = Path(run_path)
+    try:
+        pr = pq.read_table(p / "prompts" / f"step-{int(step):06d}.parquet").to_pandas()
+        rs = pq.read_table(p / "tokens" / f"step-{int(step):06d}.parquet", columns=["sample", "token"]).to_pandas()
+    except (OSError, ValueError) as e:
+        raise ImportFormatError(f"{str(p)!r} step {step}: no prompt/token tables of an imported run: {e}") from e
+    pg, rg = pr.groupby("sample")["token"], rs.groupby("sample")["token"]
+    return [np.concatenate([pg.get_group(i).to_numpy(), rg.get_group(i).to_numpy()]) for i in sorted(rg.groups)]
+
+
+def _compact(lm: LayerMap) -> np.dtype:
+    from r3lab.routes import compact_dtype
+
+    return compact_dtype(lm.layout.num_experts)

@@ -1,0 +1,287 @@
+"""Small dumps in each framework's documented layout, written by code (never hand-edited bytes).
+
+The tests call these into temporary folders. Layouts follow r3lab.importers' module docstrings (slime/Miles
+``Sample.to_dict()`` rollout dumps and train dumps, NeMo-RL ``train_data_step{N}.jsonl``, prime-rl
+``token_exports/step_S/rank_R.jsonl``), on a tiny GLM-4-style model: 8 decoder layers, layer 0 dense, 16 routed
+experts, top-2. ``slime_dump(case=...)`` builds the nasty and the broken cases; :data:`DOCTOR_CASES` says which
+doctor check each broken case must trip. ``python tests/make_dumps.py OUT`` writes one of each.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+E, K, LAYERS, DENSE = 16, 2, 8, (0,)
+MOE = tuple(i for i in range(LAYERS) if i not in DENSE)
+
+# broken case -> (builder, the doctor check that must fire, its status)
+DOCTOR_CASES = {
+    "zero_routes": ("slime", "expert ids", "fail"),
+    "constant_routes": ("slime", "constant routes", "fail"),
+    "out_of_range": ("slime", "expert ids", "fail"),
+    "repeated": ("slime", "expert ids", "fail"),
+    "none_routes": ("slime", "route rows", "fail"),
+    "multi_turn": ("slime", "route rows", "fail"),
+    "shifted": ("slime", "layer axis", "fail"),
+    "dense_routes": ("slime", "layer axis", "fail"),
+    "speculative": ("slime", "speculative rows", "fail"),
+    "drift": ("slime", "k3", "warn"),
+    "drift_f2": ("slime", "F(2)", "warn"),
+    "drift_abs": ("slime", "max |dlogp|", "warn"),
+    "drift_ess": ("slime", "IS ESS", "warn"),
+    "drift_tis": ("slime", "TIS clip", "warn"),
+    "jump": ("slime", "k3 jumps", "warn"),
+    "collapse": ("slime", "max_vio", "warn"),
+    "replay_noop": ("own", "replay effect", "fail"),
+    "replay_mismatch": ("own", "replayed routes", "fail"),
+    "layer_outlier": ("own", "layer disagreement", "warn"),
+}
+
+
+def model_config(folder: str | Path) -> Path:
+    """A GLM-4-MoE config.json: layer 0 dense (first_k_dense_replace=1), layers 1-7 MoE, 16 experts, top-2."""
+    p = Path(folder) / "config.json"
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps({"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe",
+                             "num_hidden_layers": LAYERS, "first_k_dense_replace": 1, "n_routed_experts": E,
+                             "num_experts_per_tok": K, "max_position_embeddings": 512}))
+    return p
+
+
+def routes(rng: np.random.Generator, rows: int, layers: int = LAYERS) -> np.ndarray:
+    """``[rows, layers, K]`` int32 routes with distinct ids in each row; dense layers (all-layer axis) all zero."""
+    r = np.argsort(rng.random((rows, layers, E)), axis=2)[:, :, :K].astype(np.int32)
+    if layers == LAYERS:
+        r[:, list(DENSE), :] = 0
+    return r
+
+
+def _sample(rng: np.random.Generator, i: int, layers: int) -> dict:
+    P, R = int(rng.integers(4, 8)), int(rng.integers(6, 12))
+    tokens = rng.integers(0, 1000, P + R).tolist()
+    return {"tokens": tokens, "response_length": R, "loss_mask": [1] * R,
+            "rollout_log_probs": (-rng.exponential(1.0, R)).tolist(), "rollout_routed_experts": routes(rng, P + R - 1,
+                                                                                                     layers),
+            "reward": float(rng.integers(0, 2)), "index": i, "group_index": i // 4, "status": "completed",
+            "weight_versions": ["0"], "metadata": {}}
+
+
+def _break(s: dict, case: str, rng: np.random.Generator, step: int, steps: int) -> None:
+    r = s["rollout_routed_experts"]
+    if case == "zero_routes":
+        r[:] = 0
+    elif case == "constant_routes":
+        r[:, 3, :] = [3, 5]
+    elif case == "out_of_range":
+        r[2, 4, 0] = E
+    elif case == "repeated":
+        r[1, 2, :] = r[1, 2, 0]
+    elif case == "none_routes":
+        s["rollout_routed_experts"] = None
+    elif case == "multi_turn":  # two turns; the engine returned routes of the last turn only
+        first = len(s["tokens"]) - 1 - 4
+        s["rollout_routed_experts"] = r[first:]
+    elif case == "speculative":
+        s["metadata"]["spec_accept_token_num"] = 3
+        s["rollout_routed_experts"] = np.concatenate([r, r[-1:]])  # a draft token's row kept
+    elif case == "collapse":
+        r[:, 5, 0] = 0
+        r[:, 5, 1] = rng.integers(1, 3, r.shape[0])
+
+
+def _to_routes_form(r: np.ndarray | None, i: int, numpy_routes: bool):
+    import torch
+
+    if r is None or numpy_routes:
+        return r
+    return torch.from_numpy(r) if i % 2 == 0 else r.tolist()  # slime: int32 tensors or nested lists
+
+
+def slime_dump(folder: str | Path, case: str = "clean", *, steps: int = 2, samples: int = 8, seed: int = 0,
+               numpy_routes: bool = False, layers: int = LAYERS, train: bool = True) -> Path:
+    """``rollout_{id}.pt`` files (and ``train/`` dumps over two ranks unless ``train=False``) in ``folder``.
+
+    The clean case already holds the nasty-but-valid shapes: int32 tensors and nested lists, a dict reward, a
+    truncated sample, dense-layer rows of zeros (all-layer axis). ``case`` breaks it (see :data:`DOCTOR_CASES`).
+    """
+    import torch
+
+    out = Path(folder)
+    (out / "train").mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    if case == "jump":
+        steps = max(steps, 7)
+    for step in range(steps):
+        raw = [_sample(rng, i, layers) for i in range(samples)]
+        raw[1]["reward"] = {"score": 1.0, "format": 0.5}
+        raw[2]["status"] = "truncated"
+        if case == "shifted":  # every MoE layer's routes one layer early: dense layer 0 routed, layer 7 zeros
+            for s in raw:
+                r = s["rollout_routed_experts"]
+                r[:, :-1] = r[:, 1:].copy()
+                r[:, -1] = 0
+        elif case == "dense_routes":
+            for s in raw:
+                s["rollout_routed_experts"][:, 0] = routes(rng, len(s["tokens"]) - 1, 2)[:, 1]
+        elif case not in ("clean", "drift", "drift_f2", "drift_abs", "drift_ess", "drift_tis", "jump"):
+            _break(raw[3], case, rng, step, steps)
+            if case == "collapse":
+                for s in raw:
+                    _break(s, case, rng, step, steps)
+        noise = 0.01
+        if case.startswith("drift") or (case == "jump" and step == steps - 1):
+            noise = 3.0
+        logps = [np.asarray(s["rollout_log_probs"]) + rng.normal(0, noise, s["response_length"]) for s in raw]
+        for i, s in enumerate(raw):
+            s["rollout_routed_experts"] = _to_routes_form(s["rollout_routed_experts"], i, numpy_routes)
+        torch.save({"rollout_id": step, "samples": raw}, out / f"rollout_{step}.pt")
+        if train:
+            for rank in range(2):
+                idx = list(range(rank, samples, 2))
+                torch.save({"rollout_id": step, "rank": rank, "rollout_data": {
+                    "sample_indices": idx, "log_probs": [torch.from_numpy(logps[i].copy()) for i in idx]}},
+                    out / "train" / f"train_{step}_{rank}.pt")
+    return out
+
+
+def miles_dump(folder: str | Path, case: str = "clean", **kw) -> Path:
+    """Miles: slime's layout with numpy int32 routes."""
+    return slime_dump(folder, case, numpy_routes=True, **kw)
+
+
+def nemo_rl_dump(folder: str | Path, *, steps: int = 2, samples: int = 8, seed: int = 0, pad: int = 4,
+                 multi_turn: bool = True) -> Path:
+    """``train_data_step{N}.jsonl``: padded token_ids, input_lengths, token_loss_mask, both log-probs, advantages."""
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    for step in range(1, steps + 1):
+        with open(out / f"train_data_step{step}.jsonl", "w") as f:
+            for i in range(samples):
+                P, R = int(rng.integers(3, 7)), int(rng.integers(4, 10))
+                n = P + R
+                mask = [0] * P + [1] * R
+                if multi_turn and i == 0:  # an environment turn inside the response: masked out
+                    mask[P + 1] = mask[P + 2] = 0
+                gen = [0.0] * P + (-rng.exponential(1.0, R)).tolist()
+                prev = [g + float(rng.normal(0, 0.01)) if j >= P else 0.0 for j, g in enumerate(gen)]
+                z = [0] * pad
+                f.write(json.dumps({"token_ids": rng.integers(0, 1000, n).tolist() + z, "input_lengths": n,
+                                    "token_loss_mask": mask + z, "generation_logprobs": gen + [0.0] * pad,
+                                    "prev_logprobs": prev + [0.0] * pad, "advantages": [0.5] * (n + pad),
+                                    "rewards": float(i % 2), "idx": i}) + "\n")
+    return out
+
+
+def nemo_rl_large(folder: str | Path, *, samples: int, steps: int = 4, seed: int = 0) -> Path:
+    """A large NeMo-RL dump (``samples`` in all, short sequences) for the memory test; written line by line."""
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    per = samples // steps
+    tok = rng.integers(0, 1000, (per, 12)).tolist()
+    lp = np.round(-rng.exponential(1.0, (per, 12)), 4).tolist()
+    for step in range(1, steps + 1):
+        with open(out / f"train_data_step{step}.jsonl", "w") as f:
+            for i in range(per):
+                f.write(json.dumps({"token_ids": tok[i], "input_lengths": 12, "token_loss_mask": [0] * 4 + [1] * 8,
+                                    "generation_logprobs": lp[i], "prev_logprobs": lp[i], "rewards": 1.0}) + "\n")
+    return out
+
+
+def prime_rl_dump(folder: str | Path, *, steps: int = 2, ranks: int = 2, samples: int = 4, seed: int = 0) -> Path:
+    """``token_exports/step_S/rank_R.jsonl``: log-probs over the completion (the last tokens)."""
+    root = Path(folder) / "token_exports"
+    rng = np.random.default_rng(seed)
+    for step in range(steps):
+        d = root / f"step_{step}"
+        d.mkdir(parents=True, exist_ok=True)
+        for rank in range(ranks):
+            with open(d / f"rank_{rank}.jsonl", "w") as f:
+                for _ in range(samples):
+                    P, R = int(rng.integers(3, 7)), int(rng.integers(4, 10))
+                    inf = (-rng.exponential(1.0, R)).tolist()
+                    tr = [x + float(rng.normal(0, 0.01)) for x in inf]
+                    f.write(json.dumps({"token_ids": rng.integers(0, 1000, P + R).tolist(), "inference_logprobs": inf,
+                                        "trainer_logprobs": tr, "mismatch_kl": 0.0, "reward": 1.0}) + "\n")
+    return Path(folder)
+
+
+class RunsCode:
+    """A pickle that would run code when loaded (it creates ``marker``): what a hostile or careless dump holds."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def evil_dump(path: str | Path, marker: str | Path) -> Path:
+    """A ``.pt`` rollout dump whose samples hold :class:`RunsCode` (torch.save pickles it as is)."""
+    import torch
+
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"rollout_id": 0, "samples": [RunsCode(str(marker))]}, p)
+    return p
+
+
+def own_run(root: str | Path, case: str = "clean", *, steps: int = 2, samples: int = 6, seed: int = 0) -> Path:
+    """An r3lab run like the drift experiment's: engine/trainer/replayed routes, log-probs with and without R3."""
+    from r3lab import metrics
+    from r3lab.routes import Routes
+    from r3lab.runs import RunWriter
+
+    rng = np.random.default_rng(seed)
+    cfg = {"model": {"moe_layer_ids": list(MOE), "num_experts": E, "top_k": K}}
+    with RunWriter(root, f"own-{case}", "drift", cfg) as w:
+        for step in range(steps):
+            P = rng.integers(4, 8, samples)
+            R = rng.integers(6, 12, samples)
+            eng = [routes(rng, int(p + r - 1), len(MOE)) for p, r in zip(P, R, strict=True)]
+            trn = []
+            for e in eng:
+                t = e.copy()
+                rate = np.full(len(MOE), 0.05)
+                if case == "layer_outlier":
+                    rate[3] = 0.6
+                flip = rng.random((t.shape[0], len(MOE))) < rate
+                t[flip] = np.argsort(rng.random((int(flip.sum()), E)), axis=1)[:, :K]
+                trn.append(t)
+            er = Routes.from_list(eng, num_experts=E, layer_ids=MOE)
+            tr = Routes.from_list(trn, num_experts=E, layer_ids=MOE)
+            flipped = metrics.set_differs(er.values, tr.values)[metrics.response_rows(er.cu_seqlens, R)].any(axis=1)
+            n = int(R.sum())
+            li = -rng.exponential(1.0, n)
+            lr3 = li + rng.normal(0, 0.005, n)
+            lnone = lr3 + np.where(flipped, rng.normal(0, 0.05, n), 0.0)
+            if case == "replay_noop":
+                lr3 = lnone.copy()
+            w.write_tokens(step, {"sample": np.repeat(np.arange(samples), R),
+                                  "position": np.concatenate([np.arange(r) for r in R]),
+                                  "logp_infer": li, "logp_none": lnone, "logp_r3": lr3, "flipped": flipped})
+            w.write_routes(step, "engine", er)
+            w.write_routes(step, "trainer", tr)
+            rep = er
+            if case == "replay_mismatch":
+                rep = Routes.from_list([e[:, ::-1] if i else np.roll(e, 1, axis=0) for i, e in enumerate(eng)],
+                                       num_experts=E, layer_ids=MOE)
+            w.write_routes(step, "replayed", rep)
+            w.log_step({"step": step, "tokens": n})
+        w.finish({"steps": steps})
+    return Path(root) / f"own-{case}"
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else "dumps")
+    model_config(out / "model")
+    slime_dump(out / "slime")
+    miles_dump(out / "miles")
+    nemo_rl_dump(out / "nemo-rl")
+    prime_rl_dump(out / "prime-rl")
+    print(f"wrote dumps under {out}")

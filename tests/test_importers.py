@@ -1,0 +1,181 @@
+"""Importers: round trips bit for bit, the layer map, refusals that run no code, bounded memory, the command line."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import make_dumps as md
+import numpy as np
+import pytest
+import torch
+
+from r3lab import runs
+from r3lab.importers import ImportFormatError, UnsafeFileError, import_run, safe_torch_load, sample_tokens
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture()
+def cfg(tmp_path):
+    return md.model_config(tmp_path / "model")
+
+
+def _raw(src: Path, step: int):
+    return torch.load(src / f"rollout_{step}.pt", weights_only=False)["samples"]  # the test trusts its own files
+
+
+@pytest.mark.parametrize("kind", ["slime", "miles"])
+@pytest.mark.parametrize("layers", [md.LAYERS, len(md.MOE)], ids=["all-layers", "moe-only"])
+def test_slime_and_miles_round_trip_bit_for_bit(tmp_path, cfg, kind, layers):
+    src = (md.slime_dump if kind == "slime" else md.miles_dump)(tmp_path / "dump", layers=layers)
+    run = runs.load(import_run(kind, src, tmp_path / "run", config=cfg, train=src / "train"))
+    assert run.kind == "imported" and run.finished and run.token_steps() == [0, 1] == run.route_steps("engine")
+    moe_cols = list(md.MOE) if layers == md.LAYERS else slice(None)
+    for step in (0, 1):
+        raw = _raw(src, step)
+        train = {}
+        for rank in (0, 1):
+            d = torch.load(src / "train" / f"train_{step}_{rank}.pt", weights_only=True)["rollout_data"]
+            train.update(dict(zip(d["sample_indices"], d["log_probs"], strict=True)))
+        toks = run.tokens([step])
+        full = sample_tokens(run.path, step)
+        routes = run.routes(step, "engine")
+        assert len(full) == len(raw) == len(routes)
+        assert routes.layer_ids.tolist() == list(md.MOE)
+        for i, s in enumerate(raw):
+            t = toks[toks["sample"] == i]
+            assert full[i].tolist() == list(s["tokens"])
+            assert t["logp_infer"].to_numpy().tobytes() == np.asarray(s["rollout_log_probs"], np.float64).tobytes()
+            assert t["logp_train"].to_numpy().tobytes() == train[i].numpy().tobytes()
+            want = np.asarray(s["rollout_routed_experts"])[:, moe_cols, :]
+            assert np.array_equal(routes.sequence(i).astype(np.int64), want.astype(np.int64))
+        assert toks[toks["sample"] == 1]["reward"].iloc[0] == 1.0  # the dict reward's "score"
+
+
+def test_nemo_rl_round_trip(tmp_path):
+    src = md.nemo_rl_dump(tmp_path / "dump")
+    run = runs.load(import_run("nemo-rl", src, tmp_path / "run"))
+    assert run.token_steps() == [1, 2] and run.route_steps("engine") == []
+    for step in (1, 2):
+        lines = [json.loads(x) for x in (src / f"train_data_step{step}.jsonl").read_text().splitlines()]
+        toks, full = run.tokens([step]), sample_tokens(run.path, step)
+        for i, d in enumerate(lines):
+            n = d["input_lengths"]
+            P = d["token_loss_mask"].index(1)
+            t = toks[toks["sample"] == i]
+            assert full[i].tolist() == d["token_ids"][:n]
+            assert t["logp_infer"].tolist() == d["generation_logprobs"][P:n]
+            assert t["logp_train"].tolist() == d["prev_logprobs"][P:n]
+            assert t["loss_mask"].tolist() == d["token_loss_mask"][P:n]
+    multi = run.tokens([1])
+    assert multi[multi["sample"] == 0]["loss_mask"].tolist()[:3] == [1, 0, 0]  # the environment turn stays masked
+
+
+def test_prime_rl_round_trip(tmp_path):
+    src = md.prime_rl_dump(tmp_path / "dump")
+    run = runs.load(import_run("prime-rl", src, tmp_path / "run"))
+    lines = [json.loads(x) for r in (0, 1) for x in (src / "token_exports" / "step_1" / f"rank_{r}.jsonl")
+             .read_text().splitlines()]
+    toks, full = run.tokens([1]), sample_tokens(run.path, 1)
+    assert len(full) == len(lines)
+    for i, d in enumerate(lines):
+        t = toks[toks["sample"] == i]
+        assert full[i].tolist() == d["token_ids"]
+        assert t["logp_infer"].tolist() == d["inference_logprobs"]
+        assert t["logp_train"].tolist() == d["trainer_logprobs"]
+
+
+def test_config_records_source_format_and_file_hashes(tmp_path, cfg):
+    src = md.slime_dump(tmp_path / "dump", train=False)
+    run = runs.load(import_run("slime", src, tmp_path / "run", config=cfg))
+    source = run.config["source"]
+    assert source["format"] == "slime" and run.config["row_convention"] == "P+R-1"
+    assert source["files"] == {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(src.glob("*.pt"))}
+    assert run.config["model"]["moe_layer_ids"] == list(md.MOE)
+
+
+def test_a_pickle_that_runs_code_is_refused_and_the_code_does_not_run(tmp_path):
+    live = tmp_path / "live-marker"
+    pickle.loads(pickle.dumps(md.RunsCode(str(live))))  # the oracle: loading this pickle really runs code
+    assert live.exists()
+    marker = tmp_path / "marker"
+    dump = md.evil_dump(tmp_path / "dump" / "rollout_0.pt", marker)
+    for kind in ("slime", "miles"):  # miles allows numpy's reconstructors, and nothing that calls open()
+        with pytest.raises(UnsafeFileError, match="could run code"):
+            import_run(kind, dump.parent, tmp_path / f"run-{kind}", config=md.model_config(tmp_path / "m"))
+        with pytest.raises(UnsafeFileError, match="JSON"):
+            safe_torch_load(dump, numpy_arrays=kind == "miles")
+    assert not marker.exists()
+    pkl = tmp_path / "batch.pkl"  # a verl/SkyRL-style pickle: refused by its suffix before it is opened
+    pkl.write_bytes(pickle.dumps(md.RunsCode(str(marker))))
+    with pytest.raises(UnsafeFileError, match="execute"):
+        safe_torch_load(pkl)
+    assert not marker.exists()
+
+
+def test_routes_need_the_model_config_and_a_matching_layer_axis(tmp_path, cfg):
+    src = md.slime_dump(tmp_path / "dump", train=False)
+    with pytest.raises(ImportFormatError, match="--config"):
+        import_run("slime", src, tmp_path / "run1")
+    bad = md.slime_dump(tmp_path / "dump5", layers=5, train=False)
+    with pytest.raises(ImportFormatError, match="layer axis of 5"):
+        import_run("slime", bad, tmp_path / "run2", config=cfg)
+    with pytest.raises(ImportFormatError, match="do not apply"):
+        import_run("nemo-rl", src, tmp_path / "run3", config=cfg)
+    with pytest.raises(ImportFormatError, match="unknown dump kind"):
+        import_run("verl", src, tmp_path / "run4")
+
+
+def test_bad_samples_keep_their_tokens_and_leave_their_routes_out(tmp_path, cfg):
+    """A sample with rollout_routed_experts=None, or routes of its last turn only, is imported without routes."""
+    for case in ("none_routes", "multi_turn"):
+        src = md.slime_dump(tmp_path / case, case, train=False)
+        run = runs.load(import_run("slime", src, tmp_path / f"run-{case}", config=cfg))
+        r = run.routes(0, "engine")
+        assert r.lengths[3] == 0 and (np.delete(r.lengths, 3) > 0).all()
+        assert (run.tokens([0])["sample"] == 3).sum() == _raw(src, 0)[3]["response_length"]
+        assert run.config["capture"]["counts"]["missing_routes" if case == "none_routes" else "row_count"] == 2
+
+
+def test_import_is_streaming_and_bounded_in_memory(tmp_path):
+    """100k samples (a 200 MB JSONL dump, about as large again as Python objects) import with a small, fixed RSS
+    rise: the bound is a third of the dump's size (measured: about a quarter, most of it pyarrow's buffers)."""
+    small = md.nemo_rl_dump(tmp_path / "small")
+    big = md.nemo_rl_large(tmp_path / "big", samples=100_000)
+    size = sum(f.stat().st_size for f in big.iterdir())
+    probe = ("import resource, sys\nfrom r3lab.importers import import_run\n"
+             "import_run('nemo-rl', sys.argv[1], sys.argv[3] + '-warm')\n"
+             "a = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+             "import_run('nemo-rl', sys.argv[2], sys.argv[3])\n"
+             "print(a, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n")
+    out = subprocess.run([sys.executable, "-c", probe, str(small), str(big), str(tmp_path / "run")], check=True,
+                         capture_output=True, text=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    before, after = (int(x) * 1024 for x in out.stdout.split())
+    assert after - before < size / 3, (after - before, size)
+    run = runs.load(tmp_path / "run")
+    assert run.summary["samples"] == 100_000 and run.summary["tokens"] == 800_000
+
+
+def test_cli_import_then_doctor(tmp_path, cfg, capsys):
+    from r3lab.cli import main
+
+    src = md.slime_dump(tmp_path / "dump")
+    out = tmp_path / "run"
+    main(["import", "slime", str(src), "--out", str(out), "--config", str(cfg), "--train", str(src / "train")])
+    main(["doctor", str(out)])
+    text = capsys.readouterr().out
+    assert "imported slime dump" in text and "0 failed" in text
+    bad = md.slime_dump(tmp_path / "bad", "shifted", train=False)
+    main(["import", "slime", str(bad), "--out", str(tmp_path / "bad-run"), "--config", str(cfg)])
+    with pytest.raises(SystemExit) as e:
+        main(["doctor", str(tmp_path / "bad-run")])
+    assert e.value.code == 1
+    with pytest.raises(SystemExit) as e:
+        main(["import", "slime", str(md.evil_dump(tmp_path / "evil.pt", tmp_path / "m")), "--out",
+              str(tmp_path / "evil-run"), "--config", str(cfg)])
+    assert "refuses" in str(e.value.code)
