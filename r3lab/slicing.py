@@ -224,12 +224,12 @@ class ParallelLayout:
     def router_layer_ids(self, pp_rank: int, vpp_chunk: int | None = None) -> list[int]:
         """Global ids of the MoE layers this pipeline rank builds, in construction order (chunk by chunk)."""
         chunks = range(self.vpp) if vpp_chunk is None else [vpp_chunk]
-        moe = set(self._moe_ids)
+        moe = set(self.router_layers)
         return [g for c in chunks for g in self.stage_layers(pp_rank, c) if g in moe]
 
     @property
-    def _moe_ids(self) -> tuple[int, ...]:
-        """``moe_layer_ids`` as construction resolved it (``None`` became every layer)."""
+    def router_layers(self) -> tuple[int, ...]:
+        """The 0-based global ids of the layers with a router (``moe_layer_ids`` resolved: ``None`` is every layer)."""
         return cast(tuple[int, ...], self.moe_layer_ids)  # __post_init__ always stores a tuple
 
     @staticmethod
@@ -241,7 +241,7 @@ class ParallelLayout:
     # ---- config round trip ---------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        d["moe_layer_ids"] = list(self._moe_ids)
+        d["moe_layer_ids"] = list(self.router_layers)
         return d
 
     @classmethod

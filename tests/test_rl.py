@@ -65,6 +65,9 @@ def test_quick_loop_learns_and_writes_a_readable_run(engine, tmp_path):
     assert set(back.token_steps()) == {0, QUICK.steps - 1}
     assert back.routes(0, "engine").num_experts == 16
     assert back.summary["reward_last_quarter"] > back.summary["reward_first_quarter"]
+    # the doctor ran on the finished run: every capture and replay check passed (health checks only warn)
+    assert back.summary["doctor/failed"] == 0, back.summary["doctor/checks"]
+    assert back.summary["doctor/checks"]["route rows"] == "ok"
     table = comparison_table(comparison_rows([(run.config, run.steps)]))
     assert "| tiny-qwen3-moe | R3 | 1 x 10 |" in table
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ import numpy as np
 from r3lab import metrics
 from r3lab.config import MODES, RLConfig, RLMetric, run_name
 from r3lab.corpus import corpus_prompts
+from r3lab.doctor import diagnose
 from r3lab.errors import ConfigError, R3LabError
 from r3lab.paths import model_dir
 from r3lab.rollout import RolloutEngine, RolloutResult, SamplingConfig, append_last_row
@@ -302,6 +304,10 @@ def run_rl(config: RLConfig, *, engine: RolloutEngine | None = None, runs_root: 
                 on_step(rec)
         summary = _summary(history)
         if writer is not None:
+            report = diagnose(writer.path)  # the field's silent failures, checked on what this run wrote
+            summary.update(report.summary())
+            if not report.ok:
+                print(report.text(), file=sys.stderr)
             writer.finish(summary)
         return RLRun(config, history, writer.path if writer is not None else None)
     finally:

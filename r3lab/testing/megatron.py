@@ -142,12 +142,12 @@ class TinyGPTSpec:
 
     def layer_pattern(self) -> list[int]:
         """0/1 per global layer (1 = MoE): Megatron's ``moe_layer_freq`` as a list."""
-        moe = set(self.layout.moe_layer_ids)
+        moe = set(self.layout.router_layers)
         return [1 if i in moe else 0 for i in range(self.layout.num_layers)]
 
     def moe_layer_ids(self) -> list[int]:
         """0-based global ids of the MoE layers (Megatron's layer_number - 1)."""
-        return list(self.layout.moe_layer_ids)
+        return list(self.layout.router_layers)
 
     def transformer_config(self):
         from megatron.core.transformer import TransformerConfig

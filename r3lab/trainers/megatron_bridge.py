@@ -82,7 +82,7 @@ def megatron_token_logprobs(
             if len(routes) != 1 or routes.total_tokens != len(token_ids):
                 raise ConfigError(f"routes must hold one sequence of {len(token_ids)} rows (one per token), got "
                                   f"{len(routes)} sequence(s) of {routes.total_tokens} rows in all")
-            missing = sorted(set(layout.moe_layer_ids) - set(routes.layer_ids.tolist()))
+            missing = sorted(set(layout.router_layers) - set(routes.layer_ids.tolist()))
             if missing:
                 raise ConfigError(f"routes have no rows for the model's MoE layers {missing} "
                                   f"(routes: layers {routes.layer_ids.tolist()})")
@@ -96,7 +96,7 @@ def megatron_token_logprobs(
                 logits = forward(model, ids)
                 got = rep.after_forward()
             cfg = next(iter(megatron_routers(model)[0].values())).config
-            values = np.stack([got[g].cpu().numpy() for g in layout.moe_layer_ids], axis=1)
+            values = np.stack([got[g].cpu().numpy() for g in layout.router_layers], axis=1)
             used = Routes.from_list([values], num_experts=int(cfg.num_moe_experts), layer_ids=layout.moe_layer_ids)
         else:
             logits = forward(model, ids)

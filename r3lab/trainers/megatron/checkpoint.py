@@ -191,9 +191,9 @@ def build_model(
     model_dir = Path(model_dir)
     cfg = _read_config(model_dir)
     moe = MoELayout.from_config(cfg)
-    if layout.num_layers != moe.num_hidden_layers or tuple(layout.moe_layer_ids) != tuple(moe.moe_layer_ids):
+    if layout.num_layers != moe.num_hidden_layers or tuple(layout.router_layers) != tuple(moe.moe_layer_ids):
         raise MegatronLoadError(
-            f"layout has {layout.num_layers} layers, MoE layers {list(layout.moe_layer_ids)}; {model_dir.name} has "
+            f"layout has {layout.num_layers} layers, MoE layers {list(layout.router_layers)}; {model_dir.name} has "
             f"{moe.num_hidden_layers}, MoE layers {list(moe.moe_layer_ids)} (use layout_for)"
         )
     why = group_routing_mismatch(cfg)
