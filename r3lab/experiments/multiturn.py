@@ -105,9 +105,9 @@ def rollout_turns(engine: Any, prompts: Sequence[str], sampling: SamplingConfig,
                   seed: int, data: Any = None) -> list[Trajectory]:
     """``sampling.n`` trajectories per prompt of ``turns`` turns each (prompt-major, as ``engine.generate``).
 
-    Turn 0 samples ``sampling.n`` completions per prompt; every later turn appends an observation to each
-    trajectory and samples one continuation of it (``n=1``, seed ``sampling.seed + turn``), ``sampling.max_tokens``
-    tokens long.
+    ``seed`` picks the observations (distinct corpus lines per trajectory and turn). Turn 0 samples ``sampling.n``
+    completions per prompt; every later turn appends an observation to each trajectory and samples one continuation
+    of it (``n=1``, seed ``sampling.seed + turn``), ``sampling.max_tokens`` tokens long.
     """
     if turns < 1:
         raise ConfigError(f"turns must be >= 1, got {turns}")
@@ -115,8 +115,8 @@ def rollout_turns(engine: Any, prompts: Sequence[str], sampling: SamplingConfig,
     history: list[list[RolloutResult]] = [[r] for r in first]
     views: list[list[Routes]] = [[] for _ in first]
     for j in range(1, turns):
-        obs = observation_ids(engine.tokenizer, len(history), words=observation_words,
-                              seed=(sampling.seed or 0) * 7919 + j, data=data)
+        obs = observation_ids(engine.tokenizer, len(history), words=observation_words, seed=seed * 7919 + j,
+                              data=data)
         prefixes = [h[-1].token_ids + o for h, o in zip(history, obs, strict=True)]
         step = SamplingConfig(max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
                               top_k=sampling.top_k, n=1, seed=None if sampling.seed is None else sampling.seed + j,
@@ -125,7 +125,7 @@ def rollout_turns(engine: Any, prompts: Sequence[str], sampling: SamplingConfig,
         outs = engine.generate(prefixes, step, routes_prompt_start=0)
         for i, (h, out) in enumerate(zip(history, outs, strict=True)):
             prev = h[-1]
-            held = prev.routes_start + prev.routes.total_tokens  # P + R - 1 of the previous turn
+            held = len(prev.token_ids) - 1  # the rows the previous turns hold: P + R - 1 of the previous turn
             view, own = split_turn_routes(out, held)
             h.append(own)
             views[i].append(view)

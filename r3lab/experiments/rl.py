@@ -204,7 +204,8 @@ def scorer_at(config: RLConfig, path: str | os.PathLike, weights: Any, *, scorer
         raise ConfigError(f"old_logprobs='behaviour' needs a trainer that loads exported weights back "
                           f"(load_weights); the {getattr(scorer, 'name', type(scorer).__name__)!r} trainer does not")
     scorer.load_weights(weights)
-    return scorer
+    loaded: Any = scorer  # a Scorer that also loads weights
+    return loaded
 
 
 def old_policy(trainer: Trainer, batch: RolloutBatch, config: RLConfig, *,
@@ -260,8 +261,8 @@ def _proximal(trainer: Trainer, batch: RolloutBatch, config: RLConfig, behaviour
     rec[RLMetric.K3_POLICY_LAG] = metrics.k3_kl(prox, behav)
     rec[RLMetric.K3_ENGINE_CURRENT] = metrics.k3_kl(prox, infer)
     rec["async/extreme_frac_tau2_policy_lag"] = metrics.extreme_token_fraction(prox, behav, 2.0)
-    rec["async/route_change_lag"] = float(metrics.set_differs(behaviour_native.routes.values,
-                                                              current.routes.values).mean())
+    lag_routes: Any = current.routes  # recorded (record=True)
+    rec["async/route_change_lag"] = float(metrics.set_differs(behaviour_native.routes.values, lag_routes.values).mean())
     if config.tis_cap is None:
         raw = np.exp(logp_prox - batch.logp_infer)
         weights = np.minimum(raw, config.behaviour_cap)
