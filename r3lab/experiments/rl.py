@@ -62,7 +62,7 @@ from r3lab.config import MODES, OLD_LOGPROBS, RLConfig, RLMetric, run_name
 from r3lab.corpus import corpus_prompts
 from r3lab.doctor import diagnose
 from r3lab.errors import ConfigError, R3LabError
-from r3lab.experiments.multiturn import prefill_vs_decode, rollout_turns
+from r3lab.experiments.multiturn import engine_prefix_cache, prefill_vs_decode, rollout_turns
 from r3lab.paths import model_dir
 from r3lab.rollout import RolloutEngine, RolloutResult, SamplingConfig, append_last_row
 from r3lab.routes import Routes
@@ -401,6 +401,9 @@ def run_rl(config: RLConfig, *, engine: RolloutEngine | None = None, runs_root: 
                                         observation_words=config.observation_words,
                                         seed=config.seed * 1_000_003 + step, data=config.data)
                 turn_rec = {f"multiturn/prefill_vs_held_{k}": v for k, v in prefill_vs_decode(results).items()}
+                cache = engine_prefix_cache(engine)  # a cached full block returns stored routes, not a new prefill
+                turn_rec.update({"multiturn/prefix_cache_block_size": cache["block_size"] if cache["enabled"] else 0,
+                                 "multiturn/longest_trajectory": max(len(t.token_ids) for t in results)})
             t_gen = time.perf_counter() - t0
             rewards = np.array([task.reward(r.response_ids) for r in results])
             if config.turns == 1:
