@@ -23,6 +23,7 @@ __all__ = [
     "MODES",
     "DTYPES",
     "ENGINE_QUANTS",
+    "OLD_LOGPROBS",
     "TRAINER_DTYPES",
     "TRAINERS",
     "RLConfig",
@@ -40,6 +41,10 @@ DTYPES = ("bfloat16", "float32")
 ENGINE_QUANTS = ("none", "fp8", "int8", "int6", "int4")  # the mismatch dial (r3lab.rollout.quant: a simulation)
 _QUANT_HELP = ("the mismatch dial: simulated weight quantization of the engine's attention and expert weights "
                "(per output channel, dequantized to its dtype; routers, norms, embeddings, LM head exact)")
+# where the loss's old log-probs come from under staleness (r3lab.experiments.rl): the trainer's current weights
+# (the proximal policy, as before), or matched weights: a trainer-side copy of the behaviour weights scores the batch
+# (verl's fully-async recompute, slime's --keep-old-actor) and the decoupled objective weights behaviour -> proximal
+OLD_LOGPROBS = ("current", "behaviour")
 TRAINER_DTYPES = {"bfloat16": "bf16, fp32 router", "float32": "fp32"}  # the drift experiment's trainer settings
 # the drift experiment's trainers (r3lab.trainers): transformers on CPU, and a Megatron GPTModel loaded by
 # megatron-bridge on a GPU node (scoring only)
@@ -65,6 +70,10 @@ class RLMetric:
     ROUTE_CHANGE_LAST_MB = "routing/route_change_last_mb"
     USED_ROUTE_CHANGE_LAST_MB = "routing/used_route_change_last_mb"
     CLIP_FRAC = "train/clip_frac"
+    # old_logprobs="behaviour": the two parts of the staleness mismatch, measured apart
+    K3_ENGINE_TRAINER_MATCHED = "async/k3_kl_engine_trainer"  # engine vs trainer at the behaviour weights (replay's)
+    K3_POLICY_LAG = "async/k3_kl_policy_lag"  # trainer at the current weights vs at the behaviour weights
+    K3_ENGINE_CURRENT = "async/k3_kl_engine_vs_current"  # engine vs the current weights (both together)
 
 
 def knob(default: Any, help: str, *, choices: Sequence[Any] | None = None, flag: str | None = None,
@@ -151,6 +160,14 @@ class RLConfig(_Config):
     trainer_dtype: str = knob("float32", "the trainer's dtype (bfloat16: routers as --router-dtype)", choices=DTYPES)
     router_dtype: str = knob("float32", "a bf16 trainer's router dtype (fp32 as the field runs them)", choices=DTYPES)
     staleness: int = knob(0, "rollouts come from a policy this many updates behind the trainer (fully async)")
+    old_logprobs: str = knob("current", "old log-probs under staleness: the trainer's current weights (current), or "
+                             "matched weights (behaviour: a trainer copy of the weights the engine sampled with "
+                             "scores the batch; decoupled objective, ratio to the current policy, weight "
+                             "min(pi_current / pi_engine, --behaviour-cap))", choices=OLD_LOGPROBS)
+    behaviour_cap: float = knob(2.0, "old_logprobs=behaviour: the cap of the truncated behaviour -> proximal weight")
+    turns: int = knob(1, "turns per trajectory: after each turn the environment appends an observation (corpus words "
+                      "the policy did not sample) and the engine continues; the loss covers sampled tokens only")
+    observation_words: int = knob(3, "turns > 1: corpus words per observation")
     target_letter: str = knob("m", "the task's target letter (reward: distinct words starting with it)")
     seed: int = knob(0, "seed of prompts, sampling and initialisation")
     token_steps: int = knob(0, "also write per-token tables every this many steps (0: first and last step only)")
@@ -172,6 +189,11 @@ class RLConfig(_Config):
                               f"(--prompts-per-step x --samples-per-prompt) does not split into "
                               f"{self.mini_batches} mini-batches (--mini-batches)")
         self._check_min(("staleness", "token_steps", "noise_every"), lo=0)
+        self._check_min(("turns", "observation_words"))
+        if self.old_logprobs not in OLD_LOGPROBS:
+            raise ConfigError(f"--old-logprobs must be one of {OLD_LOGPROBS}, got {self.old_logprobs!r}")
+        if self.behaviour_cap <= 1:
+            raise ConfigError(f"--behaviour-cap must be > 1, got {self.behaviour_cap}")
         if self.tis_cap is not None and self.tis_cap <= 1:
             raise ConfigError(f"--tis-cap must be > 1 (or off), got {self.tis_cap}")
         if self.lr <= 0 or self.clip_eps <= 0 or self.max_grad_norm <= 0 or self.temperature <= 0:

@@ -16,6 +16,27 @@ Replay modes (one switch, as verl's ``router_replay.mode``):
 Orthogonal: truncated importance sampling (``tis_cap``) weights each token's loss by
 ``min(pi_old_trainer / pi_engine, cap)``, as verl/slime apply it.
 
+Staleness (``staleness=k``: the engine samples with the weights of k updates ago) and where the old log-probs come
+from (``old_logprobs``):
+
+* ``current`` (default): the trainer's current weights recompute them, so their gap to the engine is the policy lag
+  and the engine-trainer mismatch together.
+* ``behaviour`` (matched weights, as verl's fully-async trainer and slime's ``--keep-old-actor``): a second scorer of
+  the trainer's kind holds the snapshot the engine sampled with (:func:`scorer_at`) and scores the batch at those
+  weights (R3 replays the engine's routes there and in every later forward; R2 records its routes there). Each step
+  reports the engine-trainer mismatch at matched weights (``mismatch/*``, ``async/k3_kl_engine_trainer``: what replay
+  addresses) apart from the policy lag (``async/k3_kl_policy_lag``: the current weights against the behaviour
+  weights). The objective is decoupled (Hilton et al.; AReaL): the ratio is taken to the proximal policy (the
+  current weights before the update, under the mode's routing) and each token is weighted by the truncated
+  behaviour -> proximal weight ``min(pi_proximal / pi_engine, behaviour_cap)``; with ``tis_cap`` as well the weight
+  is split at the behaviour weights, ``min(pi_proximal / pi_behaviour, behaviour_cap) * min(pi_behaviour /
+  pi_engine, tis_cap)``.
+
+Multi-turn (``turns > 1``, :mod:`r3lab.experiments.multiturn`): each trajectory is sampled turn by turn with an
+observation of corpus words appended between turns; the routes replayed are stitched per turn (decode routes for
+sampled tokens, prefill routes for prompt and observation tokens) and the loss covers sampled tokens only
+(``PolicyUpdate.loss_mask``).
+
 The task (``LetterTask``): the tiny models speak the made-up words of the shipped Markov corpus; the reward
 of a completion is the number of distinct words in it that start with a target letter, per word (about
 0.06 for "m" before training). Repeating one target word earns it once, and the chain's sparse
@@ -37,18 +58,21 @@ from typing import Any
 import numpy as np
 
 from r3lab import metrics
-from r3lab.config import MODES, RLConfig, RLMetric, run_name
+from r3lab.config import MODES, OLD_LOGPROBS, RLConfig, RLMetric, run_name
 from r3lab.corpus import corpus_prompts
 from r3lab.doctor import diagnose
 from r3lab.errors import ConfigError, R3LabError
+from r3lab.experiments.multiturn import engine_prefix_cache, prefill_vs_decode, rollout_turns
 from r3lab.paths import model_dir
 from r3lab.rollout import RolloutEngine, RolloutResult, SamplingConfig, append_last_row
 from r3lab.routes import Routes
 from r3lab.runs import RunWriter
-from r3lab.trainers import PolicyUpdate, TokenBatch, Trainer
+from r3lab.trainers import PolicyUpdate, Scorer, TokenBatch, Trainer
+from r3lab.trainers.base import LoadsWeights
 
 __all__ = [
     "MODES",
+    "OLD_LOGPROBS",
     "RLConfig",
     "LetterTask",
     "RolloutBatch",
@@ -56,6 +80,7 @@ __all__ = [
     "StepResult",
     "RLRun",
     "load_trainer",
+    "scorer_at",
     "old_policy",
     "policy_updates",
     "train_step",
@@ -97,6 +122,7 @@ class RolloutBatch:
     engine_routes: Routes  # one sequence per sample, P + R rows (the trainer's row convention)
     advantages: np.ndarray  # [B] group-normalised rewards (GRPO)
     rewards: np.ndarray  # [B]
+    loss_mask: np.ndarray | None = None  # [N] multi-turn: True at sampled tokens (logp_infer is NaN elsewhere)
 
     @classmethod
     def from_results(cls, results: Sequence[RolloutResult], rewards: np.ndarray, group: int) -> RolloutBatch:
@@ -106,6 +132,30 @@ class RolloutBatch:
         routes = Routes.concat([append_last_row(r.routes) for r in results])
         logp = np.concatenate([np.asarray(r.logprobs, dtype=np.float64) for r in results])
         return cls(TokenBatch.from_results(results), logp, routes, adv, np.asarray(rewards))
+
+    @classmethod
+    def from_trajectories(cls, trajectories: Sequence[Any], rewards: np.ndarray, group: int) -> RolloutBatch:
+        """Multi-turn trajectories (:class:`r3lab.experiments.multiturn.Trajectory`) as a batch: every token after the
+        first prompt is scored, the loss mask keeps the sampled ones, the routes are the stitched per-turn ones."""
+        g = np.asarray(rewards, dtype=np.float64).reshape(-1, group)
+        adv = ((g - g.mean(axis=1, keepdims=True)) / (g.std(axis=1, keepdims=True) + 1e-6)).reshape(-1)
+        tokens = TokenBatch.from_ids([t.token_ids for t in trajectories], [len(t.prompt_ids) for t in trajectories])
+        routes = Routes.concat([append_last_row(t.routes) for t in trajectories])
+        logp = np.concatenate([t.logprobs for t in trajectories])
+        mask = np.concatenate([t.sampled for t in trajectories])
+        return cls(tokens, logp, routes, adv, np.asarray(rewards), mask)
+
+    def sampled(self, values: np.ndarray) -> np.ndarray:
+        """``values`` (one per scored token) at the sampled tokens: all of them, or the loss mask's."""
+        return values if self.loss_mask is None else values[self.loss_mask]
+
+    @property
+    def cu_sampled(self) -> np.ndarray:
+        """Offsets of each sample's sampled tokens in ``sampled(...)`` arrays."""
+        if self.loss_mask is None:
+            return self.cu_tokens
+        per = np.add.reduceat(self.loss_mask.astype(np.int64), self.cu_tokens[:-1])
+        return np.concatenate([[0], np.cumsum(per)])
 
     @property
     def cu_tokens(self) -> np.ndarray:
@@ -122,6 +172,8 @@ class OldPolicy:
     native_routes: Routes  # what the trainer routed natively: R2's replay data
     metrics: dict[str, Any]  # mismatch/* and routing/* of the step
     tokens: dict[str, np.ndarray]  # per sampled token: flipped, flipped_layers
+    logp_behaviour: np.ndarray | None = None  # [N] old_logprobs="behaviour": the trainer at the behaviour weights
+    weights: np.ndarray | None = None  # [N] old_logprobs="behaviour": the decoupled objective's token weights
 
 
 @dataclass(frozen=True)
@@ -139,15 +191,42 @@ def load_trainer(config: RLConfig, path: str | os.PathLike) -> Trainer:
     return HFTrainer.load(path, config.trainer_dtype, router_dtype=config.router_dtype, lr=config.lr)
 
 
-def old_policy(trainer: Trainer, batch: RolloutBatch, config: RLConfig) -> OldPolicy:
-    """The old log-probs, and routing diagnostics: engine vs the trainer's own choice, per (token, layer)."""
-    native = trainer.score(batch.tokens, record=True)
+def scorer_at(config: RLConfig, path: str | os.PathLike, weights: Any, *, scorer: Any = None) -> Scorer:
+    """A scorer of ``config``'s trainer kind holding ``weights`` (a snapshot from ``export_weights``): the trainer-side
+    copy of the behaviour weights. ``scorer`` (one this returned before) is reused: only the weights are loaded.
+
+    Built by :func:`load_trainer`, so it runs in the trainer's own dtypes, mode and numerics; the trainer kind must
+    load weights back (:class:`r3lab.trainers.base.LoadsWeights`).
+    """
+    if scorer is None:
+        scorer = load_trainer(config, path)
+    if not isinstance(scorer, LoadsWeights):
+        raise ConfigError(f"old_logprobs='behaviour' needs a trainer that loads exported weights back "
+                          f"(load_weights); the {getattr(scorer, 'name', type(scorer).__name__)!r} trainer does not")
+    scorer.load_weights(weights)
+    loaded: Any = scorer  # a Scorer that also loads weights
+    return loaded
+
+
+def old_policy(trainer: Trainer, batch: RolloutBatch, config: RLConfig, *,
+               behaviour: Scorer | None = None) -> OldPolicy:
+    """The old log-probs, and routing diagnostics: engine vs the trainer's own choice, per (token, layer).
+
+    ``old_logprobs="behaviour"``: ``behaviour`` (the trainer's kind at the weights the engine sampled with,
+    :func:`scorer_at`) scores the batch for the diagnostics and R2's routes; the trainer's current weights give the
+    proximal log-probs the loss divides by, and the step's ``async/*`` metrics split the staleness mismatch.
+    """
+    matched = config.old_logprobs == "behaviour"
+    if matched and behaviour is None:
+        raise ConfigError("old_logprobs='behaviour' needs the behaviour scorer (scorer_at(config, path, weights))")
+    ref = behaviour if matched and behaviour is not None else trainer
+    native = ref.score(batch.tokens, record=True)
     if config.mode == "R3":
-        logp_old = trainer.score(batch.tokens, routes=batch.engine_routes).logprobs
+        logp_old = ref.score(batch.tokens, routes=batch.engine_routes).logprobs
     else:
         logp_old = native.logprobs
-    mismatch = metrics.mismatch_metrics(logp_old, batch.logp_infer, cu_seqlens=batch.cu_tokens,
-                                        tis_cap=config.tis_cap or 2.0)
+    mismatch = metrics.mismatch_metrics(batch.sampled(logp_old), batch.sampled(batch.logp_infer),
+                                        cu_seqlens=batch.cu_sampled, tis_cap=config.tis_cap or 2.0)
     rec: dict[str, Any] = {f"mismatch/{k}": v for k, v in mismatch.items()}
     own = native.routes
     differs = metrics.set_differs(batch.engine_routes.select_layers(own.layer_ids).values, own.values)
@@ -157,13 +236,43 @@ def old_policy(trainer: Trainer, batch: RolloutBatch, config: RLConfig) -> OldPo
     rec["routing/engine_trainer_token_any"] = float(differs.any(axis=1).mean())
     rows = metrics.response_rows(batch.engine_routes.cu_seqlens, batch.tokens.response_lengths, metrics.TRAINER_ROWS)
     flipped = differs.any(axis=1)[rows]
-    for name, k3 in metrics.k3_by_flip(logp_old, batch.logp_infer, flipped).items():
+    sampled_flipped = batch.sampled(flipped)
+    for name, k3 in metrics.k3_by_flip(batch.sampled(logp_old), batch.sampled(batch.logp_infer),
+                                       sampled_flipped).items():
         rec[f"mismatch/k3_kl_{name}"] = k3
-    rec["routing/flipped_token_share"] = float(flipped.mean())
+    rec["routing/flipped_token_share"] = float(sampled_flipped.mean())
     load = metrics.expert_load(batch.engine_routes.values, batch.engine_routes.num_experts)
     rec[RLMetric.ENGINE_MAX_VIO] = float(metrics.max_violation(load).max())
-    return OldPolicy(logp_old, native.logprobs, own, rec,
-                     {"flipped": flipped, "flipped_layers": differs.sum(axis=1)[rows]})
+    tokens = {"flipped": flipped, "flipped_layers": differs.sum(axis=1)[rows]}
+    if not matched:
+        return OldPolicy(logp_old, native.logprobs, own, rec, tokens)
+    return _proximal(trainer, batch, config, native, logp_old, rec, tokens)
+
+
+def _proximal(trainer: Trainer, batch: RolloutBatch, config: RLConfig, behaviour_native: Any,
+              logp_behaviour: np.ndarray, rec: dict[str, Any], tokens: dict[str, np.ndarray]) -> OldPolicy:
+    """Matched weights: the proximal policy (the current weights, the mode's routing: R3 the engine's routes, R2 the
+    routes recorded at the behaviour weights), the split of the mismatch, and the decoupled objective's weights."""
+    current = trainer.score(batch.tokens, record=True)
+    replay = {"R2": behaviour_native.routes, "R3": batch.engine_routes}.get(config.mode)
+    logp_prox = current.logprobs if replay is None else trainer.score(batch.tokens, routes=replay).logprobs
+    prox, behav, infer = (batch.sampled(a) for a in (logp_prox, logp_behaviour, batch.logp_infer))
+    rec[RLMetric.K3_ENGINE_TRAINER_MATCHED] = metrics.k3_kl(behav, infer)
+    rec[RLMetric.K3_POLICY_LAG] = metrics.k3_kl(prox, behav)
+    rec[RLMetric.K3_ENGINE_CURRENT] = metrics.k3_kl(prox, infer)
+    rec["async/extreme_frac_tau2_policy_lag"] = metrics.extreme_token_fraction(prox, behav, 2.0)
+    lag_routes: Any = current.routes  # recorded (record=True)
+    rec["async/route_change_lag"] = float(metrics.set_differs(behaviour_native.routes.values, lag_routes.values).mean())
+    if config.tis_cap is None:
+        raw = np.exp(logp_prox - batch.logp_infer)
+        weights = np.minimum(raw, config.behaviour_cap)
+    else:
+        raw = np.exp(logp_prox - logp_behaviour)
+        weights = np.minimum(raw, config.behaviour_cap) * np.minimum(np.exp(logp_behaviour - batch.logp_infer),
+                                                                     config.tis_cap)
+    rec["async/behaviour_weight_mean"] = float(batch.sampled(weights).mean())
+    rec["async/behaviour_weight_truncated"] = float((batch.sampled(raw) > config.behaviour_cap).mean())
+    return OldPolicy(logp_prox, current.logprobs, behaviour_native.routes, rec, tokens, logp_behaviour, weights)
 
 
 _UPDATE_STATS = ("loss", "clip_frac", "approx_kl", "grad_norm", "entropy", "route_change", "used_route_change",
@@ -191,7 +300,10 @@ def policy_updates(trainer: Trainer, batch: RolloutBatch, old: OldPolicy, config
         replay = {"R2": old_sub, "R3": batch.engine_routes.take(idx)}.get(config.mode)
         update = PolicyUpdate(old_logprobs=old.logp_old[sel], advantages=batch.advantages[tok_sample[sel]],
                               infer_logprobs=batch.logp_infer[sel], clip_eps=config.clip_eps,
-                              tis_cap=config.tis_cap, max_grad_norm=config.max_grad_norm)
+                              tis_cap=config.tis_cap if old.weights is None else None,  # matched: in the weights
+                              max_grad_norm=config.max_grad_norm,
+                              loss_mask=None if batch.loss_mask is None else batch.loss_mask[sel],
+                              token_weights=None if old.weights is None else old.weights[sel])
         step = trainer.policy_step(sub, update, routes=replay)
         # the routes this forward actually used, against the old policy's: 0 for R2 by construction
         used = now.routes if replay is None else replay.select_layers(now.routes.layer_ids)
@@ -214,15 +326,22 @@ def policy_updates(trainer: Trainer, batch: RolloutBatch, old: OldPolicy, config
     return rec, np.sort(chunks[0])
 
 
-def train_step(trainer: Trainer, batch: RolloutBatch, config: RLConfig, rng: np.random.Generator) -> StepResult:
-    """Old log-probs and routing diagnostics, then ``mini_batches`` clipped policy updates."""
-    old = old_policy(trainer, batch, config)
+def train_step(trainer: Trainer, batch: RolloutBatch, config: RLConfig, rng: np.random.Generator, *,
+               behaviour: Scorer | None = None) -> StepResult:
+    """Old log-probs and routing diagnostics, then ``mini_batches`` clipped policy updates (``behaviour``: the
+    scorer at the behaviour weights, for ``old_logprobs="behaviour"``)."""
+    old = old_policy(trainer, batch, config, behaviour=behaviour)
     update, first_mb = policy_updates(trainer, batch, old, config, rng)
     sample = batch.tokens.token_sample
     tokens = {"sample": sample, "position": np.concatenate([np.arange(int(n)) for n in batch.tokens.response_lengths]),
               "logp_infer": batch.logp_infer, "logp_old": old.logp_old, "logp_native": old.logp_native,
               "flipped": old.tokens["flipped"], "flipped_layers": old.tokens["flipped_layers"],
               "reward": batch.rewards[sample], "first_mb_sample": np.isin(sample, first_mb)}
+    if old.logp_behaviour is not None:
+        tokens["logp_behaviour"] = old.logp_behaviour
+        tokens["weight"] = old.weights
+    if batch.loss_mask is not None:
+        tokens["loss_mask"] = batch.loss_mask  # the doctor reads this column too
     return StepResult({**old.metrics, **update}, tokens)
 
 
@@ -260,6 +379,8 @@ def run_rl(config: RLConfig, *, engine: RolloutEngine | None = None, runs_root: 
         checkpoint = trainer.export_weights()
         engine.update_weights(checkpoint, version=0)  # a shared engine starts from the checkpoint too
         task = LetterTask(engine.tokenizer, config.target_letter)
+        behaviour_weights = checkpoint  # what the engine holds: the weights its rollouts are sampled with
+        behaviour = None
         if runs_root is not None:
             name = run_name or f"rl-{config.model}-{config.mode}-s{config.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
             writer = RunWriter(runs_root, name, "rl", config.to_dict())
@@ -272,25 +393,43 @@ def run_rl(config: RLConfig, *, engine: RolloutEngine | None = None, runs_root: 
                                      seed=config.seed * 1_000_003 + step, data=config.data)
             sampling = SamplingConfig(max_tokens=config.max_tokens, temperature=config.temperature, n=G,
                                       seed=config.seed * 1_000_003 + step, ignore_eos=True)
-            results = engine.generate(prompts, sampling)
+            turn_rec: dict[str, Any] = {}
+            if config.turns == 1:
+                results: Sequence[Any] = engine.generate(prompts, sampling)
+            else:
+                results = rollout_turns(engine, prompts, sampling, turns=config.turns,
+                                        observation_words=config.observation_words,
+                                        seed=config.seed * 1_000_003 + step, data=config.data)
+                turn_rec = {f"multiturn/prefill_vs_held_{k}": v for k, v in prefill_vs_decode(results).items()}
+                cache = engine_prefix_cache(engine)  # a cached full block returns stored routes, not a new prefill
+                turn_rec.update({"multiturn/prefix_cache_block_size": cache["block_size"] if cache["enabled"] else 0,
+                                 "multiturn/longest_trajectory": max(len(t.token_ids) for t in results)})
             t_gen = time.perf_counter() - t0
             rewards = np.array([task.reward(r.response_ids) for r in results])
-            batch = RolloutBatch.from_results(results, rewards, G)
+            if config.turns == 1:
+                batch = RolloutBatch.from_results(results, rewards, G)
+            else:
+                batch = RolloutBatch.from_trajectories(results, rewards, G)
             if config.noise_every and step % config.noise_every == 0:
                 # the engine against itself: the sampled tokens scored again by prefill, in another batch
                 again = engine.score([r.token_ids for r in results], start=[len(r.prompt_ids) for r in results])
-                noise = metrics.k3_kl(np.concatenate(again).astype(np.float64), batch.logp_infer)
+                noise = metrics.k3_kl(batch.sampled(np.concatenate(again).astype(np.float64)),
+                                      batch.sampled(batch.logp_infer))
             else:
                 noise = None
-            result = train_step(trainer, batch, config, rng)
+            if config.old_logprobs == "behaviour":
+                behaviour = scorer_at(config, path, behaviour_weights, scorer=behaviour)
+            result = train_step(trainer, batch, config, rng, behaviour=behaviour)
             rec = result.metrics
+            rec.update(turn_rec)
             rec["noise/k3_kl_engine_vs_engine"] = noise
             rec.update(step=step, **{RLMetric.REWARD: float(rewards.mean())}, reward_std=float(rewards.std()),
                        engine_weight_version=engine.weight_version, time_generate_s=t_gen)
             snapshots.append(trainer.export_weights())  # weights after update step + 1
             behind = min(config.staleness, len(snapshots) - 1)
             t1 = time.perf_counter()
-            engine.update_weights(snapshots[-1 - behind], version=step + 1 - behind)
+            behaviour_weights = snapshots[-1 - behind]
+            engine.update_weights(behaviour_weights, version=step + 1 - behind)
             snapshots = snapshots[-(config.staleness + 1) :]
             rec["time_weight_sync_s"] = time.perf_counter() - t1
             rec["time_step_s"] = time.perf_counter() - t0

@@ -21,6 +21,7 @@ from r3lab.rollout.types import (
     SamplingConfig,
     append_last_row,
     assemble_turns,
+    split_turn_routes,
     validate_engine_routes,
 )
 
@@ -35,5 +36,6 @@ __all__ = [
     "validate_engine_routes",
     "append_last_row",
     "assemble_turns",
+    "split_turn_routes",
     "parse_completion",
 ]

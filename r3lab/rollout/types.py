@@ -8,6 +8,7 @@ token t); the last sampled token is never fed through the model and has no row.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,7 @@ __all__ = [
     "validate_engine_routes",
     "append_last_row",
     "assemble_turns",
+    "split_turn_routes",
 ]
 
 
@@ -178,3 +180,25 @@ def assemble_turns(turns: Sequence[RolloutResult]) -> Routes:
     parts = [t.routes for t in turns if t.routes is not None]  # all of them, checked above
     out = Routes.from_list([r.values for r in parts], num_experts=parts[0].num_experts, layer_ids=parts[0].layer_ids)
     return Routes(out.values, [0, out.total_tokens], out.num_experts, out.layer_ids, validate=False)
+
+
+def split_turn_routes(turn: RolloutResult, held: int) -> tuple[Routes, RolloutResult]:
+    """A later turn captured from an earlier row than needed, split at ``held`` (the rows earlier turns hold).
+
+    Returns the turn's own routes of rows ``[turn.routes_start, held)`` (its prefill's view of tokens an earlier turn
+    already routed, to compare with theirs) and the turn with routes from row ``held`` on, as if generated with
+    ``routes_prompt_start=held`` (what :func:`assemble_turns` joins).
+    """
+    if turn.routes is None:
+        raise RolloutError("split_turn_routes: the turn has no routes (its engine was built with capture off)")
+    start, total = turn.routes_start, turn.routes.total_tokens
+    top = min(start + total, len(turn.prompt_ids))
+    if not start <= held <= top:
+        raise RolloutError(f"split_turn_routes: held={held} outside [{start}, {top}] (the rows its prompt covers)")
+    vals = turn.routes.values
+    r = turn.routes
+
+    def part(a: int, b: int) -> Routes:
+        return Routes(vals[a - start : b - start], [0, b - a], r.num_experts, r.layer_ids, validate=False)
+
+    return part(start, held), dataclasses.replace(turn, routes=part(held, start + total), routes_start=held)

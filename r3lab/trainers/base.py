@@ -26,7 +26,7 @@ import numpy as np
 from r3lab.errors import ConfigError
 from r3lab.routes import Routes
 
-__all__ = ["TokenBatch", "TrainerScores", "PolicyUpdate", "PolicyStepStats", "Scorer", "Trainer"]
+__all__ = ["TokenBatch", "TrainerScores", "PolicyUpdate", "PolicyStepStats", "Scorer", "Trainer", "LoadsWeights"]
 
 
 @dataclass(frozen=True)
@@ -104,6 +104,19 @@ class PolicyUpdate:
     clip_eps: float = 0.2
     tis_cap: float | None = None
     max_grad_norm: float = 1.0
+    # optional, per scored token (default: every scored token counts with weight 1, as before)
+    loss_mask: np.ndarray | None = None  # bool: the tokens the loss averages over (multi-turn: sampled tokens only)
+    token_weights: np.ndarray | None = None  # constant weight per token (the decoupled objective's truncated
+    # behaviour -> proximal importance weight); multiplies the TIS weight when both are given
+
+    def __post_init__(self) -> None:
+        n = np.shape(self.old_logprobs)
+        for name in ("loss_mask", "token_weights"):
+            v = getattr(self, name)
+            if v is not None and np.shape(v) != n:
+                raise ConfigError(f"PolicyUpdate.{name} has shape {np.shape(v)}; the old log-probs have {n}")
+        if self.loss_mask is not None and not np.asarray(self.loss_mask, dtype=bool).any():
+            raise ConfigError("PolicyUpdate.loss_mask masks out every token of the mini-batch")
 
 
 @dataclass(frozen=True)
@@ -142,4 +155,18 @@ class Trainer(Scorer, Protocol):
 
     def export_weights(self) -> Mapping[str, Any]:
         """The weights under the checkpoint's names and shapes (detached CPU tensors), for ``update_weights``."""
+        ...
+
+
+@runtime_checkable
+class LoadsWeights(Protocol):
+    """Optional: a trainer (or scorer) that takes exported weights back, the inverse of ``export_weights``.
+
+    The RL loop's matched-weights scoring (``old_logprobs="behaviour"``) keeps a second scorer of the trainer's kind
+    and loads into it the snapshot the engine sampled with (the behaviour weights, verl's fully-async recompute,
+    slime's ``--keep-old-actor``). Loading must be exact: ``export_weights`` afterwards gives the same tensors.
+    """
+
+    def load_weights(self, weights: Mapping[str, Any]) -> None:
+        """Replace this model's weights by ``weights`` (checkpoint names and layout, as ``export_weights`` gives)."""
         ...

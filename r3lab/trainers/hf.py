@@ -89,3 +89,48 @@ class HFTrainer:
 
         state = {k: v.detach().to("cpu").clone() for k, v in self.model.state_dict().items()}
         return revert_weight_conversion(self.model, state)
+
+    def load_weights(self, weights: Mapping[str, Any]) -> None:
+        """The inverse of :meth:`export_weights` (:class:`~r3lab.trainers.base.LoadsWeights`): checkpoint names and
+        layout converted as ``from_pretrained`` converts them, copied into the parameters in their own dtypes (a bf16
+        model's fp32 routers stay fp32). Exact: exporting again gives the same tensors."""
+        state = _to_model_layout(self.model, weights)
+        with torch.no_grad():
+            result = self.model.load_state_dict(state, strict=True)
+        if result.missing_keys or result.unexpected_keys:  # strict=True raises first; kept for older torch
+            raise ConfigError(f"load_weights: missing {result.missing_keys}, unexpected {result.unexpected_keys}")
+
+
+def _to_model_layout(model: torch.nn.Module, weights: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """Checkpoint-named tensors in the model's own names and layout (transformers 5's load-time conversions, e.g.
+    per-expert ``gate_proj``/``up_proj`` fused into ``experts.gate_up_proj``): what ``revert_weight_conversion``
+    undoes, applied forward."""
+    from copy import deepcopy
+
+    from transformers.core_model_loading import (
+        WeightConverter,
+        WeightRenaming,
+        apply_converters,
+        apply_renamings,
+        dot_natural_key,
+    )
+
+    conversions = getattr(model, "_weight_conversions", None) or []
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    by_pattern = {k: c for c in converters for k in c.source_patterns}
+    pending: dict[str, Any] = {}
+    for key, tensor in sorted(weights.items(), key=lambda kv: dot_natural_key(kv[0])):
+        target, pattern = apply_converters(key, converters)
+        if pattern is not None:
+            conv = pending.setdefault(target, deepcopy(by_pattern[pattern]))
+        else:
+            target, pattern = apply_renamings(key, renamings), key
+            conv = pending.setdefault(target, WeightRenaming(key, target))
+        conv.add_tensor(target, key, pattern, tensor)
+    out: dict[str, torch.Tensor] = {}
+    for first, conv in pending.items():
+        for name, value in conv.convert(first, model=model, config=model.config).items():
+            value = value[0] if isinstance(value, list) else value
+            out[apply_renamings(name, renamings) if isinstance(conv, WeightConverter) else name] = value
+    return out
