@@ -179,11 +179,12 @@ def test_a_monitor_started_before_the_job_creates_its_folder_waits_for_it(tmp_pa
 
 
 def test_start_rl_refuses_bad_arguments_before_starting_anything(tmp_path):
-    for kwargs, match in ((dict(modes=["R4"]), "--mode must be one of"), (dict(modes=[]), "replay mode"),
-                          (dict(samples_per_prompt=1), "--samples-per-prompt"),
-                          (dict(prompts_per_step=3, samples_per_prompt=3, mini_batches=2), "mini-batches"),
-                          (dict(seeds=[]), "seed"), (dict(lr=0), "--lr"), (dict(mode="R3"), "modes=\\[...\\]"),
-                          (dict(no_such_knob=1), "no field.*no_such_knob")):
+    for kwargs, match in ((dict(modes=["R4"]), "^mode must be one of"), (dict(modes=[]), "replay mode"),
+                          (dict(samples_per_prompt=1), "^samples_per_prompt must be >= 2"),
+                          (dict(stpes=3), r"no knob\(s\) \['stpes'\]; the knobs are model, mode, steps, "),
+                          (dict(prompts_per_step=3, samples_per_prompt=3, mini_batches=2), r"\(mini_batches\)"),
+                          (dict(seeds=[]), "seed"), (dict(lr=0), "^lr, clip_eps"), (dict(mode="R3"), "modes=\\[...\\]"),
+                          (dict(no_such_knob=1), "no knob.*no_such_knob")):
         with pytest.raises(ConfigError, match=match):
             start_rl(tmp_path, **kwargs)
     assert not any(tmp_path.iterdir())
@@ -230,7 +231,7 @@ def test_the_dashboards_controls_start_from_rl_config(tmp_path):
         assert mine.steps.max >= 250 and mine.samples.value == 8 and mine.config.lr == 1e-3
     finally:
         mine.close()
-    with pytest.raises(ConfigError, match="--samples-per-prompt"):
+    with pytest.raises(ConfigError, match="^samples_per_prompt must be >= 2"):  # the keyword the user typed
         AblationDashboard(tmp_path, samples_per_prompt=1)
 
 
