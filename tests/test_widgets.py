@@ -235,6 +235,19 @@ def test_the_dashboards_controls_start_from_rl_config(tmp_path):
         AblationDashboard(tmp_path, samples_per_prompt=1)
 
 
+def test_the_dashboards_controls_have_distinct_labels_and_rl_config_help(tmp_path):
+    dash = AblationDashboard(tmp_path)
+    controls = [dash.model, dash.modes, dash.dtypes, dash.temperature, dash.prompts, dash.samples, dash.steps,
+                dash.seed, dash.metric, dash.layer, dash.progress]
+    labels = [c.description for c in controls]
+    assert len(set(labels)) == len(labels), labels  # e.g. the steps slider and the progress bar differ
+    assert dash.steps.description == "RL steps" and dash.progress.description == "progress"
+    assert dash.steps.tooltip == RLConfig.__dataclass_fields__["steps"].metadata["help"]
+    assert all(c.layout.width == "310px" for c in controls)  # three columns fit JupyterLab's 968 px output area
+    assert max(len(label) for label, _ in dash.dtypes.options) <= 26  # fits its box beside the 125 px label
+    dash.close()
+
+
 def test_reference_runs_load():
     runs = load_runs(reference_runs_dir(), "tiny-qwen3-moe-default-")
     assert {r.config["mode"] for r in runs} == {"none", "R2", "R3"} and all(r.finished for r in runs)
