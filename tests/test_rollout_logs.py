@@ -23,7 +23,18 @@ KNOWN = ["libtcmalloc is not found in LD_PRELOAD. For best performance, please f
          "libiomp is not found in LD_PRELOAD. For best performance, please follow the section ...",
          "CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding, skip it.",
          "CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding, skip it.",
-         "Node 1 is not in available memory nodes [0]."]
+         "Node 1 is not in available memory nodes [0].",
+         # as logged by an in-process engine start here (vLLM 0.30, CPU)
+         "Triton is installed, but `triton.backends` could not be imported. Disabling Triton.",
+         "The global random seed is set to 0. Since VLLM_ENABLE_V1_MULTIPROCESSING is set to False, this may affect "
+         "the random state of the Python process that launched vLLM.",
+         "Enforce eager set, disabling torch.compile and CUDAGraphs. This is equivalent to setting -cc.mode=none "
+         "-cc.cudagraph_mode=none",
+         "Inductor compilation was disabled by user settings, optimizations settings that are only active during "
+         "inductor compilation will be ignored.",
+         "Reset SSM cache type to float32 for accelerated GDN mamba backend 'none'.",
+         "Model Runner V2 requires Triton; using the V1 model runner instead.",
+         "Failed to import the DeepSelect extension (vllm._deepselect_C): No module named 'vllm._deepselect_C'"]
 
 
 @pytest.fixture

@@ -2,8 +2,10 @@
 
 On a CPU machine every engine start logs a dozen WARNING lines that say nothing about a run: libtcmalloc and
 libiomp are not in ``LD_PRELOAD`` (a speed hint), ``torch.set_num_threads`` is skipped after vLLM binds its
-threads (once per call, several calls), Triton has no CPU backend, and the NUMA memory node falls back. In a
-notebook they fill the output; in a terminal vLLM writes them to stdout, between the results.
+threads (once per call, several calls), Triton has no CPU backend, eager mode is on (r3lab asks for it), and
+so on (:data:`KNOWN`, vLLM 0.30's texts as seen on an engine start here). In a notebook they fill the output;
+in a terminal vLLM writes them to stdout, between the results. Not a log record, so not filtered: torch's C++
+line "Warning: NUMA binding: Using MEMBIND policy ..." (``init_cpu_memory_env``), which goes to stderr.
 
 :func:`quiet_vllm_logs` (entered by ``r3lab.rollout._common.vllm_env`` around every engine start) does two
 things, in this process and in the engine processes vLLM spawns meanwhile (through ``VLLM_LOGGING_CONFIG_PATH``,
@@ -38,7 +40,15 @@ KNOWN: tuple[tuple[str, re.Pattern[str]], ...] = (  # (what the one line calls i
      re.compile(r"^lib(tcmalloc|iomp)\S* is not found in LD_PRELOAD")),
     ("torch.set_num_threads skipped after vLLM's thread binding",
      re.compile(r"^CPU backend doesn't allow to use `torch\.set_num_threads` after the thread binding")),
-    ("Triton without a CPU backend", re.compile(r"^Triton is installed, but doesn't include CPU backend")),
+    ("Triton without a CPU backend, so the V1 model runner",
+     re.compile(r"^(Triton is installed, but (doesn't include CPU backend|`triton\.backends` could not be imported)"
+                r"|Model Runner V2 requires Triton; using the V1 model runner instead)")),
+    ("eager mode as r3lab asks (no torch.compile, no inductor)",
+     re.compile(r"^(Enforce eager set, disabling torch\.compile|Inductor compilation was disabled by user settings)")),
+    ("no Mamba layers (SSM cache type) and no DeepSelect extension",
+     re.compile(r"^(Reset SSM cache type to float32|Failed to import the DeepSelect extension)")),
+    ("the global seed in an in-process engine (r3lab seeds every step itself)",
+     re.compile(r"^The global random seed is set to \d+\. Since VLLM_ENABLE_V1_MULTIPROCESSING is set to False")),
     ("NUMA memory node fallback",
      re.compile(r"^(Node \S+ is not in available memory nodes|CPU group key \S+ is not a valid memory node)")),
 )

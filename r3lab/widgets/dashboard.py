@@ -140,6 +140,7 @@ class AblationDashboard(widgets.VBox):
         self.messages = widgets.HTML("")
         self.curve_view = LiveFigure(metric, metric)
         self.layer_view = LiveFigure("engine-trainer routing disagreement, layer -", LAYER_METRIC)
+        self.layer_view.figure.update_layout(yaxis_title="share of token rows that differ")
         self.curve_fig, self.layer_fig = self.curve_view.figure, self.layer_view.figure
         self.figures = {"curves": self.curve_fig, "layer": self.layer_fig}  # go.Figure objects
         self.views = {"curves": self.curve_view, "layer": self.layer_view}

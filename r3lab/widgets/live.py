@@ -115,7 +115,8 @@ def fit_y(fig: go.Figure) -> None:
 def set_steps(fig: go.Figure, total: int | None) -> None:
     """Fix the x axis to the run's steps (so the curves grow into a fixed frame)."""
     if total:
-        fig.update_layout(xaxis_range=[-0.5, total - 0.5], xaxis_autorange=False)
+        fig.update_layout(xaxis_range=[-0.5, total - 0.5], xaxis_autorange=False,
+                          xaxis_dtick=1 if total <= 12 else None)  # whole steps only, never "0.5"
 
 
 def _run_state(r: FollowedRun) -> str:
