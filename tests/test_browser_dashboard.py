@@ -15,8 +15,9 @@ module loading in time then loses the race more often. The throttle is lifted be
 
 On this machine those rounds did not lose the race with the old FigureWidget figures (9 rounds), so a last
 round makes the loss certain: anywidget's 2 s ``AbortSignal.timeout`` is shortened to 1 ms in the page, which is
-what a machine that takes more than 2 s to load plotly's widget module sees. Figures that do not depend on
-anywidget (the dashboard's, since issue 16) draw there as in every other round.
+what a machine that takes more than 2 s to load plotly's widget module sees. With the old FigureWidget figures
+that round failed as in the issue (status "finished · 2 steps", progress full, plotly's empty axes -1..6 /
+-1..4, no title, no points); figures that do not depend on anywidget (the dashboard's, since issue 16) draw.
 """
 
 from __future__ import annotations
