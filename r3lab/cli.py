@@ -32,6 +32,8 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="r3lab", description="r3lab: Rollout Routing Replay workbench. With no command, runs the drift experiment."
     )
+    ap.add_argument("--version", action="store_true",
+                    help="print r3lab's version and the folder it runs from (an editable install runs that checkout)")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
     d = sub.add_parser("drift", help="trainer vs engine drift without replay and with R3 (the main job)")
     d.add_argument("--quick", action="store_true",
@@ -118,17 +120,22 @@ def _runs(args: argparse.Namespace) -> None:
     from r3lab.runs import RunFormatError, list_runs
 
     root = runs_dir(args.folder)
+    if not root.exists():
+        raise R3LabError(f"runs folder {str(root)!r} does not exist (give a folder of runs; default: <data>/runs, "
+                         "$R3LAB_RUNS)")
+    if not root.is_dir():
+        raise R3LabError(f"{str(root)!r} is a file, not a folder of runs")
     found = list_runs(root)
     if not found:
         print(f"no runs in {root}")
         return
+    print(f"runs in {root}:")
     print(f"{'run':48s} {'kind':6s} {'steps':>5s}  state")
     for path, run in found:
         if isinstance(run, RunFormatError):
             print(f"{path.name:48s} {'?':6s} {'':>5s}  unreadable: {run}")
         else:
-            state = "finished" if run.finished else "running or stopped"
-            print(f"{path.name:48s} {run.kind:6s} {len(run.step_records):5d}  {state}")
+            print(f"{path.name:48s} {run.kind:6s} {len(run.step_records):5d}  {run.state}")
 
 
 def _figures(args: argparse.Namespace) -> None:
@@ -172,11 +179,30 @@ def _bench(name: str, rest: list[str]) -> None:
     runpy.run_path(str(script), run_name="__main__")
 
 
+def _version() -> str:
+    """``r3lab <version> from <package folder>``: which checkout the ``r3lab`` command runs."""
+    from importlib import metadata
+
+    from r3lab.runs import r3lab_source
+
+    try:
+        v = metadata.version("r3lab")
+    except metadata.PackageNotFoundError:
+        v = "(not installed: run from source)"
+    return f"r3lab {v} from {r3lab_source()}"
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--version"]:  # before the default command is put in front of other flags
+        print(_version())
+        return
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv = ["drift", *argv]
     args = _parser().parse_args(argv)
+    if args.version:
+        print(_version())
+        return
     try:
         if args.command == "drift":
             _drift(args)

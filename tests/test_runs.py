@@ -107,3 +107,87 @@ def test_load_runs_by_prefix_names_a_bad_run_and_kinds_are_checked(tmp_path):
     assert run.require_kind("rl") is run
     with pytest.raises(R3LabError, match="'other-R3-s0' is a 'rl' run, not a drift run"):
         run.require_kind("drift")
+
+
+def test_a_stopped_run_says_stopped_and_version_1_runs_still_read(tmp_path):
+    from r3lab.runs import mark_stopped
+
+    path, _ = _write(tmp_path, "stopped", finish=False)
+    assert load(path).state == "running or killed"
+    assert mark_stopped(path, "stopped from the dashboard") and not mark_stopped(path, "again")  # written once
+    run = load(path)
+    assert run.state == "stopped" and not run.finished
+    assert run.stopped["steps"] == 3 and run.stopped["reason"] == "stopped from the dashboard"
+    done, _ = _write(tmp_path, "done")
+    assert not mark_stopped(done, "too late") and load(done).state == "finished"  # a finished run keeps its end
+    with pytest.raises(RunFormatError, match="no config.json"):
+        mark_stopped(tmp_path / "nothing", "x")
+    # a run written by r3lab's format 1 (no stop mark, no r3lab-source) still reads
+    old, _ = _write(tmp_path, "v1", finish=False)
+    meta = json.loads((old / "config.json").read_text())
+    meta["version"] = 1
+    del meta["versions"]["r3lab-source"]
+    (old / "config.json").write_text(json.dumps(meta))
+    assert load(old).meta["version"] == 1 and load(old).state == "running or killed"
+    (path / "stopped.json").write_text("{")
+    with pytest.raises(RunFormatError, match="stopped.json.*not JSON"):
+        load(path)
+
+
+def test_a_writer_left_by_an_exception_marks_its_run_stopped(tmp_path):
+    with pytest.raises(KeyboardInterrupt):
+        with RunWriter(tmp_path, "ctrl-c", "rl", {}) as w:
+            w.log_step({"step": 0})
+            raise KeyboardInterrupt
+    run = load(tmp_path / "ctrl-c")
+    assert run.state == "stopped" and run.stopped["reason"] == "KeyboardInterrupt" and run.stopped["steps"] == 1
+
+
+def test_the_run_records_which_r3lab_wrote_it(tmp_path):
+    from pathlib import Path
+
+    import r3lab
+
+    path, _ = _write(tmp_path)
+    assert load(path).meta["versions"]["r3lab-source"] == str(Path(r3lab.__file__).resolve().parent)
+
+
+def test_r3lab_runs_names_its_folder_and_a_missing_folder_fails(tmp_path, capsys):
+    from r3lab.cli import main
+    from r3lab.runs import mark_stopped
+
+    _write(tmp_path, "a-done")
+    stopped, _ = _write(tmp_path, "b-stopped", finish=False)
+    mark_stopped(stopped, "test")
+    main(["runs", str(tmp_path)])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"runs in {tmp_path}:"
+    assert out[2].split() == ["a-done", "rl", "3", "finished"] and out[3].split() == ["b-stopped", "rl", "3", "stopped"]
+    with pytest.raises(SystemExit) as e:
+        main(["runs", str(tmp_path / "does-not-exist")])
+    assert e.value.code != 0 and "does not exist" in str(e.value.code)
+    (tmp_path / "empty").mkdir()
+    main(["runs", str(tmp_path / "empty")])
+    assert capsys.readouterr().out == f"no runs in {tmp_path / 'empty'}\n"
+
+
+def test_r3lab_version_says_which_checkout_runs(capsys):
+    from pathlib import Path
+
+    import r3lab
+    from r3lab.cli import main
+
+    main(["--version"])
+    out = capsys.readouterr().out.strip()
+    assert out.startswith("r3lab ") and out.endswith(f" from {Path(r3lab.__file__).resolve().parent}")
+
+
+def test_the_comparison_table_shows_no_range_for_one_seed():
+    from r3lab.experiments.rl import COMPARISON_METRICS, comparison_table
+
+    row = {"model": "m", "mode": "R3", "seeds": 1, "steps": 4, "reward_rise": (0.2, 0.2, 0.2),
+           **{key: (0.153, 0.153, 0.153) for key, _, _ in COMPARISON_METRICS}}
+    line = comparison_table([row]).splitlines()[2]
+    assert " - " not in line and "(" not in line and "+0.200" in line
+    three = comparison_table([{**row, "seeds": 3, "reward_rise": (0.1, 0.2, 0.3)}]).splitlines()[2]
+    assert "+0.200 (+0.100 - +0.300)" in three  # several seeds: median (min - max), as the committed tables

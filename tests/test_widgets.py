@@ -23,6 +23,7 @@ from r3lab.runs import FollowedRun, RunFormatError, load
 from r3lab.viz import MODE_COLORS
 from r3lab.widgets import (
     LAYER_METRIC,
+    PLOTLY_MIME,
     AblationDashboard,
     RunFollower,
     RunMonitor,
@@ -105,6 +106,13 @@ def test_monitor_follows_a_writer_in_another_process_through_a_half_written_line
             assert list(t.x) == x == list(range(6)) and list(t.y) == pytest.approx(y)
             assert t.line.color == MODE_COLORS[name.split("-")[1]]
         assert tuple(mon.figures[metric].layout.xaxis.range) == (-0.5, 5.5)  # the run's steps, from its config
+        # what the page gets: the whole figure in the Output widget's one display, every point in it
+        shown = mon.views[metric].widget.outputs
+        assert len(shown) == 1 and shown[0]["output_type"] == "display_data"
+        spec = shown[0]["data"][PLOTLY_MIME]
+        assert {t["meta"]: (t["x"], t["y"]) for t in spec["data"]} == {
+            n: (list(t.x), pytest.approx(list(t.y))) for n, t in traces.items()}
+        assert spec["layout"]["title"]["text"] == mon.figures[metric].layout.title.text
     assert "finished" in mon.status.value and "12 steps" in mon.status.value
     snap = {r.name: r for r in mon.follower.snapshot()}
     assert all(isinstance(r, FollowedRun) for r in snap.values())
@@ -136,7 +144,9 @@ def test_a_single_run_stops_when_its_summary_lands_and_close_stops_a_running_mon
 
 def test_bad_paths_and_corrupt_lines_are_named(tmp_path):
     with pytest.raises(R3LabError, match="does not exist"):
-        RunMonitor(tmp_path / "nowhere")
+        RunMonitor(tmp_path / "nowhere", folder_wait_s=0)
+    late = RunMonitor(tmp_path / "nowhere", interval=0.05, folder_wait_s=0.3)  # never appears: named
+    assert late.wait(10) and late.state == "error" and "did not appear within 0.3 s" in str(late.follower.error)
     (tmp_path / "file.txt").write_text("x")
     with pytest.raises(R3LabError, match="is a file"):
         RunMonitor(tmp_path / "file.txt")
@@ -155,12 +165,26 @@ def test_bad_paths_and_corrupt_lines_are_named(tmp_path):
     assert "line 3 is not JSON" in str(follower.error)
 
 
+def test_a_monitor_started_before_the_job_creates_its_folder_waits_for_it(tmp_path):
+    root = tmp_path / "not-yet"  # `widgets.monitor(DIR, PREFIX)` right after `r3lab rl --runs DIR` starts
+    mon = monitor(root, "cmp", interval=0.05, expect=2, folder_wait_s=60)
+    try:
+        time.sleep(0.3)
+        assert mon.state == "waiting" and mon.follower.alive
+        w = _writer(root, "cmp", 3, hold=False)
+        assert w.wait(60) == 0 and mon.wait(30) and mon.state == "finished"
+        assert [list(t.x) for t in mon.figures["reward_mean"].data] == [[0, 1, 2], [0, 1, 2]]
+    finally:
+        mon.close()
+
+
 def test_start_rl_refuses_bad_arguments_before_starting_anything(tmp_path):
-    for kwargs, match in ((dict(modes=["R4"]), "--mode must be one of"), (dict(modes=[]), "replay mode"),
-                          (dict(samples_per_prompt=1), "--samples-per-prompt"),
-                          (dict(prompts_per_step=3, samples_per_prompt=3, mini_batches=2), "mini-batches"),
-                          (dict(seeds=[]), "seed"), (dict(lr=0), "--lr"), (dict(mode="R3"), "modes=\\[...\\]"),
-                          (dict(no_such_knob=1), "no field.*no_such_knob")):
+    for kwargs, match in ((dict(modes=["R4"]), "^mode must be one of"), (dict(modes=[]), "replay mode"),
+                          (dict(samples_per_prompt=1), "^samples_per_prompt must be >= 2"),
+                          (dict(stpes=3), r"no knob\(s\) \['stpes'\]; the knobs are model, mode, steps, "),
+                          (dict(prompts_per_step=3, samples_per_prompt=3, mini_batches=2), r"\(mini_batches\)"),
+                          (dict(seeds=[]), "seed"), (dict(lr=0), "^lr, clip_eps"), (dict(mode="R3"), "modes=\\[...\\]"),
+                          (dict(no_such_knob=1), "no knob.*no_such_knob")):
         with pytest.raises(ConfigError, match=match):
             start_rl(tmp_path, **kwargs)
     assert not any(tmp_path.iterdir())
@@ -207,8 +231,21 @@ def test_the_dashboards_controls_start_from_rl_config(tmp_path):
         assert mine.steps.max >= 250 and mine.samples.value == 8 and mine.config.lr == 1e-3
     finally:
         mine.close()
-    with pytest.raises(ConfigError, match="--samples-per-prompt"):
+    with pytest.raises(ConfigError, match="^samples_per_prompt must be >= 2"):  # the keyword the user typed
         AblationDashboard(tmp_path, samples_per_prompt=1)
+
+
+def test_the_dashboards_controls_have_distinct_labels_and_rl_config_help(tmp_path):
+    dash = AblationDashboard(tmp_path)
+    controls = [dash.model, dash.modes, dash.dtypes, dash.temperature, dash.prompts, dash.samples, dash.steps,
+                dash.seed, dash.metric, dash.layer, dash.progress]
+    labels = [c.description for c in controls]
+    assert len(set(labels)) == len(labels), labels  # e.g. the steps slider and the progress bar differ
+    assert dash.steps.description == "RL steps" and dash.progress.description == "progress"
+    assert dash.steps.tooltip == RLConfig.__dataclass_fields__["steps"].metadata["help"]
+    assert all(c.layout.width == "310px" for c in controls)  # three columns fit JupyterLab's 968 px output area
+    assert max(len(label) for label, _ in dash.dtypes.options) <= 26  # fits its box beside the 125 px label
+    dash.close()
 
 
 def test_reference_runs_load():
@@ -275,6 +312,65 @@ def test_a_failing_callback_puts_the_follower_in_error_instead_of_dying_silently
     follower = RunFollower(tmp_path / "cb-R3-s0", interval=0.05, on_update=boom).start()
     assert follower.wait(10)
     assert follower.state == "error" and "a broken figure" in str(follower.error) and seen[-1] == "error"
+
+
+class _WriterJob:
+    """The job protocol the dashboard's Stop needs, around the test's writer process (no engine)."""
+
+    def __init__(self, root: Path, prefix: str, steps: int):
+        self.runs_root, self.prefix, self.steps = root, prefix, steps
+        self.run_names = [f"{prefix}-none-s0", f"{prefix}-R3-s0"]
+        self.process = _writer(root, prefix, steps, hold=True)
+
+    @property
+    def running(self) -> bool:
+        return self.process.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.poll()
+
+    def close(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+def test_stop_marks_the_runs_stopped_everywhere(tmp_path, capsys):
+    from r3lab.cli import main
+
+    dash = AblationDashboard(tmp_path, steps=6, interval=0.05)
+    job = _WriterJob(tmp_path, "stopme", 6)
+    dash.job = job
+    dash.follower = RunFollower(tmp_path, "stopme", job=job, interval=0.05, on_update=dash._refresh).start()
+    try:
+        _wait_for(lambda: (tmp_path / "partial.flag").exists(), 60, "the writer's half-written line")
+        _wait_for(lambda: dash.follower.steps_landed() == 2, 10, "two steps read")
+        dash.stop_button.click()
+    finally:
+        job.close()
+    assert not dash.follower.alive and dash.follower.state == "stopped"
+    run = load(tmp_path / "stopme-none-s0")
+    assert run.state == "stopped" and run.stopped["steps"] == 2 and "dashboard" in run.stopped["reason"]
+    status = html.unescape(dash.status.value)
+    assert "<b>stopped</b> · 2 steps from 1 run in" in status and "2 / 6 steps</td><td>stopped" in status, status
+    assert "running" not in status
+    main(["runs", str(tmp_path)])
+    assert capsys.readouterr().out.splitlines()[2].split() == ["stopme-none-s0", "rl", "2", "stopped"]
+    dash.close()
+
+
+def test_a_constant_series_gets_a_range_around_its_value_not_down_to_minus_one():
+    from r3lab.widgets.live import LiveFigure, set_traces
+
+    view = LiveFigure("t", "reward_mean")
+    set_traces(view.figure, [("a", "R3", "R3", "solid", [0, 1, 2], [0.1, 0.1, 0.1])])
+    assert tuple(view.figure.layout.yaxis.range) == pytest.approx((0.09, 0.11))
+    set_traces(view.figure, [("a", "R3", "R3", "solid", [0, 1, 2], [0.1, 0.1, 0.3])])
+    assert view.figure.layout.yaxis.range is None and view.figure.layout.yaxis.autorange is True
+    log = LiveFigure("t", "mismatch/k3_kl")
+    set_traces(log.figure, [("a", "R3", "R3", "solid", [0, 1], [1e-4, 1e-4])])
+    assert tuple(log.figure.layout.yaxis.range) == pytest.approx((-4.5, -3.5))  # log10 units: half a decade
+    assert view.draw() and not view.draw()  # sent once; the same figure again sends nothing
 
 
 def test_a_quiet_run_is_stalled_and_stopping_a_job_ends_its_process_group(tmp_path):

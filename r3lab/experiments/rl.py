@@ -523,16 +523,18 @@ def comparison_rows(steps_by_run: Sequence[tuple[RLConfig | dict, Sequence[dict[
 
 
 def comparison_table(rows: Sequence[dict[str, Any]]) -> str:
-    """Markdown: one line per (model, mode), every cell min / median / max over seeds of the run's mean."""
+    """Markdown: one line per (model, mode), every cell min / median / max over seeds of the run's mean (one
+    seed: its value alone, no range)."""
     head = ["model", "mode", "seeds x steps", *[label for _, label, _ in COMPARISON_METRICS],
             "reward rise (last - first quarter)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["model"], r["mode"], f"{r['seeds']} x {r['steps']}"]
+        one = r["seeds"] == 1
         for key, _, fmt in COMPARISON_METRICS:
             lo, mid, hi = r[key]
-            cells.append(f"{mid:{fmt}} ({lo:{fmt}} - {hi:{fmt}})")
+            cells.append(f"{mid:{fmt}}" if one else f"{mid:{fmt}} ({lo:{fmt}} - {hi:{fmt}})")
         lo, mid, hi = r["reward_rise"]
-        cells.append(f"{mid:+.3f} ({lo:+.3f} - {hi:+.3f})")
+        cells.append(f"{mid:+.3f}" if one else f"{mid:+.3f} ({lo:+.3f} - {hi:+.3f})")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -96,8 +96,10 @@ def vllm_env(**values: str | None) -> Iterator[None]:
     and for spawned engine processes, and on the ``vllm`` logger for a vLLM imported before (the logger
     keeps WARNING after the block). Warnings and errors still show.
     """
+    from r3lab.rollout.logs import quiet_vllm_logs  # known start-up noise hidden, vLLM's log on stderr
+
     level = quiet_log_level()
-    with _env(**{LOG_LEVEL_ENV: level}, **values), _stdout_with_fd():
+    with _env(**{LOG_LEVEL_ENV: level}, **values), _stdout_with_fd(), quiet_vllm_logs():
         if level is not None:
             logging.getLogger("vllm").setLevel(level)
         yield

@@ -1,15 +1,18 @@
 """Runs on disk: what every experiment writes, and the reader notebooks, figures and the command line use.
 
-A run is one folder (format ``r3lab-run``, version 1)::
+A run is one folder (format ``r3lab-run``, version 2; version-1 runs still read)::
 
     <runs>/<name>/
-      config.json      {"format": "r3lab-run", "version": 1, "kind", "name", "created", "config": {...},
-                        "versions": {package: version}}  -- everything needed to rerun it
+      config.json      {"format": "r3lab-run", "version": 2, "kind", "name", "created", "config": {...},
+                        "versions": {package: version, "r3lab-source": path}}  -- everything needed
+                       to rerun it, and which r3lab checkout wrote it
       steps.jsonl      one JSON object per step ({"step": int, ...metrics}), appended and flushed as the
                        run goes, so a reader can follow a running job; a half-written last line is ignored
       tokens/step-<step:06d>.parquet   per-token arrays of that step (any columns; step is added)
       routes/step-<step:06d>.<what>.r3 routes of selected steps, in r3lab's own container (r3lab.compaction)
       summary.json     written last: the run's summary; its absence means the run is unfinished or was killed
+      stopped.json     (version 2) the run was stopped before its end: {"state": "stopped", "at", "steps", "reason"},
+                       written by whoever ended it (the dashboard's Stop; a writer left by an exception)
 
 Version rule (as for the route container): any change to what these files mean bumps ``RUN_FORMAT_VERSION``,
 and the reader refuses versions it does not know instead of guessing. A run folder is never overwritten:
@@ -21,11 +24,12 @@ writing, read as they grow) and ``tokens`` (per-token tables pooled per replay m
 """
 
 from r3lab.runs.follow import FollowedRun, Job, RunFollower
-from r3lab.runs.format import RUN_FORMAT, RUN_FORMAT_VERSION, RunFormatError
-from r3lab.runs.reader import Run, list_runs, load, load_runs, parse_step_line, reference_runs_dir
+from r3lab.runs.format import READABLE_VERSIONS, RUN_FORMAT, RUN_FORMAT_VERSION, RunFormatError
+from r3lab.runs.reader import Run, list_runs, load, load_runs, parse_step_line, read_stopped, reference_runs_dir
 from r3lab.runs.tokens import mode_order, rl_token_logprobs
-from r3lab.runs.writer import RunWriter, versions
+from r3lab.runs.writer import RunWriter, mark_stopped, r3lab_source, versions
 
-__all__ = ["RUN_FORMAT", "RUN_FORMAT_VERSION", "RunFormatError", "RunWriter", "Run", "load", "list_runs", "versions",
+__all__ = ["RUN_FORMAT", "RUN_FORMAT_VERSION", "READABLE_VERSIONS", "RunFormatError", "RunWriter", "Run", "load",
+           "list_runs", "versions", "r3lab_source", "mark_stopped", "read_stopped",
            "parse_step_line", "load_runs", "reference_runs_dir", "RunFollower", "FollowedRun", "Job", "mode_order",
            "rl_token_logprobs"]

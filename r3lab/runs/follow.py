@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from r3lab.errors import ConfigError, R3LabError
+from r3lab.runs.format import STOPPED_FILE
 from r3lab.runs.reader import load, parse_step_line
 
 __all__ = ["FollowedRun", "Job", "RunFollower"]
@@ -33,6 +34,7 @@ class FollowedRun:
     records: list[dict[str, Any]]  # the complete step records read so far
     finished: bool  # its summary.json has landed
     total_steps: int | None  # the steps its config asks for (None if it does not say)
+    stopped: bool = False  # its stopped.json has landed (stopped before its end)
 
 
 class Job(Protocol):
@@ -56,6 +58,7 @@ class _Tail:
         self.path, self.meta = path, run.meta
         self.records: list[dict[str, Any]] = []
         self.finished = False
+        self.stopped = False
         self._offset, self._pending, self._lines = 0, b"", 0
         self.last_change = time.monotonic()
 
@@ -76,6 +79,7 @@ class _Tail:
         """Read what was appended since the last poll; True if a step landed or the run finished."""
 
         finished = (self.path / "summary.json").is_file()  # checked first: every step is on disk before it lands
+        stopped = (self.path / STOPPED_FILE).is_file()
         with open(self.path / "steps.jsonl", "rb") as f:
             f.seek(self._offset)
             data = f.read()
@@ -87,8 +91,8 @@ class _Tail:
             if ln.strip():
                 self.records.append(parse_step_line(ln, self.path / "steps.jsonl", self._lines))
                 new += 1
-        changed = bool(new) or finished != self.finished
-        self.finished = finished
+        changed = bool(new) or finished != self.finished or stopped != self.stopped
+        self.finished, self.stopped = finished, stopped
         if changed:
             self.last_change = time.monotonic()
         return changed
@@ -103,17 +107,23 @@ class RunFollower:
     non-zero), or, given neither, when every run seen has finished and no new one appeared for ``settle_s``.
     ``stop()`` ends it at once and joins the thread. ``state``: waiting, running, stalled (no new step for
     ``stall_s``), finished, failed, stopped, or error (an unreadable run; ``error`` holds it).
+
+    A ``source`` that does not exist yet (a job just started in a terminal creates it) is waited for up to
+    ``folder_wait_s`` seconds (state waiting), then it is an error naming the folder; with ``folder_wait_s=0``
+    (the default, unless a ``job`` will write it) a missing folder raises at once.
     """
 
     def __init__(self, source: str | os.PathLike[str], prefix: str = "", *, expect: int | None = None,
                  job: Job | None = None, interval: float = 0.5, stall_s: float = 300.0, settle_s: float = 60.0,
-                 on_update: Callable[[RunFollower], None] | None = None):
+                 folder_wait_s: float = 0.0, on_update: Callable[[RunFollower], None] | None = None):
         src = Path(source)
         if src.exists() and not src.is_dir():
             raise R3LabError(f"{str(src)!r} is a file, not a run folder or a folder of runs")
-        if not src.exists() and job is None:
+        if folder_wait_s < 0:
+            raise ConfigError(f"folder_wait_s must be >= 0, got {folder_wait_s}")
+        if not src.exists() and job is None and not folder_wait_s:
             raise R3LabError(f"{str(src)!r} does not exist (give a run folder, a folder of runs, or the job that "
-                             "will write it)")
+                             "will write it; folder_wait_s waits for a folder a job is about to create)")
         if expect is not None and expect < 1:
             raise ConfigError(f"expect must be >= 1, got {expect}")
         if interval <= 0:
@@ -121,7 +131,7 @@ class RunFollower:
         self.single = (src / "config.json").is_file()
         self.root, self.prefix, self.job = src, prefix, job
         self.expect = expect if expect is not None else (len(job.run_names) if job is not None else None)
-        self.interval, self.stall_s, self.settle_s = interval, stall_s, settle_s
+        self.interval, self.stall_s, self.settle_s, self.folder_wait_s = interval, stall_s, settle_s, folder_wait_s
         self.on_update = on_update
         self.runs: dict[str, _Tail] = {}
         self.state = "waiting"
@@ -129,7 +139,7 @@ class RunFollower:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._last_new_run = time.monotonic()
+        self._last_new_run = self._created = time.monotonic()
 
     # -- the loop
     def start(self) -> RunFollower:
@@ -146,7 +156,7 @@ class RunFollower:
                 if self.state in ("finished", "failed") or self._stop.wait(self.interval):
                     break
             if self.state not in ("finished", "failed"):
-                self.state = "stopped"
+                self.poll()  # what landed before the stop is shown too (state: stopped, or finished)
                 self._notify()
         except Exception as e:  # noqa: BLE001 - an unreadable run or a failing callback: shown, never swallowed
             self.error, self.state = e, "error"
@@ -162,6 +172,10 @@ class RunFollower:
     def poll(self) -> bool:
         """One look at the disk (the thread calls this; tests may call it directly). True if anything changed."""
         job_exited = self.job is not None and not self.job.running  # before reading: a last step is not missed
+        if (self.job is None and not self.root.exists()
+                and time.monotonic() - self._created > self.folder_wait_s):
+            raise R3LabError(f"{str(self.root)!r} did not appear within {self.folder_wait_s:g} s (is the job "
+                             "writing there? `r3lab rl --runs DIR --name PREFIX` creates DIR/PREFIX-*)")
         changed = False
         with self._lock:
             for path in self._candidates():
@@ -194,6 +208,8 @@ class RunFollower:
             return "finished"
         if self.expect is not None and done >= self.expect:
             return "finished"
+        if self._stop.is_set():  # stop() was asked: whatever the job's exit says, it was stopped
+            return "stopped"
         if job_exited and self.job is not None:
             return "failed" if self.job.returncode != 0 or done < (self.expect or 0) else "finished"
         if (self.expect is None and not self.single and runs and done == len(runs)
@@ -225,7 +241,7 @@ class RunFollower:
     def snapshot(self) -> list[FollowedRun]:
         """Every run followed so far (a :class:`FollowedRun` each, by name), a consistent copy."""
         with self._lock:
-            return [FollowedRun(n, t.mode, t.seed, list(t.records), t.finished, t.total_steps)
+            return [FollowedRun(n, t.mode, t.seed, list(t.records), t.finished, t.total_steps, t.stopped)
                     for n, t in self.runs.items()]
 
     def steps_landed(self) -> int:

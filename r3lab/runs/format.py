@@ -7,15 +7,15 @@ from pathlib import Path
 
 from r3lab.errors import RunFormatError
 
-__all__ = ["RUN_FORMAT", "RUN_FORMAT_VERSION", "RunFormatError", "check_run_name", "check_routes_name", "tokens_file",
-           "routes_file", "step_of"]
+__all__ = ["RUN_FORMAT", "RUN_FORMAT_VERSION", "READABLE_VERSIONS", "STOPPED_FILE", "RunFormatError", "check_run_name",
+           "check_routes_name", "tokens_file", "routes_file", "step_of"]
 
 RUN_FORMAT = "r3lab-run"
-RUN_FORMAT_VERSION = 1
+RUN_FORMAT_VERSION = 2  # 2: stopped.json marks a run stopped before its end; config.json's versions name r3lab's path
+READABLE_VERSIONS = (1, 2)  # a version-1 run has no stopped.json: unfinished means running, stopped or killed
+STOPPED_FILE = "stopped.json"  # {"state": "stopped", "at": ISO time, "steps": complete steps, "reason": str}
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _WHAT = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
-
-
 
 
 def check_run_name(name: str) -> None:

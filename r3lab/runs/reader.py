@@ -13,12 +13,21 @@ from r3lab.compaction import decode
 from r3lab.errors import R3LabError
 from r3lab.paths import results_dir
 from r3lab.routes import Routes
-from r3lab.runs.format import RUN_FORMAT, RUN_FORMAT_VERSION, RunFormatError, routes_file, step_of, tokens_file
+from r3lab.runs.format import (
+    READABLE_VERSIONS,
+    RUN_FORMAT,
+    RUN_FORMAT_VERSION,
+    STOPPED_FILE,
+    RunFormatError,
+    routes_file,
+    step_of,
+    tokens_file,
+)
 
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["Run", "load", "list_runs", "load_runs", "reference_runs_dir", "parse_step_line"]
+__all__ = ["Run", "load", "list_runs", "load_runs", "reference_runs_dir", "parse_step_line", "read_stopped"]
 
 
 def parse_step_line(line: bytes, path: str | os.PathLike[str], lineno: int) -> dict[str, Any]:
@@ -55,6 +64,7 @@ class Run:
     step_records: list[dict[str, Any]]
     summary: dict[str, Any] | None
     truncated_last_line: bool = False
+    stopped: dict[str, Any] | None = None  # stopped.json (format 2): the run was stopped before its end
     _cache: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -72,6 +82,14 @@ class Run:
     @property
     def finished(self) -> bool:
         return self.summary is not None
+
+    @property
+    def state(self) -> str:
+        """``finished`` (summary.json), ``stopped`` (stopped.json), else ``running or killed`` (a process that
+        died without a word, or a version-1 run that was stopped, looks the same as one still running)."""
+        if self.finished:
+            return "finished"
+        return "stopped" if self.stopped is not None else "running or killed"
 
     def require_kind(self, kind: str) -> Run:
         """This run, if it is of ``kind`` (``"rl"``, ``"drift"``); else an error naming both."""
@@ -133,9 +151,10 @@ def load(path: str | os.PathLike[str]) -> Run:
         raise RunFormatError(f"{str(cfg)!r} is not JSON: {e}") from e
     if not isinstance(meta, dict) or meta.get("format") != RUN_FORMAT:
         raise RunFormatError(f"{str(cfg)!r} is not an r3lab run config (format {meta.get('format')!r})")
-    if meta.get("version") != RUN_FORMAT_VERSION:
-        raise RunFormatError(f"run {str(p)!r} has format version {meta.get('version')!r}; this r3lab reads version "
-                             f"{RUN_FORMAT_VERSION} (upgrade r3lab to read newer runs)")
+    if meta.get("version") not in READABLE_VERSIONS:
+        raise RunFormatError(f"run {str(p)!r} has format version {meta.get('version')!r}; this r3lab reads versions "
+                             f"{', '.join(map(str, READABLE_VERSIONS))} (writes {RUN_FORMAT_VERSION}); upgrade r3lab "
+                             "to read newer runs")
     for key in ("kind", "name", "config"):
         if key not in meta:
             raise RunFormatError(f"{str(cfg)!r} lacks {key!r}")
@@ -146,7 +165,22 @@ def load(path: str | os.PathLike[str]) -> Run:
             summary = json.loads((p / "summary.json").read_text())
         except ValueError as e:
             raise RunFormatError(f"{str(p / 'summary.json')!r} is not JSON: {e}") from e
-    return Run(p, meta, records, summary, truncated)
+    stopped = read_stopped(p)
+    return Run(p, meta, records, summary, truncated, stopped)
+
+
+def read_stopped(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The run's stop mark (``stopped.json``), or None if it has none; a damaged mark names the file."""
+    f = Path(path) / STOPPED_FILE
+    if not f.is_file():
+        return None
+    try:
+        mark = json.loads(f.read_text())
+    except ValueError as e:
+        raise RunFormatError(f"{str(f)!r} is not JSON: {e}") from e
+    if not isinstance(mark, dict) or mark.get("state") != "stopped":
+        raise RunFormatError(f"{str(f)!r} is not a stop mark (no \"state\": \"stopped\")")
+    return mark
 
 
 def list_runs(root: str | os.PathLike[str]) -> list[tuple[Path, Run | RunFormatError]]:

@@ -17,6 +17,7 @@ from r3lab.routes import Routes
 from r3lab.runs.format import (
     RUN_FORMAT,
     RUN_FORMAT_VERSION,
+    STOPPED_FILE,
     RunFormatError,
     check_routes_name,
     check_run_name,
@@ -24,11 +25,19 @@ from r3lab.runs.format import (
     tokens_file,
 )
 
-__all__ = ["RunWriter", "versions"]
+__all__ = ["RunWriter", "versions", "r3lab_source", "mark_stopped"]
+
+
+def r3lab_source() -> str:
+    """The folder of the r3lab package that is running (an editable install runs whichever checkout it points at)."""
+    import r3lab
+
+    return str(Path(r3lab.__file__).resolve().parent)
 
 
 def versions() -> dict[str, str]:
-    """Versions of the packages that decide a run's numbers (those installed)."""
+    """Versions of the packages that decide a run's numbers (those installed), and ``r3lab-source``: the path
+    of the r3lab package that wrote the run (:func:`r3lab_source`)."""
     import platform
     from importlib import metadata
 
@@ -38,7 +47,32 @@ def versions() -> dict[str, str]:
             out[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
             pass
+    out["r3lab-source"] = r3lab_source()
     return out
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
+
+
+def mark_stopped(path: str | os.PathLike[str], reason: str) -> bool:
+    """Record that the run at ``path`` was stopped before its end (``stopped.json``, format version 2).
+
+    Does nothing to a finished run (its ``summary.json`` says how it ended) or one already marked; True if it
+    wrote the mark. Whoever ends a run's process writes it (the dashboard's Stop, a writer left by an exception).
+    """
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise RunFormatError(f"{str(p)!r} is not an r3lab run (no config.json)")
+    if (p / "summary.json").is_file() or (p / STOPPED_FILE).is_file():
+        return False
+    steps = p / "steps.jsonl"
+    lines = steps.read_bytes().split(b"\n")[:-1] if steps.is_file() else []  # after the last newline: unfinished
+    complete = sum(1 for ln in lines if ln.strip())
+    tmp = p / (STOPPED_FILE + ".tmp")
+    tmp.write_text(json.dumps({"state": "stopped", "at": _now(), "steps": complete, "reason": str(reason)}) + "\n")
+    tmp.replace(p / STOPPED_FILE)
+    return True
 
 
 def _jsonable(x: Any) -> Any:
@@ -59,7 +93,9 @@ def _jsonable(x: Any) -> Any:
 class RunWriter:
     """Writes one run folder: ``with RunWriter(root, name, kind, config) as w: w.log_step(...); w.finish(summary)``.
 
-    Refuses an existing folder. Steps are appended, flushed and fsynced one line at a time.
+    Refuses an existing folder. Steps are appended, flushed and fsynced one line at a time. Left by an
+    exception (Ctrl-C included) before :meth:`finish`, the ``with`` block marks the run stopped
+    (:func:`mark_stopped`).
     """
 
     def __init__(self, root: str | os.PathLike[str], name: str, kind: str, config: Mapping[str, Any]):
@@ -69,7 +105,7 @@ class RunWriter:
             raise RunFormatError(f"run folder {str(self.path)!r} exists; runs are never overwritten (pick a new name)")
         self.path.mkdir(parents=True)
         meta = {"format": RUN_FORMAT, "version": RUN_FORMAT_VERSION, "kind": kind, "name": name,
-                "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+                "created": _now(),
                 "config": _jsonable(dict(config)), "versions": versions()}
         (self.path / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
         self._steps = open(self.path / "steps.jsonl", "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
@@ -122,5 +158,7 @@ class RunWriter:
     def __enter__(self) -> RunWriter:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
         self.close()
+        if exc_type is not None and not self.finished:
+            mark_stopped(self.path, f"{exc_type.__name__}: {exc}" if str(exc) else exc_type.__name__)

@@ -4,7 +4,9 @@ Both follow run folders (``r3lab.runs``) that another process writes, never an e
 button starts ``python -m r3lab rl ...`` as a child process (:func:`start_rl`, a :class:`RLJob` handle) and
 both widgets read its ``steps.jsonl`` files from a background thread (:class:`r3lab.runs.RunFollower`),
 reading only the bytes appended since the last poll. The kernel stays free while a job runs; figures are
-plotly ``FigureWidget`` objects extended in place, one colour per replay mode (``r3lab.viz.MODE_COLORS``).
+plain ``go.Figure`` objects, each shown whole in an ``Output`` widget as it changes (:class:`LiveFigure`;
+``live``'s docstring says why not plotly's ``FigureWidget``), one colour per replay mode
+(``r3lab.viz.MODE_COLORS``).
 
 Modules: ``jobs`` (child-process RL jobs), ``live`` (the live figures both widgets draw), ``monitoring``
 (:class:`RunMonitor`, :func:`monitor`) and ``dashboard`` (:class:`AblationDashboard`). The knobs and their
@@ -15,8 +17,9 @@ from r3lab.config import MODES
 from r3lab.runs import FollowedRun, RunFollower, load_runs, reference_runs_dir
 from r3lab.widgets.dashboard import AblationDashboard
 from r3lab.widgets.jobs import RLJob, rl_config, start_rl
-from r3lab.widgets.live import DEFAULT_METRICS, LAYER_METRIC
+from r3lab.widgets.live import DEFAULT_METRICS, LAYER_METRIC, PLOTLY_MIME, LiveFigure
 from r3lab.widgets.monitoring import RunMonitor, monitor
 
-__all__ = ["DEFAULT_METRICS", "LAYER_METRIC", "MODES", "RLJob", "start_rl", "rl_config", "RunFollower", "FollowedRun",
-           "RunMonitor", "monitor", "AblationDashboard", "load_runs", "reference_runs_dir"]
+__all__ = ["DEFAULT_METRICS", "LAYER_METRIC", "PLOTLY_MIME", "LiveFigure", "MODES", "RLJob", "start_rl",
+           "rl_config", "RunFollower", "FollowedRun", "RunMonitor", "monitor", "AblationDashboard", "load_runs",
+           "reference_runs_dir"]

@@ -18,14 +18,15 @@ from r3lab.config import MODES, RLConfig
 from r3lab.errors import ConfigError, R3LabError
 from r3lab.moe_layout import MoELayout
 from r3lab.paths import MODELS, model_dir, runs_dir
-from r3lab.runs import RunFollower
+from r3lab.runs import RunFollower, mark_stopped
 from r3lab.viz import ONE_COLUMN, export
 from r3lab.widgets.jobs import RLJob, rl_config, start_rl
 from r3lab.widgets.live import (
     DEFAULT_METRICS,
     LAYER_METRIC,
     LOG_METRICS,
-    figure,
+    LiveFigure,
+    fit_y,
     set_steps,
     set_traces,
     status_html,
@@ -34,10 +35,18 @@ from r3lab.widgets.live import (
 
 __all__ = ["AblationDashboard"]
 
-_DTYPE_PAIRS = (("engine bf16 / trainer fp32", ("bfloat16", "float32")),
-                ("engine bf16 / trainer bf16 (fp32 routers)", ("bfloat16", "bfloat16")),
-                ("engine fp32 / trainer fp32", ("float32", "float32")))
+_SHORT = {"bfloat16": "bf16", "float32": "fp32"}
+_DTYPE_PAIRS = (("bf16 / fp32", ("bfloat16", "float32")),  # engine / trainer
+                ("bf16 / bf16, fp32 router", ("bfloat16", "bfloat16")),
+                ("fp32 / fp32", ("float32", "float32")))
 _SLIDER_TOP = {"prompts_per_step": 32, "samples_per_prompt": 16, "steps": 200}  # the sliders' upper ends
+_LABEL_WIDTH = "125px"  # every control: a label column this wide, the control 310 px in all (three columns fit
+_CONTROL = {"width": "310px"}  # the 968 px output area JupyterLab gives with its file browser open)
+
+
+def _help(name: str) -> str:
+    """The RLConfig field's help text (the same words as ``r3lab rl --help``), for a control's tooltip."""
+    return str(RLConfig.__dataclass_fields__[name].metadata.get("help", ""))
 
 
 def _lowest_accepted(name: str, limit: int = 64) -> int:
@@ -55,7 +64,7 @@ def _slider(config: RLConfig, name: str, label: str, style: dict[str, str]) -> w
     """A slider over an RLConfig field: its value from ``config``, its lower end RLConfig's own minimum."""
     v = int(getattr(config, name))
     return widgets.IntSlider(value=v, min=_lowest_accepted(name), max=max(_SLIDER_TOP[name], v), description=label,
-                             style=style)
+                             tooltip=_help(name), style=style, layout=widgets.Layout(**_CONTROL))
 
 
 def _moe_layers(model: str) -> list[int]:
@@ -69,10 +78,15 @@ def _moe_layers(model: str) -> list[int]:
 class AblationDashboard(widgets.VBox):
     """Run none / R2 / R3 side by side from a notebook and watch the curves grow.
 
-    Controls: model, replay modes, temperature, dtype pair, prompts per step, samples per prompt, seed,
-    steps, metric and layer. **Run** starts ``r3lab rl`` as a child process (:func:`start_rl`) writing to
-    ``runs_root`` and follows its runs (progress = steps landed / steps asked); a failure shows the job's
-    output tail. **Stop** ends the job. **Export** writes the current figures as PNG/SVG/PDF into ``export_dir``.
+    Controls: model, replay modes, temperature, engine / trainer dtypes, prompts per step, samples per prompt,
+    seed, RL steps, metric and layer (tooltips: the RLConfig field's help). **Run** starts ``r3lab rl`` as a
+    child process (:func:`start_rl`) writing to ``runs_root`` and follows its runs (progress = steps landed /
+    steps asked); a failure shows the job's output tail. **Stop** ends the job and marks its unfinished runs
+    stopped on disk (:func:`r3lab.runs.mark_stopped`). **Export** writes the current figures as PNG/SVG/PDF
+    into ``export_dir`` (the button says so while it works).
+
+    The figures (:attr:`figures`: ``go.Figure`` objects) are shown by :class:`~r3lab.widgets.live.LiveFigure`
+    (a whole figure per update, so a cold page or a lost message never leaves them blank).
     """
 
     def __init__(self, runs_root: str | os.PathLike | None = None, export_dir: str | os.PathLike | None = None, *,
@@ -87,34 +101,49 @@ class AblationDashboard(widgets.VBox):
         self.follower: RunFollower | None = None
         self._runs = 0
         self._draw_lock = threading.RLock()  # the follower's thread and the controls both redraw
-        style = {"description_width": "120px"}
+        style = {"description_width": _LABEL_WIDTH}
+        box = widgets.Layout(**_CONTROL)
         self.model = widgets.Dropdown(options=list(dict.fromkeys([cfg.model, *MODELS])), value=cfg.model,
-                                      description="model", style=style)
+                                      description="model", tooltip=_help("model"), style=style, layout=box)
         self.modes = widgets.SelectMultiple(options=MODES, value=tuple(modes), description="replay modes", rows=3,
-                                            style=style)
+                                            tooltip=_help("mode"), style=style, layout=widgets.Layout(**_CONTROL))
         self.temperature = widgets.FloatSlider(value=cfg.temperature, min=0.1, max=max(2.0, cfg.temperature), step=0.1,
-                                               description="temperature", style=style)
+                                               readout_format=".1f", description="temperature",
+                                               tooltip=_help("temperature"), style=style,
+                                               layout=widgets.Layout(**_CONTROL))
         pairs = dict(_DTYPE_PAIRS)
         pair = (cfg.engine_dtype, cfg.trainer_dtype)
         if pair not in pairs.values():
-            pairs[f"engine {pair[0]} / trainer {pair[1]}"] = pair
-        self.dtypes = widgets.Dropdown(options=list(pairs.items()), value=pair, description="dtypes", style=style)
+            pairs[f"{_SHORT.get(pair[0], pair[0])} / {_SHORT.get(pair[1], pair[1])}"] = pair
+        self.dtypes = widgets.Dropdown(options=list(pairs.items()), value=pair, description="engine / trainer",
+                                       tooltip=f"engine: {_help('engine_dtype')}; trainer: {_help('trainer_dtype')}",
+                                       style=style, layout=widgets.Layout(**_CONTROL))
         self.prompts = _slider(cfg, "prompts_per_step", "prompts / step", style)
         self.samples = _slider(cfg, "samples_per_prompt", "samples / prompt", style)
-        self.steps = _slider(cfg, "steps", "steps", style)
-        self.seed = widgets.IntText(value=cfg.seed, description="seed", style=style)
+        self.steps = _slider(cfg, "steps", "RL steps", style)
+        self.seed = widgets.IntText(value=cfg.seed, description="seed", tooltip=_help("seed"), style=style,
+                                    layout=widgets.Layout(**_CONTROL))
         self.metric = widgets.Dropdown(options=list(dict.fromkeys([metric, *DEFAULT_METRICS])), value=metric,
-                                       description="metric", style=style)
-        self.layer = widgets.Dropdown(options=_moe_layers(cfg.model), description="layer", style=style)
-        self.run_button = widgets.Button(description="Run", button_style="primary", icon="play")
-        self.export_button = widgets.Button(description="Export", icon="download")
-        self.stop_button = widgets.Button(description="Stop", icon="stop")
-        self.progress = widgets.IntProgress(value=0, min=0, max=1, description="steps")
+                                       description="metric", style=style, layout=widgets.Layout(**_CONTROL))
+        self.layer = widgets.Dropdown(options=_moe_layers(cfg.model), description="layer",
+                                      tooltip="the MoE layer of the routing-disagreement figure", style=style,
+                                      layout=widgets.Layout(**_CONTROL))
+        self.run_button = widgets.Button(description="Run", button_style="primary", icon="play",
+                                         layout=widgets.Layout(width="96px"))
+        self.export_button = widgets.Button(description="Export", icon="download", layout=widgets.Layout(width="110px"),
+                                            tooltip="write both figures as PNG, SVG and PDF (about half a minute)")
+        self.stop_button = widgets.Button(description="Stop", icon="stop", layout=widgets.Layout(width="96px"))
+        self.progress = widgets.IntProgress(value=0, min=0, max=1, description="progress",
+                                            tooltip="steps landed / steps asked, over every run", style=style,
+                                            layout=widgets.Layout(**_CONTROL))
         self.status = widgets.HTML("<div class='r3lab-status'>ready</div>")
         self.messages = widgets.HTML("")
-        self.curve_fig = figure(metric, metric)
-        self.layer_fig = figure("engine-trainer routing disagreement, layer -", LAYER_METRIC)
-        self.figures = {"curves": self.curve_fig, "layer": self.layer_fig}
+        self.curve_view = LiveFigure(metric, metric)
+        self.layer_view = LiveFigure("engine-trainer routing disagreement, layer -", LAYER_METRIC)
+        self.layer_view.figure.update_layout(yaxis_title="share of token rows that differ")
+        self.curve_fig, self.layer_fig = self.curve_view.figure, self.layer_view.figure
+        self.figures = {"curves": self.curve_fig, "layer": self.layer_fig}  # go.Figure objects
+        self.views = {"curves": self.curve_view, "layer": self.layer_view}
         self.run_button.on_click(lambda _: self._guarded(self.run))
         self.export_button.on_click(lambda _: self._export_in_background())
         self.stop_button.on_click(lambda _: self.stop())
@@ -126,9 +155,9 @@ class AblationDashboard(widgets.VBox):
             widgets.VBox([self.prompts, self.samples, self.steps, self.seed]),
             widgets.VBox([self.metric, self.layer, self.progress,
                           widgets.HBox([self.run_button, self.stop_button, self.export_button])]),
-        ])
+        ], layout=widgets.Layout(flex_flow="row wrap", grid_gap="4px 12px"))
         super().__init__([controls, self.status, self.messages,
-                          widgets.GridBox([self.curve_fig, self.layer_fig],
+                          widgets.GridBox([self.curve_view.widget, self.layer_view.widget],
                                           layout=widgets.Layout(grid_template_columns="repeat(2, minmax(0, 1fr))"))])
         self.add_class("r3lab-dashboard")
 
@@ -156,9 +185,12 @@ class AblationDashboard(widgets.VBox):
         prefix = f"dash-{Path(config.model).name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{self._runs}"
         job = start_rl(self.runs_root, prefix=prefix, config=config, modes=list(self.modes.value), seeds=[config.seed])
         self.job = job
-        for fig in self.figures.values():
-            fig.data = ()
-            set_steps(fig, job.steps)
+        with self._draw_lock:
+            for name, fig in self.figures.items():
+                fig.data = ()
+                set_steps(fig, job.steps)
+                fit_y(fig)
+                self.views[name].draw()
         self.progress.value, self.progress.max = 0, len(job.run_names) * job.steps
         self.messages.value = ""
         self.follower = RunFollower(job.runs_root, job.prefix, job=job, interval=self.interval,
@@ -167,11 +199,21 @@ class AblationDashboard(widgets.VBox):
         return job
 
     def stop(self) -> None:
-        """End the running job (its whole process group) and stop following it; the figures keep what landed."""
-        if self.job is not None:
-            self.job.close()
-        if self.follower is not None:
-            self.follower.stop()
+        """End the running job (its whole process group), mark its unfinished runs stopped on disk (so the
+        rows here and ``r3lab runs`` say stopped), and stop following it; the figures keep what landed."""
+        follower, job = self.follower, self.job
+        if follower is not None:
+            follower.stop()  # first: its thread's last look cannot read the killed job as a failure
+        if job is not None:
+            running = job.running
+            job.close()
+            if running:
+                for name in job.run_names:
+                    if (job.runs_root / name / "config.json").is_file():
+                        mark_stopped(job.runs_root / name, "stopped from the dashboard")
+        if follower is not None and follower.state != "finished":
+            follower.poll()  # the stop marks, read back: the rows say stopped as the header does
+            self._refresh(follower)
 
     def _mini_batches(self, config: RLConfig) -> int:
         """The config's mini-batches if the batch the controls ask for splits into them, else one."""
@@ -192,31 +234,40 @@ class AblationDashboard(widgets.VBox):
         for name, fig in self.figures.items():
             if not fig.data:
                 raise R3LabError(f"the {name} figure is empty: run an experiment first")
-            files += export(go.Figure(fig).update_layout(**ONE_COLUMN), out / f"{tag}-{name}")  # the paper's size
+            paper = go.Figure(fig).update_layout(**ONE_COLUMN, autosize=False, showlegend=True)  # the paper's size
+            files += export(paper, out / f"{tag}-{name}")
         return files
 
     def _export_in_background(self) -> None:
+        button = self.export_button
+
         def work() -> None:
             try:
                 files = self.export()
                 self.messages.value = "wrote " + ", ".join(html.escape(str(f)) for f in files)
             except Exception as e:  # noqa: BLE001 - shown in the widget
                 self.messages.value = f"<b style='color:#d62728'>export failed: {html.escape(str(e))}</b>"
+            finally:
+                button.disabled, button.description, button.icon = False, "Export", "download"
 
+        button.disabled, button.description, button.icon = True, "Exporting…", "hourglass-half"
+        self.messages.value = (f"exporting {len(self.figures)} figures as PNG, SVG and PDF to "
+                               f"{html.escape(str(self.export_dir))} (about half a minute) …")
         threading.Thread(target=work, name="r3lab-export", daemon=True).start()
 
-    # -- drawing (from the follower's thread)
+    # -- drawing (from the follower's thread; one snapshot feeds the figures, the progress and the status)
     def _refresh(self, follower: RunFollower) -> None:
-        self.progress.value = min(follower.steps_landed(), self.progress.max)
-        layers = sorted({int(k) for run in follower.snapshot() for r in run.records[:1]
-                         for k in (r.get(LAYER_METRIC) or {})})
+        snap = follower.snapshot()
+        layers = sorted({int(k) for run in snap for r in run.records[:1] for k in (r.get(LAYER_METRIC) or {})})
         if layers and list(self.layer.options) != layers:
             self._set_layers(layers)  # the runs' own layers win over the config's
-        self._redraw()
+        with self._draw_lock:
+            self._draw(snap)
+        self.progress.value = min(sum(len(r.records) for r in snap), self.progress.max)
         extra = ""
         if follower.state in ("failed", "error") and self.job is not None:
             extra = f"<pre class='r3lab-log'>{html.escape(self.job.tail())}</pre>"
-        self.status.value = status_html(follower, extra)
+        self.status.value = status_html(follower, extra, snap)
 
     def _set_layers(self, layers: list[int]) -> None:
         keep = self.layer.value
@@ -227,17 +278,18 @@ class AblationDashboard(widgets.VBox):
         if self.follower is None:
             return
         with self._draw_lock:
-            self._draw()
+            self._draw(self.follower.snapshot())
 
-    def _draw(self) -> None:
-        snap = self.follower.snapshot() if self.follower is not None else []
+    def _draw(self, snap: Sequence[Any]) -> None:
         metric, layer = self.metric.value, self.layer.value
         self.curve_fig.update_layout(title=metric, yaxis_title=metric,
                                      yaxis_type="log" if metric.startswith(LOG_METRICS) else "linear")
         self.layer_fig.update_layout(title=f"engine-trainer routing disagreement, layer {layer}")
-        for fig, key, lay in ((self.curve_fig, metric, None), (self.layer_fig, LAYER_METRIC, layer)):
+        for name, fig, key, lay in (("curves", self.curve_fig, metric, None),
+                                    ("layer", self.layer_fig, LAYER_METRIC, layer)):
             set_traces(fig, [(r.name, r.mode, r.mode, "solid", [s["step"] for s in r.records],
                               [value(s, key, lay) for s in r.records]) for r in snap])
+            self.views[name].draw()
 
     def close(self) -> None:
         """Stop following and end a job that still runs."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -73,11 +74,26 @@ class RLJob(Closing):
         self._reader.join(timeout=5)
 
 
+def _as_keywords(e: ConfigError) -> ConfigError:
+    """RLConfig's message with its command-line flags (``--samples-per-prompt``) written as the keywords a notebook
+    passes (``samples_per_prompt``): the words the user typed."""
+    return ConfigError(re.sub(r"(?<![\w-])--([a-z][a-z0-9-]*)", lambda m: m.group(1).replace("-", "_"), str(e)))
+
+
 def rl_config(config: RLConfig | None = None, **knobs: Any) -> RLConfig:
     """``config`` (default: :meth:`RLConfig.quick`, a smoke-sized run) with ``knobs`` replacing fields, checked by
-    RLConfig; an unknown knob is an error that names it."""
+    RLConfig; an unknown knob is an error that names it and the knobs there are."""
     base = config if config is not None else RLConfig.quick()
-    return RLConfig.from_dict({**base.to_dict(), **knobs}) if knobs else base
+    if not knobs:
+        return base
+    fields = [f.name for f in dataclasses.fields(RLConfig)]
+    unknown = sorted(set(knobs) - set(fields))
+    if unknown:
+        raise ConfigError(f"no knob(s) {unknown}; the knobs are {', '.join(fields)}")
+    try:
+        return RLConfig.from_dict({**base.to_dict(), **knobs})
+    except ConfigError as e:
+        raise _as_keywords(e) from e
 
 
 def start_rl(runs_root: str | os.PathLike | None = None, *, prefix: str | None = None, modes: Sequence[str] = MODES,
@@ -97,7 +113,10 @@ def start_rl(runs_root: str | os.PathLike | None = None, *, prefix: str | None =
         raise ConfigError("give at least one seed")
     for mode in modes:
         for seed in seeds:
-            dataclasses.replace(base, mode=mode, seed=int(seed))  # RLConfig checks each run's mode and seed
+            try:
+                dataclasses.replace(base, mode=mode, seed=int(seed))  # RLConfig checks each run's mode and seed
+            except ConfigError as e:
+                raise _as_keywords(e) from e
     root = runs_dir(runs_root)
     prefix = prefix or f"rl-{Path(base.model).name}-{time.strftime('%Y%m%d-%H%M%S')}"
     clash = [n for n in run_names(prefix, modes, seeds) if (root / n).exists()]

@@ -1,24 +1,43 @@
-"""The live figures both widgets draw: ``FigureWidget`` objects extended in place as steps land, one colour per
-replay mode (:data:`r3lab.viz.MODE_COLORS`), and the follower's status as HTML."""
+"""The live figures both widgets draw, and the follower's status as HTML.
+
+Each figure is a plain ``plotly.graph_objects.Figure`` (:attr:`LiveFigure.figure`) shown in an ipywidgets
+``Output`` as one plotly display (the notebook's own plotly renderer), replaced whole when the data changes.
+
+Why not plotly's ``FigureWidget``: it is an anywidget, and anywidget drops every message to a model whose
+front-end module did not load within 2 s of the model's creation (its ``Runtime`` rejects ``ready`` after a
+2 s timeout and ``_handle_comm_msg`` awaits ``ready`` for good). plotly's widget module is ~5 MB, so on a
+cold page (a first Run All) that happens: the figure keeps its creation state (no title, no data) while the
+kernel has everything, and displaying it again does not help. Its ``_py2js_*`` edits (a value set and reset
+to None) are also lost when another thread holds the widget's trait notifications. A whole figure in an
+``Output`` is one state value: a later one carries everything, whatever came before.
+"""
 
 from __future__ import annotations
 
 import html
+import json
+import math
+import threading
 from collections.abc import Sequence
 from typing import Any
 
+import ipywidgets as widgets
 import plotly.graph_objects as go
+import plotly.io as pio
 
-from r3lab.runs import RunFollower
+from r3lab.runs import FollowedRun, RunFollower
 from r3lab.viz import TEMPLATE, mode_color
 
-__all__ = ["DEFAULT_METRICS", "LAYER_METRIC"]
+__all__ = ["DEFAULT_METRICS", "LAYER_METRIC", "PLOTLY_MIME", "LiveFigure"]
 
 DEFAULT_METRICS = ("mismatch/k3_kl", "mismatch/extreme_frac_tau2", "reward_mean", "routing/route_change_last_mb",
                    "train/clip_frac")
 LAYER_METRIC = "routing/engine_trainer_disagreement_per_layer"  # {layer id: share of (token) rows that differ}
 DASHES = ("solid", "dash", "dot", "dashdot", "longdash")
 LOG_METRICS = ("mismatch/k3",)
+LEGEND = {"orientation": "h", "yanchor": "top", "y": -0.22, "x": 0}  # below the x title, inside the margin
+MARGIN = {"l": 60, "r": 10, "t": 40, "b": 90}  # room for the x title and a row of legend entries
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
 
 
 def value(rec: dict[str, Any], metric: str, layer: int | None = None) -> float | None:
@@ -28,48 +47,93 @@ def value(rec: dict[str, Any], metric: str, layer: int | None = None) -> float |
     return None if v is None else float(v)
 
 
-def figure(title: str, metric: str, width: int = 470, height: int = 340) -> go.FigureWidget:
-    fig = go.FigureWidget()
-    fig.update_layout(template=TEMPLATE, title=title, xaxis_title="RL step", yaxis_title=metric, width=width,
-                      height=height,
-                      yaxis_type="log" if metric.startswith(LOG_METRICS) else "linear",
-                      margin={"l": 60, "r": 10, "t": 40, "b": 40}, legend={"orientation": "h", "y": -0.3})
-    return fig
+class LiveFigure:
+    """A plotly figure shown in an ipywidgets ``Output`` (:attr:`widget`); :meth:`draw` shows its current state.
+
+    Edit :attr:`figure` (a ``go.Figure``) from any thread, then call :meth:`draw`: the whole figure is sent as
+    one value, so what the page shows is always the latest figure, never a sum of edits that may be lost.
+    """
+
+    def __init__(self, title: str, metric: str, height: int = 380):
+        self.figure = go.Figure()
+        self.figure.update_layout(template=TEMPLATE, title=title, xaxis_title="RL step", yaxis_title=metric,
+                                  height=height, autosize=True, showlegend=True,
+                                  yaxis_type="log" if metric.startswith(LOG_METRICS) else "linear",
+                                  margin=MARGIN, legend=LEGEND)
+        self.widget = widgets.Output(layout=widgets.Layout(min_width="0", overflow="hidden"))
+        self._lock = threading.Lock()
+        self._shown: str | None = None
+        self.draw()
+
+    def draw(self) -> bool:
+        """Show the figure as it is now (nothing is sent if the page already shows exactly this); True if sent."""
+        with self._lock:
+            spec = pio.to_json(self.figure, validate=False)
+            if spec == self._shown:
+                return False
+            data = json.loads(spec)
+            data["config"] = {"responsive": True, "displaylogo": False}
+            title = self.figure.layout.title.text or "figure"
+            self.widget.outputs = ({"output_type": "display_data", "metadata": {},
+                                    "data": {PLOTLY_MIME: data, "text/plain": f"<plotly figure: {title}>"}},)
+            self._shown = spec
+            return True
 
 
 Series = tuple[str, str, str, str, list[int], list[float | None]]  # key, label, mode, dash, x, y
 
 
-def set_traces(fig: go.FigureWidget, series: Sequence[Series]) -> None:
-    """Make ``fig`` hold ``series``, extending traces in place; a trace is keyed by ``meta`` (FigureWidget sets uid)."""
+def set_traces(fig: go.Figure, series: Sequence[Series]) -> None:
+    """Make ``fig`` hold ``series``, one trace per key (``meta``), and its y range fit them (:func:`fit_y`)."""
     with fig.batch_update():
         have = {t.meta: t for t in fig.data}
         for key, label, mode, dash, x, y in series:
             t = have.get(key)
             if t is None:
                 fig.add_scatter(x=x, y=y, name=label, meta=key, mode="lines+markers", legendgroup=mode,
-                                line={"color": mode_color(mode), "dash": dash}, marker={"size": 4})
+                                line={"color": mode_color(mode), "dash": dash}, marker={"size": 5})
             elif list(t.x or ()) != x or list(t.y or ()) != y:
                 t.x, t.y = x, y
+    fit_y(fig)
 
 
-def set_steps(fig: go.FigureWidget, total: int | None) -> None:
-    """Fix the x axis to the run's steps once (plotly.js autoranges y as data lands).
+def fit_y(fig: go.Figure) -> None:
+    """Autorange y, except for a constant series: plotly would span value ± 1 (0.1 drawn from -0.9), so the
+    range is set around the value instead (± 10 % of it; ± half a decade on a log axis)."""
+    ys = [float(v) for t in fig.data for v in (t.y or ()) if v is not None and math.isfinite(float(v))]
+    log = fig.layout.yaxis.type == "log"
+    if log:
+        ys = [math.log10(v) for v in ys if v > 0]
+    if not ys or max(ys) != min(ys):
+        fig.update_layout(yaxis_autorange=True, yaxis_range=None)
+        return
+    v = ys[0]
+    d = 0.5 if log else (abs(v) * 0.1 or 0.1)
+    fig.update_layout(yaxis_autorange=False, yaxis_range=[v - d, v + d])
 
-    Checked in a browser: layout edits sent from the follower's thread after the first one can be lost on
-    the way to the page, while data edits arrive; so the x range is set once, before or with the first data.
-    """
-    if total and tuple(fig.layout.xaxis.range or ()) != (-0.5, total - 0.5):
-        fig.update_layout(xaxis_range=[-0.5, total - 0.5], yaxis_autorange=True)
+
+def set_steps(fig: go.Figure, total: int | None) -> None:
+    """Fix the x axis to the run's steps (so the curves grow into a fixed frame)."""
+    if total:
+        fig.update_layout(xaxis_range=[-0.5, total - 0.5], xaxis_autorange=False,
+                          xaxis_dtick=1 if total <= 12 else None)  # whole steps only, never "0.5"
 
 
-def status_html(follower: RunFollower, extra: str = "") -> str:
+def _run_state(r: FollowedRun) -> str:
+    return "finished" if r.finished else ("stopped" if r.stopped else "running")
+
+
+def status_html(follower: RunFollower, extra: str = "", snapshot: Sequence[FollowedRun] | None = None) -> str:
+    """The follower's state, the steps landed and one row per run; from ``snapshot`` (default: a new one), so
+    the counts say what the figures drawn from the same snapshot show."""
+    snap = follower.snapshot() if snapshot is None else snapshot
     rows = "".join(
         f"<tr><td>{html.escape(r.name)}</td>"
-        f"<td>{len(r.records)}{'' if r.total_steps is None else f' / {r.total_steps}'}</td>"
-        f"<td>{'finished' if r.finished else 'running'}</td></tr>"
-        for r in follower.snapshot())
+        f"<td>{len(r.records)}{'' if r.total_steps is None else f' / {r.total_steps}'} steps</td>"
+        f"<td>{_run_state(r)}</td></tr>"
+        for r in snap)
     err = f"<br><b style='color:#d62728'>{html.escape(repr(follower.error))}</b>" if follower.error else ""
+    steps = sum(len(r.records) for r in snap)
     return (f"<div class='r3lab-status'><b>{html.escape(follower.state)}</b> &middot; "
-            f"{follower.steps_landed()} steps from {len(follower.runs)} run(s) in {html.escape(str(follower.root))}"
-            f"{err}{extra}<table>{rows}</table></div>")
+            f"{steps} step{'' if steps == 1 else 's'} from {len(snap)} run{'' if len(snap) == 1 else 's'} in "
+            f"{html.escape(str(follower.root))}{err}{extra}<table>{rows}</table></div>")

@@ -16,7 +16,7 @@ from r3lab.widgets.live import (
     DASHES,
     DEFAULT_METRICS,
     LAYER_METRIC,
-    figure,
+    LiveFigure,
     set_steps,
     set_traces,
     status_html,
@@ -29,39 +29,44 @@ __all__ = ["RunMonitor", "monitor"]
 class RunMonitor(widgets.VBox):
     """Live curves of runs written by another process; see :class:`RunFollower` for ``source``/``prefix``/ends.
 
-    One ``FigureWidget`` per metric (:attr:`figures`), one trace per run coloured by its replay mode, extended
-    as steps land. ``close()`` (or :meth:`stop`) ends the follower thread.
+    One figure per metric (:attr:`figures`: ``go.Figure`` objects, shown by
+    :class:`~r3lab.widgets.live.LiveFigure`), one trace per run coloured by its replay mode, redrawn as steps
+    land. A folder that does not exist yet (a job just started in a terminal) is waited for up to
+    ``folder_wait_s`` seconds. ``close()`` (or :meth:`stop`) ends the follower thread.
     """
 
     def __init__(self, source: str | os.PathLike, prefix: str = "", *, metrics: Sequence[str] = DEFAULT_METRICS,
                  layer: int | None = None, expect: int | None = None, job: RLJob | None = None,
-                 interval: float = 0.5, stall_s: float = 300.0, settle_s: float = 60.0, start: bool = True):
+                 interval: float = 0.5, stall_s: float = 300.0, settle_s: float = 60.0,
+                 folder_wait_s: float = 120.0, start: bool = True):
         if not metrics:
             raise ConfigError("give at least one metric to monitor")
         self.follower = RunFollower(source, prefix, expect=expect, job=job, interval=interval, stall_s=stall_s,
-                                    settle_s=settle_s, on_update=self._refresh)
+                                    settle_s=settle_s, folder_wait_s=folder_wait_s, on_update=self._refresh)
         self.metrics, self.layer, self.job = list(metrics), layer, job
-        self.figures = {m: figure(m if layer is None or m != LAYER_METRIC else f"{m} (layer {layer})", m)
-                        for m in self.metrics}
+        self.views = {m: LiveFigure(m if layer is None or m != LAYER_METRIC else f"{m} (layer {layer})", m)
+                      for m in self.metrics}
+        self.figures = {m: v.figure for m, v in self.views.items()}
         self.status = widgets.HTML(status_html(self.follower))
-        grid = widgets.GridBox(list(self.figures.values()),
+        grid = widgets.GridBox([v.widget for v in self.views.values()],
                                layout=widgets.Layout(grid_template_columns="repeat(2, minmax(0, 1fr))"))
         super().__init__([self.status, grid])
         if start:
             self.follower.start()
 
     def _refresh(self, follower: RunFollower) -> None:
-        snap = follower.snapshot()
+        snap = follower.snapshot()  # one snapshot: the figures and the status say the same
         total = max((r.total_steps for r in snap if r.total_steps is not None), default=None)
         for m, fig in self.figures.items():
             set_steps(fig, total)
             set_traces(fig, [(r.name, f"{r.mode} s{r.seed}", r.mode, DASHES[r.seed % len(DASHES)],
                               [s["step"] for s in r.records], [value(s, m, self.layer) for s in r.records])
                              for r in snap])
+            self.views[m].draw()
         extra = ""
         if follower.state == "failed" and self.job is not None:
             extra = f"<pre class='r3lab-log'>{html.escape(self.job.tail())}</pre>"
-        self.status.value = status_html(follower, extra)
+        self.status.value = status_html(follower, extra, snap)
 
     @property
     def state(self) -> str:
