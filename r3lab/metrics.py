@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from r3lab.errors import R3LabError
@@ -349,7 +351,7 @@ def outlier_layers(per_layer: np.ndarray, *, factor: float = 3.0, floor: float =
 
 
 # ---- collapse and its precursors (the RL loop's step log and summary): pure functions on series -----------------
-__all__ += ["effective_sample_size", "reward_collapse", "first_step", "COLLAPSE_DEFINITION"]
+__all__ += ["effective_sample_size", "RewardCollapse", "reward_collapse", "first_step", "COLLAPSE_DEFINITION"]
 
 COLLAPSE_DEFINITION = ("reward collapse: after a warm-up, the step's mean reward stays below half its running peak "
                        "for `patience` consecutive steps, the peak being at least `min_peak`; the collapse step is "
@@ -368,8 +370,19 @@ def effective_sample_size(log_ratio: np.ndarray) -> float:
     return float(w.sum() ** 2 / (x.size * np.sum(w**2)))
 
 
+@dataclass(frozen=True)
+class RewardCollapse:
+    """What :func:`reward_collapse` finds: the detector's state per step, and the collapse (None: none)."""
+
+    peak: np.ndarray  # float64 [steps], the running peak from the warm-up on (NaN before)
+    streak: np.ndarray  # int64 [steps], consecutive steps below fraction * peak
+    collapsed: np.ndarray  # bool [steps], True from the step the collapse was confirmed
+    step: int | None  # the first step of the first streak that reached patience
+    detected: int | None  # the step it reached patience
+
+
 def reward_collapse(rewards: np.ndarray, *, warmup: int = 10, patience: int = 5, fraction: float = 0.5,
-                    min_peak: float = 0.05) -> dict[str, np.ndarray | int | None]:
+                    min_peak: float = 0.05) -> RewardCollapse:
     """The reward-collapse detector of :data:`COLLAPSE_DEFINITION` on a per-step reward series.
 
     Why this definition: a collapse in the R3 and GSPO reports is the outcome (the score falls and stays down),
@@ -377,9 +390,6 @@ def reward_collapse(rewards: np.ndarray, *, warmup: int = 10, patience: int = 5,
     ``patience`` steps ignores a single bad batch (the step-to-step noise of a small batch is a few percent), the
     warm-up lets the peak form, and ``min_peak`` keeps a run that never learned from "collapsing" on noise.
 
-    Returns per step ``peak`` (the running peak from step ``warmup`` on; NaN before), ``streak`` (consecutive steps
-    below ``fraction * peak``) and ``collapsed`` (True from the step the streak reaches ``patience``), plus ``step``
-    (the first step of the first such streak, or None) and ``detected`` (the step it was confirmed, or None).
     NaN rewards count as below.
     """
     r = np.asarray(rewards, dtype=np.float64)
@@ -404,7 +414,7 @@ def reward_collapse(rewards: np.ndarray, *, warmup: int = 10, patience: int = 5,
         if detected is None and streak[t] >= patience:
             detected, step = t, t - patience + 1
         collapsed[t] = detected is not None
-    return {"peak": peak, "streak": streak, "collapsed": collapsed, "step": step, "detected": detected}
+    return RewardCollapse(peak, streak, collapsed, step, detected)
 
 
 def first_step(flags: np.ndarray) -> int | None:

@@ -338,15 +338,15 @@ def _summary(history: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-_COLLAPSE_ARGS = {"warmup": 10, "patience": 5, "fraction": 0.5, "min_peak": 0.05}
+_COLLAPSE_ARGS: dict[str, Any] = {"warmup": 10, "patience": 5, "fraction": 0.5, "min_peak": 0.05}
 
 
 def _collapse_state(history: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The detector's state at the last step of ``history`` (it only looks back: the step log can carry it)."""
     c = metrics.reward_collapse(np.array([h[RLMetric.REWARD] for h in history]), **_COLLAPSE_ARGS)
-    peak = c["peak"][-1]
+    peak = c.peak[-1]
     return {RLMetric.COLLAPSE_PEAK: None if np.isnan(peak) else float(peak),
-            RLMetric.COLLAPSE_STREAK: int(c["streak"][-1]), RLMetric.COLLAPSED: bool(c["collapsed"][-1])}
+            RLMetric.COLLAPSE_STREAK: int(c.streak[-1]), RLMetric.COLLAPSED: bool(c.collapsed[-1])}
 
 
 def collapse_summary(history: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -355,12 +355,12 @@ def collapse_summary(history: Sequence[dict[str, Any]]) -> dict[str, Any]:
     k3, the largest |dlogp| and the policy's largest |dlogp|; the clip fraction above 0.5; the IS ESS below 0.5)."""
     r = np.array([h[RLMetric.REWARD] for h in history], dtype=np.float64)
     c = metrics.reward_collapse(r, **_COLLAPSE_ARGS)
-    out: dict[str, Any] = {RLMetric.COLLAPSE_STEP: c["step"], "collapse/detected_step": c["detected"],
+    out: dict[str, Any] = {RLMetric.COLLAPSE_STEP: c.step, "collapse/detected_step": c.detected,
                            "collapse/definition": metrics.COLLAPSE_DEFINITION, "collapse/parameters": _COLLAPSE_ARGS,
                            RLMetric.COLLAPSE_REASON: None}
-    if c["step"] is not None:
-        s, d = int(c["step"]), int(c["detected"])
-        peak = float(c["peak"][s])
+    if c.step is not None and c.detected is not None:
+        s, d = c.step, c.detected
+        peak = float(c.peak[s])
         out[RLMetric.COLLAPSE_REASON] = (f"reward {r[s]:.3f} at step {s} fell below half its running peak "
                                          f"{peak:.3f} (step {int(np.nanargmax(r[: s + 1]))}) and stayed there "
                                          f"through step {d}")
