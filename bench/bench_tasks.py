@@ -8,7 +8,7 @@ bench/results/tasks.md from them:
 * the edges task with GSPO (sequence ratio, clip 3e-4 / 4e-4) instead of GRPO;
 * the edges task with 256-token responses (a few steps: the loop's cost at that length on CPU).
 
-    python bench/bench_tasks.py            # run (about 10 minutes on 2 cores), then render
+    python bench/bench_tasks.py            # run (about 3 minutes on 2 cores), then render
     python bench/bench_tasks.py --render   # render tasks.md again from the committed runs
     python bench/bench_tasks.py --quick    # 4 steps a case; writes nothing
 """
