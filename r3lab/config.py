@@ -24,6 +24,8 @@ __all__ = [
     "DTYPES",
     "ENGINE_QUANTS",
     "OLD_LOGPROBS",
+    "LOSSES",
+    "TASKS",
     "TRAINER_DTYPES",
     "TRAINERS",
     "RLConfig",
@@ -45,6 +47,10 @@ _QUANT_HELP = ("the mismatch dial: simulated weight quantization of the engine's
 # (the proximal policy, as before), or matched weights: a trainer-side copy of the behaviour weights scores the batch
 # (verl's fully-async recompute, slime's --keep-old-actor) and the decoupled objective weights behaviour -> proximal
 OLD_LOGPROBS = ("current", "behaviour")
+LOSSES = ("grpo", "gspo")  # the policy objective (r3lab.trainers.loss): token-level or sequence-level ratios
+# the RL tasks (r3lab.experiments.tasks, its registry): their names and what the reward counts
+TASKS = {"letter": "distinct words starting with --target-letter, per response word",
+         "edges": "distinct uncommon corpus transitions (not a word's most frequent successor), per transition"}
 TRAINER_DTYPES = {"bfloat16": "bf16, fp32 router", "float32": "fp32"}  # the drift experiment's trainer settings
 # the drift experiment's trainers (r3lab.trainers): transformers on CPU, and a Megatron GPTModel loaded by
 # megatron-bridge on a GPU node (scoring only)
@@ -74,6 +80,18 @@ class RLMetric:
     K3_ENGINE_TRAINER_MATCHED = "async/k3_kl_engine_trainer"  # engine vs trainer at the behaviour weights (replay's)
     K3_POLICY_LAG = "async/k3_kl_policy_lag"  # trainer at the current weights vs at the behaviour weights
     K3_ENGINE_CURRENT = "async/k3_kl_engine_vs_current"  # engine vs the current weights (both together)
+    # what precedes collapse (the R3, TIS and GSPO reports): bursts of clipping, growing max |dlogp|, falling ESS
+    ABS_DIFF_MAX = "mismatch/logprob_abs_diff_max"  # engine vs trainer (old policy)
+    IS_ESS = "mismatch/is_eff_sample_size"  # of pi_old / pi_engine over the batch's tokens
+    CLIP_FRAC_MAX = "train/clip_frac_max"  # the largest mini-batch clip fraction of the step
+    POLICY_ABS_DIFF_MAX = "train/policy_abs_dlogp_max"  # current vs old policy, over the step's updates
+    POLICY_IS_ESS = "train/policy_is_ess"  # of pi_current / pi_old, the smallest over the step's mini-batches
+    # the collapse detector (r3lab.metrics.reward_collapse): per step, and in the run summary
+    COLLAPSE_PEAK = "collapse/reward_peak"
+    COLLAPSE_STREAK = "collapse/streak"
+    COLLAPSED = "collapse/collapsed"
+    COLLAPSE_STEP = "collapse/step"
+    COLLAPSE_REASON = "collapse/reason"
 
 
 def knob(default: Any, help: str, *, choices: Sequence[Any] | None = None, flag: str | None = None,
@@ -169,6 +187,12 @@ class RLConfig(_Config):
                       "the policy did not sample) and the engine continues; the loss covers sampled tokens only")
     observation_words: int = knob(3, "turns > 1: corpus words per observation")
     target_letter: str = knob("m", "the task's target letter (reward: distinct words starting with it)")
+    task: str = knob("letter", "the reward: letter (" + TASKS["letter"] + "), edges (" + TASKS["edges"] + ")",
+                     choices=tuple(TASKS))
+    loss: str = knob("grpo", "policy objective: grpo (token ratios, clipped per token) or gspo (one ratio per "
+                     "sample, the geometric mean of its token ratios, clipped per sample)", choices=LOSSES)
+    gspo_clip_eps: float = knob(3e-4, "gspo: the sequence ratio's lower clip range (the GSPO paper's 3e-4)")
+    gspo_clip_eps_high: float = knob(4e-4, "gspo: the sequence ratio's upper clip range (the GSPO paper's 4e-4)")
     seed: int = knob(0, "seed of prompts, sampling and initialisation")
     token_steps: int = knob(0, "also write per-token tables every this many steps (0: first and last step only)")
     noise_every: int = knob(10, "score the engine's samples again by prefill every this many steps (0: never)")
@@ -208,6 +232,13 @@ class RLConfig(_Config):
                               "--trainer-dtype bfloat16")
         if self.engine_quant not in ENGINE_QUANTS:
             raise ConfigError(f"--engine-quant must be one of {ENGINE_QUANTS}, got {self.engine_quant!r}")
+        if self.task not in TASKS:
+            raise ConfigError(f"--task must be one of {tuple(TASKS)}, got {self.task!r}")
+        if self.loss not in LOSSES:
+            raise ConfigError(f"--loss must be one of {LOSSES}, got {self.loss!r}")
+        if not 0 < self.gspo_clip_eps < 1 or self.gspo_clip_eps_high <= 0:
+            raise ConfigError(f"--gspo-clip-eps must be in (0, 1) and --gspo-clip-eps-high > 0, got "
+                              f"{self.gspo_clip_eps}, {self.gspo_clip_eps_high}")
         if len(self.target_letter) != 1:
             raise ConfigError(f"--target-letter must be one character, got {self.target_letter!r}")
 

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from r3lab.errors import R3LabError
@@ -346,3 +348,77 @@ def outlier_layers(per_layer: np.ndarray, *, factor: float = 3.0, floor: float =
         rest = np.delete(x, j)
         out[j] = x[j] > factor * float(np.median(rest)) and x[j] > floor
     return out
+
+
+# ---- collapse and its precursors (the RL loop's step log and summary): pure functions on series -----------------
+__all__ += ["effective_sample_size", "RewardCollapse", "reward_collapse", "first_step", "COLLAPSE_DEFINITION"]
+
+COLLAPSE_DEFINITION = ("reward collapse: after a warm-up, the step's mean reward stays below half its running peak "
+                       "for `patience` consecutive steps, the peak being at least `min_peak`; the collapse step is "
+                       "the first step of that streak")
+
+
+def effective_sample_size(log_ratio: np.ndarray) -> float:
+    """Normalised effective sample size of importance weights ``exp(log_ratio)``: ``(sum w)^2 / (n sum w^2)``, in
+    (0, 1], 1 when all weights are equal (the IS ESS that falls before collapse). Computed stably (max shifted)."""
+    x = np.asarray(log_ratio, dtype=np.float64).ravel()
+    if x.size == 0:
+        raise R3LabError("no tokens to weigh")
+    if not np.isfinite(x).all():
+        raise R3LabError(f"{int((~np.isfinite(x)).sum())} non-finite log-ratios")
+    w = np.exp(x - x.max())
+    return float(w.sum() ** 2 / (x.size * np.sum(w**2)))
+
+
+@dataclass(frozen=True)
+class RewardCollapse:
+    """What :func:`reward_collapse` finds: the detector's state per step, and the collapse (None: none)."""
+
+    peak: np.ndarray  # float64 [steps], the running peak from the warm-up on (NaN before)
+    streak: np.ndarray  # int64 [steps], consecutive steps below fraction * peak
+    collapsed: np.ndarray  # bool [steps], True from the step the collapse was confirmed
+    step: int | None  # the first step of the first streak that reached patience
+    detected: int | None  # the step it reached patience
+
+
+def reward_collapse(rewards: np.ndarray, *, warmup: int = 10, patience: int = 5, fraction: float = 0.5,
+                    min_peak: float = 0.05) -> RewardCollapse:
+    """The reward-collapse detector of :data:`COLLAPSE_DEFINITION` on a per-step reward series.
+
+    Why this definition: a collapse in the R3 and GSPO reports is the outcome (the score falls and stays down),
+    while k3, grad-norm and clipping bursts are precursors that runs can recover from; half the running peak for
+    ``patience`` steps ignores a single bad batch (the step-to-step noise of a small batch is a few percent), the
+    warm-up lets the peak form, and ``min_peak`` keeps a run that never learned from "collapsing" on noise.
+
+    NaN rewards count as below.
+    """
+    r = np.asarray(rewards, dtype=np.float64)
+    if r.ndim != 1:
+        raise R3LabError(f"rewards must be 1-D over steps, got shape {r.shape}")
+    if warmup < 0 or patience < 1 or not 0 < fraction < 1:
+        raise R3LabError(f"warmup must be >= 0, patience >= 1 and fraction in (0, 1), got {warmup}, {patience}, "
+                         f"{fraction}")
+    peak = np.full(r.size, np.nan)
+    streak = np.zeros(r.size, dtype=np.int64)
+    collapsed = np.zeros(r.size, dtype=bool)
+    best = -np.inf
+    step = detected = None
+    for t in range(r.size):
+        if np.isfinite(r[t]):
+            best = max(best, r[t])
+        if t < warmup:
+            continue
+        peak[t] = best
+        below = best >= min_peak and not (r[t] >= fraction * best)  # NaN is below
+        streak[t] = streak[t - 1] + 1 if below and t > 0 else int(below)
+        if detected is None and streak[t] >= patience:
+            detected, step = t, t - patience + 1
+        collapsed[t] = detected is not None
+    return RewardCollapse(peak, streak, collapsed, step, detected)
+
+
+def first_step(flags: np.ndarray) -> int | None:
+    """The index of the first True of a per-step boolean series, or None."""
+    f = np.asarray(flags, dtype=bool)
+    hits = np.flatnonzero(f)
+    return int(hits[0]) if hits.size else None

@@ -197,3 +197,80 @@ def test_command_line_rl_and_runs(tmp_path, capfd):
     main(["runs", str(tmp_path)])
     listing = capfd.readouterr().out
     assert "cli-R2-s0" in listing and "finished" in listing and "unreadable" in listing
+
+
+# ---- collapse: the detector on synthetic series, and the run summary's block ---------------------------------------
+
+
+def _climb(n, rng):
+    t = np.arange(n)
+    return 0.05 + 0.5 * (1 - np.exp(-t / 20)) + rng.normal(0, 0.04, n)
+
+
+def test_collapse_detector_fires_on_a_collapse_and_stays_quiet_on_a_noisy_climb():
+    from r3lab import metrics
+
+    rng = np.random.default_rng(0)
+    for seed in range(20):  # a noisy climb, with single-step dips to a third of the level, never collapses
+        r = _climb(120, np.random.default_rng(seed))
+        r[[40, 70, 71]] *= 0.3
+        c = metrics.reward_collapse(r)
+        assert c.step is None and not c.collapsed.any(), seed
+    r = _climb(120, rng)
+    r[60:] = 0.05 + rng.normal(0, 0.01, 60)  # the reward falls to its start and stays there
+    c = metrics.reward_collapse(r)
+    assert c.step == 60 and c.detected == 64
+    assert not c.collapsed[:64].any() and c.collapsed[64:].all()
+    assert c.streak[60:65].tolist() == [1, 2, 3, 4, 5]
+    assert np.isnan(c.peak[:10]).all() and c.peak[59] == pytest.approx(r[:60].max())
+    # a run that never learned cannot collapse on noise; a collapse inside the warm-up is not judged there
+    assert metrics.reward_collapse(np.abs(rng.normal(0.02, 0.01, 50))).step is None
+    assert metrics.reward_collapse(np.r_[0.5, np.full(30, 0.1)], warmup=3).step == 3
+
+
+def test_effective_sample_size_by_hand():
+    from r3lab import metrics
+
+    assert metrics.effective_sample_size(np.zeros(7)) == pytest.approx(1.0)
+    w = np.array([1.0, 3.0])  # (1 + 3)^2 / (2 * (1 + 9)) = 0.8
+    assert metrics.effective_sample_size(np.log(w)) == pytest.approx(0.8)
+    assert metrics.effective_sample_size(np.log(w) + 800.0) == pytest.approx(0.8)  # stable for large ratios
+
+
+def test_collapse_summary_names_the_step_and_the_reason():
+    rng = np.random.default_rng(1)
+    r = _climb(40, rng)
+    r[25:] = 0.02
+    hist = [{"reward_mean": float(x), "mismatch/k3_kl": 1e-4 * (100 if i == 30 else 1), "train/clip_frac_max": 0.1,
+             "mismatch/is_eff_sample_size": 0.99, "train/policy_is_ess": 0.9} for i, x in enumerate(r)]
+    out = rl.collapse_summary(hist)
+    assert out["collapse/step"] == 25 and out["collapse/detected_step"] == 29
+    assert "step 25" in out["collapse/reason"] and "half its running peak" in out["collapse/reason"]
+    assert out["collapse/first_blowup_step/mismatch/k3_kl"] == 30
+    assert out["collapse/first_blowup_step/train/clip_frac_max"] is None
+    quiet = rl.collapse_summary(hist[:24])
+    assert quiet["collapse/step"] is None and quiet["collapse/reason"] is None
+
+
+def test_gspo_and_the_edges_task_in_a_quick_run(engine, monkeypatch):
+    """--loss gspo reaches the trainer's update with its clip range and sample ids; --task edges is the reward."""
+    seen = []
+    step = HFTrainer.policy_step
+
+    def spy(self, batch, update, *, routes=None):
+        seen.append((update.loss, update.clip_eps, update.clip_eps_high, update.token_sample.tolist(),
+                     batch.token_sample.tolist()))
+        return step(self, batch, update, routes=routes)
+
+    monkeypatch.setattr(HFTrainer, "policy_step", spy)
+    cfg = dataclasses.replace(QUICK, steps=2, loss="gspo", task="edges")
+    run = run_rl(cfg, engine=engine, progress=False)
+    assert len(seen) == 2 * QUICK.mini_batches
+    assert all(s[:3] == ("gspo", 3e-4, 4e-4) and s[3] == s[4] for s in seen)
+    for s in run.steps:
+        assert 0 <= s["reward_mean"] <= 1 and s["train/clip_frac_max"] >= s["train/clip_frac"]
+        assert 0 < s["train/policy_is_ess"] <= 1 and s["train/policy_abs_dlogp_max"] >= 0
+        assert s["collapse/streak"] == 0 and s["collapse/collapsed"] is False
+    grpo = run_rl(dataclasses.replace(cfg, loss="grpo"), engine=engine, progress=False).steps
+    assert grpo[0]["reward_mean"] == run.steps[0]["reward_mean"]  # the same first rollout, another objective
+    assert grpo[0]["train/loss"] != run.steps[0]["train/loss"]

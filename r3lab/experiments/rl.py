@@ -37,12 +37,17 @@ observation of corpus words appended between turns; the routes replayed are stit
 sampled tokens, prefill routes for prompt and observation tokens) and the loss covers sampled tokens only
 (``PolicyUpdate.loss_mask``).
 
-The task (``LetterTask``): the tiny models speak the made-up words of the shipped Markov corpus; the reward
-of a completion is the number of distinct words in it that start with a target letter, per word (about
-0.06 for "m" before training). Repeating one target word earns it once, and the chain's sparse
-transitions cap how many different target words a completion can reach, so the reward climbs for many
-steps instead of saturating (counting every hit, the policy found a loop of "m" words and reached 1.0
-within 25 steps).
+Objectives (``loss``): token-level GRPO (the default) or sequence-level GSPO (``r3lab.trainers.loss``); TIS is
+orthogonal to both.
+
+Tasks (``task``, :mod:`r3lab.experiments.tasks`): ``letter`` (distinct words starting with a target letter) and
+``edges`` (distinct uncommon corpus transitions), on the made-up words of the shipped Markov corpus; responses of
+``max_tokens`` tokens (up to 256 on CPU).
+
+Collapse (:func:`r3lab.metrics.reward_collapse`): the reward stays below half its running peak for 5 steps after
+a 10-step warm-up; every step logs the detector's state (``collapse/*``) and the precursors the field reports
+(clip fraction, F(2), the largest |dlogp|, the IS effective sample size, on the engine-trainer and on the policy
+side); the summary gives ``collapse/step`` and ``collapse/reason``.
 """
 
 from __future__ import annotations
@@ -61,8 +66,9 @@ from r3lab import metrics
 from r3lab.config import MODES, OLD_LOGPROBS, RLConfig, RLMetric, run_name
 from r3lab.corpus import corpus_prompts
 from r3lab.doctor import diagnose
-from r3lab.errors import ConfigError, R3LabError
+from r3lab.errors import ConfigError
 from r3lab.experiments.multiturn import engine_prefix_cache, prefill_vs_decode, rollout_turns
+from r3lab.experiments.tasks import LetterTask, make_task
 from r3lab.paths import model_dir
 from r3lab.rollout import RolloutEngine, RolloutResult, SamplingConfig, append_last_row
 from r3lab.routes import Routes
@@ -86,31 +92,11 @@ __all__ = [
     "train_step",
     "run_rl",
     "run_comparison",
+    "collapse_summary",
     "comparison_rows",
     "comparison_table",
     "COMPARISON_METRICS",
 ]
-
-
-class LetterTask:
-    """Reward: distinct response words that start with ``letter``, per response word (special tokens miss).
-
-    Counting each word once keeps the task from collapsing into one word repeated: the policy must find many
-    different target words, which the corpus's sparse transitions make hard, so the reward keeps climbing.
-    """
-
-    def __init__(self, tokenizer: Any, letter: str):
-        vocab = tokenizer.get_vocab()
-        self.letter = letter
-        self.hits = np.zeros(max(vocab.values()) + 1, dtype=bool)
-        for word, i in vocab.items():
-            self.hits[i] = word.startswith(letter) and not word.startswith("<")
-        if not self.hits.any():
-            raise R3LabError(f"no word of the vocabulary starts with {letter!r}")
-
-    def reward(self, response_ids: Sequence[int]) -> float:
-        ids = np.asarray(response_ids, dtype=np.int64)
-        return float(np.unique(ids[self.hits[ids]]).size / ids.size) if ids.size else 0.0
 
 
 @dataclass(frozen=True)
@@ -277,6 +263,8 @@ def _proximal(trainer: Trainer, batch: RolloutBatch, config: RLConfig, behaviour
 
 _UPDATE_STATS = ("loss", "clip_frac", "approx_kl", "grad_norm", "entropy", "route_change", "used_route_change",
                  "tis_weight_mean")
+# collapse precursors on the policy side, per mini-batch (the maximum over the update is what bursts)
+_PRECURSORS = ("clip_frac", "grad_norm", "policy_abs_dlogp", "policy_is_ess")
 
 
 def policy_updates(trainer: Trainer, batch: RolloutBatch, old: OldPolicy, config: RLConfig,
@@ -289,6 +277,8 @@ def policy_updates(trainer: Trainer, batch: RolloutBatch, old: OldPolicy, config
     chunks = np.array_split(rng.permutation(len(batch.tokens)), config.mini_batches)
     tok_sample = batch.tokens.token_sample
     stats: dict[str, list[float]] = {k: [] for k in _UPDATE_STATS}
+    precursors: dict[str, list[float]] = {k: [] for k in _PRECURSORS}
+    gspo = config.loss == "gspo"
     first_mb_gap = trainer_floor = 0.0
     for mb, idx in enumerate(np.sort(c) for c in chunks):
         sub = batch.tokens.take(idx)
@@ -299,9 +289,12 @@ def policy_updates(trainer: Trainer, batch: RolloutBatch, old: OldPolicy, config
         stats["route_change"].append(float(metrics.set_differs(old_sub.values, now.routes.values).mean()))
         replay = {"R2": old_sub, "R3": batch.engine_routes.take(idx)}.get(config.mode)
         update = PolicyUpdate(old_logprobs=old.logp_old[sel], advantages=batch.advantages[tok_sample[sel]],
-                              infer_logprobs=batch.logp_infer[sel], clip_eps=config.clip_eps,
+                              infer_logprobs=batch.logp_infer[sel],
+                              clip_eps=config.gspo_clip_eps if gspo else config.clip_eps,
                               tis_cap=config.tis_cap if old.weights is None else None,  # matched: in the weights
-                              max_grad_norm=config.max_grad_norm,
+                              max_grad_norm=config.max_grad_norm, loss=config.loss,
+                              clip_eps_high=config.gspo_clip_eps_high if gspo else None,
+                              token_sample=sub.token_sample,
                               loss_mask=None if batch.loss_mask is None else batch.loss_mask[sel],
                               token_weights=None if old.weights is None else old.weights[sel])
         step = trainer.policy_step(sub, update, routes=replay)
@@ -316,7 +309,17 @@ def policy_updates(trainer: Trainer, batch: RolloutBatch, old: OldPolicy, config
             stats[k].append(getattr(step, k))
         if step.tis_weight_mean is not None:
             stats["tis_weight_mean"].append(step.tis_weight_mean)
+        # the current policy (this forward, before its step) against the old policy on these tokens
+        drift = step.logprobs - old.logp_old[sel]
+        precursors["clip_frac"].append(step.clip_frac)
+        precursors["grad_norm"].append(step.grad_norm)
+        precursors["policy_abs_dlogp"].append(float(np.abs(drift).max()))
+        precursors["policy_is_ess"].append(metrics.effective_sample_size(drift))
     rec: dict[str, Any] = {f"train/{k}": float(np.mean(v)) if v else None for k, v in stats.items()}
+    rec[RLMetric.CLIP_FRAC_MAX] = max(precursors["clip_frac"])
+    rec["train/grad_norm_max"] = max(precursors["grad_norm"])
+    rec[RLMetric.POLICY_ABS_DIFF_MAX] = max(precursors["policy_abs_dlogp"])
+    rec[RLMetric.POLICY_IS_ESS] = min(precursors["policy_is_ess"])
     rec["routing/route_change_first_mb"] = stats["route_change"][0]
     rec[RLMetric.ROUTE_CHANGE_LAST_MB] = stats["route_change"][-1]
     rec[RLMetric.USED_ROUTE_CHANGE_LAST_MB] = stats["used_route_change"][-1]
@@ -378,7 +381,7 @@ def run_rl(config: RLConfig, *, engine: RolloutEngine | None = None, runs_root: 
         trainer = load_trainer(config, path)
         checkpoint = trainer.export_weights()
         engine.update_weights(checkpoint, version=0)  # a shared engine starts from the checkpoint too
-        task = LetterTask(engine.tokenizer, config.target_letter)
+        task = make_task(engine.tokenizer, config)
         behaviour_weights = checkpoint  # what the engine holds: the weights its rollouts are sampled with
         behaviour = None
         if runs_root is not None:
@@ -434,6 +437,7 @@ def run_rl(config: RLConfig, *, engine: RolloutEngine | None = None, runs_root: 
             rec["time_weight_sync_s"] = time.perf_counter() - t1
             rec["time_step_s"] = time.perf_counter() - t0
             history.append(rec)
+            rec.update(_collapse_state(history))
             if writer is not None:
                 if step in (0, config.steps - 1) or (config.token_steps and step % config.token_steps == 0):
                     writer.write_tokens(step, result.tokens)
@@ -442,6 +446,7 @@ def run_rl(config: RLConfig, *, engine: RolloutEngine | None = None, runs_root: 
             if on_step is not None:
                 on_step(rec)
         summary = _summary(history)
+        summary.update(collapse_summary(history))
         if writer is not None:
             report = diagnose(writer.path)  # the field's silent failures, checked on what this run wrote
             summary.update(report.summary())
@@ -469,6 +474,45 @@ def _summary(history: Sequence[dict[str, Any]]) -> dict[str, Any]:
     r = np.array([h["reward_mean"] for h in history])
     out["reward_first_quarter"] = float(r[:q].mean())
     out["reward_last_quarter"] = float(r[-q:].mean())
+    return out
+
+
+_COLLAPSE_ARGS: dict[str, Any] = {"warmup": 10, "patience": 5, "fraction": 0.5, "min_peak": 0.05}
+
+
+def _collapse_state(history: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The detector's state at the last step of ``history`` (it only looks back: the step log can carry it)."""
+    c = metrics.reward_collapse(np.array([h[RLMetric.REWARD] for h in history]), **_COLLAPSE_ARGS)
+    peak = c.peak[-1]
+    return {RLMetric.COLLAPSE_PEAK: None if np.isnan(peak) else float(peak),
+            RLMetric.COLLAPSE_STREAK: int(c.streak[-1]), RLMetric.COLLAPSED: bool(c.collapsed[-1])}
+
+
+def collapse_summary(history: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The run summary's collapse block: ``collapse/step`` and ``collapse/reason`` (None: no collapse), the
+    definition and its parameters, and the first step of each precursor blow-up (10x its trailing 5-step median:
+    k3, the largest |dlogp| and the policy's largest |dlogp|; the clip fraction above 0.5; the IS ESS below 0.5)."""
+    r = np.array([h[RLMetric.REWARD] for h in history], dtype=np.float64)
+    c = metrics.reward_collapse(r, **_COLLAPSE_ARGS)
+    out: dict[str, Any] = {RLMetric.COLLAPSE_STEP: c.step, "collapse/detected_step": c.detected,
+                           "collapse/definition": metrics.COLLAPSE_DEFINITION, "collapse/parameters": _COLLAPSE_ARGS,
+                           RLMetric.COLLAPSE_REASON: None}
+    if c.step is not None and c.detected is not None:
+        s, d = c.step, c.detected
+        peak = float(c.peak[s])
+        out[RLMetric.COLLAPSE_REASON] = (f"reward {r[s]:.3f} at step {s} fell below half its running peak "
+                                         f"{peak:.3f} (step {int(np.nanargmax(r[: s + 1]))}) and stayed there "
+                                         f"through step {d}")
+
+    def series(key: str) -> np.ndarray:
+        return np.array([np.nan if h.get(key) is None else h[key] for h in history], dtype=np.float64)
+
+    for key in (RLMetric.K3_KL, RLMetric.ABS_DIFF_MAX, RLMetric.POLICY_ABS_DIFF_MAX):
+        out[f"collapse/first_blowup_step/{key}"] = metrics.first_step(metrics.jump_steps(series(key)))
+    out[f"collapse/first_blowup_step/{RLMetric.CLIP_FRAC_MAX}"] = metrics.first_step(series(RLMetric.CLIP_FRAC_MAX)
+                                                                                     > 0.5)
+    for key in (RLMetric.IS_ESS, RLMetric.POLICY_IS_ESS):
+        out[f"collapse/first_blowup_step/{key}"] = metrics.first_step(series(key) < 0.5)
     return out
 
 

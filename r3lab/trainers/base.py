@@ -101,13 +101,17 @@ class PolicyUpdate:
     old_logprobs: np.ndarray  # the old policy's log-probs (the ratio's denominator)
     advantages: np.ndarray  # each token's advantage (its sample's, for GRPO)
     infer_logprobs: np.ndarray  # the engine's log-probs (truncated importance sampling)
-    clip_eps: float = 0.2
+    clip_eps: float = 0.2  # the clip range of the ratio the loss clips (per token for grpo, per sample for gspo)
     tis_cap: float | None = None
     max_grad_norm: float = 1.0
     # optional, per scored token (default: every scored token counts with weight 1, as before)
     loss_mask: np.ndarray | None = None  # bool: the tokens the loss averages over (multi-turn: sampled tokens only)
     token_weights: np.ndarray | None = None  # constant weight per token (the decoupled objective's truncated
     # behaviour -> proximal importance weight); multiplies the TIS weight when both are given
+
+    loss: str = "grpo"  # the objective (r3lab.trainers.loss.LOSSES): grpo (token ratios) or gspo (sequence ratios)
+    clip_eps_high: float | None = None  # the upper clip range when it differs from clip_eps (GSPO: 4e-4 over 3e-4)
+    token_sample: np.ndarray | None = None  # per scored token, its sample in the mini-batch (gspo needs it)
 
     def __post_init__(self) -> None:
         n = np.shape(self.old_logprobs)

@@ -76,7 +76,7 @@ class HFTrainer:
         loss.loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), update.max_grad_norm)
         self.optimizer.step()
-        stats = loss.stats(update.clip_eps)
+        stats = loss.stats()  # the clip range the loss used (per sample for gspo)
         with torch.no_grad():
             entropy = float(cur.entropy.mean())
         return PolicyStepStats(loss=stats["loss"], clip_frac=stats["clip_frac"], approx_kl=stats["approx_kl"],

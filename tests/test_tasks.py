@@ -1,0 +1,88 @@
+"""The RL tasks (r3lab.experiments.tasks) on hand-made responses, checked against the corpus counted independently."""
+
+import collections
+
+import pytest
+from transformers import AutoTokenizer
+
+from r3lab.config import TASKS as TASK_NAMES
+from r3lab.config import RLConfig
+from r3lab.errors import ConfigError
+from r3lab.experiments.tasks import TASKS, EdgeTask, LetterTask, make_task
+from r3lab.paths import corpus_path, model_dir
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(model_dir("tiny-qwen3-moe"))
+
+
+@pytest.fixture(scope="module")
+def successors():
+    succ = collections.defaultdict(collections.Counter)
+    for line in corpus_path().read_text().splitlines():
+        w = line.split()
+        for a, b in zip(w, w[1:], strict=False):
+            succ[a][b] += 1
+    return succ
+
+
+def _ids(tokenizer, words):
+    vocab = tokenizer.get_vocab()
+    return [vocab[w] for w in words]
+
+
+def test_edge_task_counts_distinct_uncommon_transitions(tokenizer, successors):
+    task = EdgeTask(tokenizer)
+    # kupi's successors in the corpus: tali (its most frequent), kobire, mamefu, reti, and random jumps seen once
+    top, second = (w for w, _ in successors["kupi"].most_common(2))
+    rare = [w for w, n in successors["kupi"].items() if n < 4][0]
+    assert successors["kupi"][second] >= 4
+    words = ["kupi", second, "kupi", second, "kupi", top, "kupi", rare]  # 7 transitions
+    # kupi -> second scores once (repeated); kupi -> top never (dominant); kupi -> rare never (a jump); the
+    # transitions back into kupi score when they are uncommon edges of their own source word
+    back = {a for a in (second, top, rare) if successors[a]["kupi"] >= 4
+            and successors[a].most_common(1)[0][0] != "kupi"}
+    want = (1 + len(back)) / 7
+    assert task.reward(_ids(tokenizer, words)) == pytest.approx(want)
+    assert task.reward(_ids(tokenizer, ["kupi"])) == 0.0 and task.reward([]) == 0.0
+    assert task.reward(_ids(tokenizer, ["kupi", top] * 4)) <= 1 / 7 + 1e-12  # a loop on dominant edges scores ~0
+    # as many targets as the corpus has uncommon edges (no special token among them)
+    n = sum(1 for a, c in successors.items() for b, k in c.items() if k >= 4 and b != c.most_common(1)[0][0])
+    assert int(task.targets.sum()) == n
+    assert not task.targets[:4].any() and not task.targets[:, :4].any()
+
+
+def test_a_walk_of_distinct_uncommon_edges_scores_one(tokenizer, successors):
+    """The ceiling is reachable: a walk whose every transition is a new uncommon edge earns 1.0 (found greedily)."""
+    task = EdgeTask(tokenizer)
+    walk, used = ["kupi"], set()
+    while len(walk) < 8:
+        a = walk[-1]
+        c = successors[a]
+        nxt = [b for b, k in c.items() if k >= 4 and b != c.most_common(1)[0][0] and (a, b) not in used]
+        if not nxt:
+            break
+        used.add((a, nxt[0]))
+        walk.append(nxt[0])
+    assert len(walk) >= 4, walk
+    assert task.reward(_ids(tokenizer, walk)) == pytest.approx(1.0)
+
+
+def test_letter_task_moved_unchanged(tokenizer):
+    task = LetterTask(tokenizer, "m")
+    words = ["mime", "kupi", "mime", "mamefu", "tali"]
+    assert task.reward(_ids(tokenizer, words)) == pytest.approx(2 / 5)  # mime once, mamefu once, over 5 words
+    import r3lab.experiments.rl as rl
+
+    assert rl.LetterTask is LetterTask  # still importable from the RL module
+
+
+def test_the_registry_builds_every_task_by_name(tokenizer):
+    assert set(TASKS) == set(TASK_NAMES)
+    assert isinstance(make_task(tokenizer, RLConfig(task="edges")), EdgeTask)
+    assert isinstance(make_task(tokenizer, RLConfig()), LetterTask)
+    with pytest.raises(ConfigError, match="--task"):
+        RLConfig(task="chess")
+    with pytest.raises(ConfigError, match="--loss"):
+        RLConfig(loss="ppo")
