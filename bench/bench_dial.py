@@ -22,12 +22,12 @@ import numpy as np
 from r3lab import metrics
 from r3lab.config import ENGINE_QUANTS, DriftConfig
 from r3lab.experiments.drift import drift_summary, replay_drift, seed_inputs
-from r3lab.paths import MODELS, model_dir
+from r3lab.paths import MODELS, model_dir, results_dir
 from r3lab.replay import load_hf_model
 from r3lab.rollout import RolloutEngine
 from r3lab.rollout.quant import fake_quantize, is_quantized_weight
 
-RESULTS = Path(__file__).resolve().parent / "results" / "dial.md"
+RESULTS = results_dir() / "dial.md"
 DEEP = "tiny-qwen3-moe-deep"  # Qwen3-30B-A3B's routing shape at tiny width: 24 layers, top-8 of 64 experts
 
 

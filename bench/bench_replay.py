@@ -23,15 +23,15 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
+from r3lab.paths import results_dir
 from r3lab.replay import MegatronReplay, find_hf_routers, hf_replay, megatron_replay
 from r3lab.slicing import ParallelLayout
 from r3lab.testing import tiny_moe_config
 
-RESULTS = Path(__file__).parent / "results" / "replay.md"
+RESULTS = results_dir() / "replay.md"
 TARGET = 0.03
 
 

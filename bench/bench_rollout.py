@@ -23,6 +23,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from r3lab.paths import results_dir  # noqa: E402 (after the checkout is on the path)
+
 MODELS = ["tiny-qwen3-moe", "tiny-glm4-moe"]
 
 
@@ -67,7 +69,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--pairs", type=int, default=30)
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "rollout.md")
+    ap.add_argument("--out", type=Path, default=results_dir() / "rollout.md")
     ap.add_argument("--quick", action="store_true", help="smoke run: 8 prompts x 16 tokens, 3 pairs; writes nothing")
     args = ap.parse_args(argv)
     if args.quick:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from r3lab.paths import results_dir
 from r3lab.routes import Routes
 from r3lab.slicing import ParallelLayout, dp_sequence_ids, dp_share, shard, shard_local
 
@@ -143,7 +144,7 @@ def main() -> None:
     ap.add_argument("--min-len", type=int, default=1_000)
     ap.add_argument("--max-len", type=int, default=20_000)
     ap.add_argument("--quick", action="store_true", help="smoke run: 32 sequences of 200..2000 tokens")
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "slicing.md")
+    ap.add_argument("--out", type=Path, default=results_dir() / "slicing.md")
     args = ap.parse_args()
     if args.quick:
         args.seqs, args.min_len, args.max_len = 32, 200, 2_000

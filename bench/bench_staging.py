@@ -39,6 +39,7 @@ import numpy as np
 import orjson
 
 from r3lab.compaction import decode, encode
+from r3lab.paths import results_dir
 from r3lab.routes import Routes
 from r3lab.slicing import ParallelLayout
 from r3lab.staging import RankCoords, RayBackend, StagingPlan, TorchDistBackend, stage
@@ -198,7 +199,7 @@ def main() -> None:
     ap.add_argument("--dp", type=int, default=4, help="DP ranks = worker actors")
     ap.add_argument("--codecs", nargs="+", default=["raw", "bitpack", "topk-set"])
     ap.add_argument("--quick", action="store_true", help="smoke run: 8 sequences of 2000 tokens")
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "staging.md")
+    ap.add_argument("--out", type=Path, default=results_dir() / "staging.md")
     args = ap.parse_args()
     if args.quick:
         args.seqs, args.length = 8, 2_000

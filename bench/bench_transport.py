@@ -28,9 +28,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from workloads import WORKLOADS, sample_routes  # noqa: E402
 
 from r3lab.compaction import decode, encode  # noqa: E402
+from r3lab.paths import results_dir
 from r3lab.routes import Routes  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results" / "transport.md"
+RESULTS = results_dir() / "transport.md"
 
 
 # ---- baselines: what the field sends ------------------------------------------------------------
