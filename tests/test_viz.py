@@ -18,7 +18,7 @@ def test_transport_figure_has_one_bar_trace_per_method_in_the_shared_template():
     fig = transport_figure(RECORDS)
     assert [t.name for t in fig.data] == ["compact + base64 + orjson", "r3lab topk-set"]
     assert list(fig.data[1].y) == [0.516, 0.516] and list(fig.data[0].x) == ["64e top-8", "512e top-22"]
-    assert "uniform" in fig.layout.title.text
+    assert "uniform" in fig.layout.title.subtitle.text
     assert fig.layout.template == pio.templates[TEMPLATE]  # the paper template, as every other figure
 
 
@@ -119,7 +119,7 @@ def test_route_view_highlights_exactly_the_cells_whose_expert_sets_differ():
     assert "'w4'" in hm.hovertext[2][4] and list(hm.y) == ["layer 1", "layer 2", "layer 3"]
     flipped_hover = [h for line in hm.hovertext for h in line if "differs" in h]
     assert len(flipped_hover) == int(flip[6:15].sum())
-    assert f"{int(flip[6:15].sum())} of 27" in fig.layout.title.text
+    assert f"{int(flip[6:15].sum())} of 27" in fig.layout.title.subtitle.text
     window = route_view_figure(eng, own, sample=1, tokens=words, start=2, stop=5)
     np.testing.assert_array_equal(np.array(window.data[0].z), flip[8:11].T.astype(int))
     assert np.array(route_view_figure(eng, sample=0).data[0].z).sum() == 0  # engine only: nothing highlighted
@@ -154,7 +154,7 @@ def test_codec_figure_from_measured_records():
     assert [t.name for t in size] == [BASELINE, "raw", "topk-set+zstd"] and len(speed) == 3
     assert list(size[1].x) == ["a", "b"] and list(size[1].y) == pytest.approx([recs[1]["bytes_per_id"],
                                                                                 recs[4]["bytes_per_id"]])
-    assert size[1].marker.color == speed[1].marker.color and fig.layout.yaxis.type == "log"
+    assert size[1].marker.color == speed[1].marker.color and fig.layout.yaxis.type != "log"  # sizes are bars: linear
     with pytest.raises(R3LabError, match="lack"):
         codec_figure([{"codec": "raw"}])
 
@@ -206,7 +206,7 @@ def test_load_shift_over_rl_steps_per_mode(tmp_path):
                 w.log_step({"step": step})
     runs = [load(tmp_path / m) for m in ("R3", "none")]
     fig = load_shift_figure(runs)
-    assert [t.name for t in fig.data] == ["none (1 seeds)", "R3 (1 seeds)"]
+    assert [t.name for t in fig.data] == ["none (1 seed)", "R3 (1 seed)"]
     assert [t.line.color for t in fig.data] == [MODE_COLORS["none"], MODE_COLORS["R3"]]
 
     def share(r):  # expert load by hand: top-1, so the share of tokens per expert
@@ -256,11 +256,13 @@ def test_drift_figures_show_the_hand_computed_numbers():
     auto = extreme_fraction_figure(inf, modes).data[0]
     assert auto.x[0] == pytest.approx(1e-4) and auto.x[-1] == pytest.approx((3 - 1) * 1.2) and auto.y[-1] == 0
     np.testing.assert_allclose(ef.data[1].y, [0, 0, 0])
-    assert ef.data[2].name == "floor: engine" and ef.data[2].line.dash == "dash"
+    # the floor is 0 at every tau: a log axis cannot draw it, and its legend entry says so in place
+    assert ef.data[2].name == "floor: engine (0 at every τ: not drawn on the log axis)" and ef.data[2].line.dash == "dash"
     assert ef.data[0].line.color == MODE_COLORS["none"]
 
     hist = delta_histogram_figure(inf, modes, bins=10)
-    assert [int(np.sum(t.y)) for t in hist.data] == [4, 4] and hist.data[1].marker.color == MODE_COLORS["R3"]
+    assert [int(np.sum(t.customdata)) // 2 for t in hist.data] == [4, 4] and hist.data[1].line.color == MODE_COLORS["R3"]
+    assert all(t.type == "scatter" for t in hist.data)  # a step outline: no bars on the log count axis
 
     flipped = np.array([False, True, True, False])
     split = flip_split_figure(inf, modes, flipped)
