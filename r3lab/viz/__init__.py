@@ -35,6 +35,7 @@ from r3lab.viz.routing import (
 from r3lab.viz.style import (
     FLIP_COLOR,
     MODE_COLORS,
+    NOT_DRAWN,
     NOTEBOOK_CONFIG,
     ONE_COLUMN,
     SOURCE_COLORS,
@@ -52,4 +53,4 @@ __all__ = ["MODE_COLORS", "mode_color", "ONE_COLUMN", "TWO_COLUMN", "TEMPLATE", 
            "load_imbalance_figure", "load_shift_figure", "prob_density_figure", "extreme_fraction_figure",
            "delta_histogram_figure", "flip_split_figure", "layer_drift_figure", "response_differs",
            "most_flipped_sample", "rl_token_logprobs", "export_figures", "paper_figures", "paper_figure_set",
-           "SOURCE_COLORS", "NOTEBOOK_CONFIG", "LabFigure", "finish", "axis_ticks", "tick_labels", "tick_values"]
+           "SOURCE_COLORS", "NOT_DRAWN", "NOTEBOOK_CONFIG", "LabFigure", "finish", "axis_ticks", "tick_labels", "tick_values"]
