@@ -8,6 +8,7 @@ area about 968 px wide). Then the DOM is checked, figure by figure:
 * the figure fits its output area: no horizontal scroll, and no drawn text (titles, tick labels, colour-bar
   labels, legend) outside the figure's box, so nothing is clipped or hidden behind a scroll;
 * no axis (colour bars included) shows two identical tick labels;
+* no title (of the figure, an axis or a colour bar) overlaps another or the legend;
 * every legend entry has a drawn trace, or says in its own text that it is not drawn.
 
 A screenshot of every figure is saved under the test's temporary folder (``figures/<notebook>-<n>.png``).
@@ -52,10 +53,11 @@ def _ci_notebook(path: Path, root: Path, tmp: Path) -> Path:
 
 # Per figure: does it fit its output area, which tick labels repeat on an axis, which legend entries draw nothing
 _CHECK = """(gd) => {
-  const out = gd.closest('.jp-OutputArea-output');
+  const out = gd.closest('.jp-OutputArea-child') || gd.parentElement;  // the output row (prompt and output)
   const box = gd.getBoundingClientRect(), area = out.getBoundingClientRect();
-  const res = {scroll: [out.scrollWidth, out.clientWidth], box: [box.left, box.right], area: [area.left, area.right],
-               outside: [], duplicates: [], undrawn: []};
+  const res = {scroll: [gd.scrollWidth - gd.clientWidth, out.scrollWidth - out.clientWidth],
+               box: [box.left, box.right], area: [area.left, area.right],
+               outside: [], duplicates: [], undrawn: [], overlaps: []};
   for (const t of gd.querySelectorAll('.main-svg text, .infolayer text')) {
     if (!t.textContent.trim() || t.closest('.hoverlayer')) continue;
     const r = t.getBoundingClientRect();
@@ -63,28 +65,43 @@ _CHECK = """(gd) => {
     if (r.left < box.left - 1 || r.right > box.right + 1 || r.top < box.top - 1 || r.bottom > box.bottom + 1)
       res.outside.push(t.textContent);
   }
-  const groups = {};
-  for (const t of gd.querySelectorAll('g.xtick text, g.ytick text, g.x2tick text, g.y2tick text, .cbaxis text')) {
-    let g = t.closest('[class*="axislayer"], .colorbar');
-    const key = (g ? g.getAttribute('class') + (g.closest('.subplot') ? g.closest('.subplot').getAttribute('class') : '') +
-                 (t.closest('.colorbar') ? t.closest('.colorbar').getAttribute('class') : '') : '') +
-                (t.parentNode.getAttribute('class') || '');
-    (groups[key] = groups[key] || []).push(t.textContent);
+  const groups = {};  // the labels plotly.js drew on each axis (its computed ticks), then on each colour bar
+  for (const k of Object.keys(gd._fullLayout).filter(k => /^[xy]axis\d*$/.test(k))) {
+    const ax = gd._fullLayout[k];
+    if (ax.visible !== false && ax.showticklabels !== false) groups[k] = (ax._vals || []).map(d => d.text);
   }
+  gd.querySelectorAll('.colorbar').forEach((cb, i) => {
+    groups['colorbar ' + i] = Array.from(cb.querySelectorAll('[class*="tick"] text')).map(t => t.textContent); });
   for (const [k, labels] of Object.entries(groups)) {
     const seen = new Set();
-    for (const l of labels) { if (seen.has(l)) res.duplicates.push([k, l]); seen.add(l); }
+    for (const l of labels) {
+      if (l !== undefined && l !== '' && seen.has(l)) res.duplicates.push([k, l]);
+      seen.add(l);
+    }
   }
+  // titles (figure, subtitle, axes, colour bars) and the legend: no two may overlap
+  const boxes = Array.from(gd.querySelectorAll('.infolayer text[class*="title"], .legend .bg'))
+    .filter(e => e.tagName !== 'text' || e.textContent.trim())
+    .map(e => [e.tagName === 'text' ? e.textContent : 'legend', e.getBoundingClientRect()]);
+  for (let i = 0; i < boxes.length; i++) for (let j = i + 1; j < boxes.length; j++) {
+    const [a, ra] = boxes[i], [b, rb] = boxes[j];
+    if (ra.left < rb.right - 1 && rb.left < ra.right - 1 && ra.top < rb.bottom - 1 && rb.top < ra.bottom - 1)
+      res.overlaps.push([a, b]);
+  }
+  const axisType = (ref) => (gd._fullLayout[ref.charAt(0) + 'axis' + ref.slice(1)] || {}).type;
   for (const item of gd.querySelectorAll('.legend .traces')) {
-    const d = item.__data__ && item.__data__[0];
-    const trace = d && d.trace;
-    const name = item.textContent;
-    if (!trace || name.includes(NOT_DRAWN)) continue;
-    const drawn = Array.from(gd.querySelectorAll('.plot .trace')).filter(g => {
-      const td = g.__data__ && g.__data__[0] && g.__data__[0].trace;
-      return td && td.index === trace.index; });
-    const ok = drawn.some(g => { const b = g.getBBox(); return b.width > 0 || b.height > 0; });
-    if (!ok) res.undrawn.push(name);
+    const name = (item.querySelector('.legendtext') || item).textContent;
+    if (name.includes(NOT_DRAWN)) continue;
+    // the traces of this entry (by name, as the legend lists them) and whether plotly.js has a point of theirs
+    // it can place: finite, and positive on a log axis
+    const traces = gd._fullData.filter(t => t.showlegend !== false && t.name === name);
+    const drawn = traces.some(t => {
+      const cd = gd.calcdata[t.index] || [], xlog = axisType(t.xaxis || 'x') === 'log',
+            ylog = axisType(t.yaxis || 'y') === 'log';
+      return t.visible === true && cd.some(p => {
+        const x = t.type === 'bar' ? p.p : p.x, y = t.type === 'bar' ? p.s : p.y;
+        return Number.isFinite(x) && Number.isFinite(y) && (!xlog || x > 0) && (!ylog || y > 0); }); });
+    if (!drawn) res.undrawn.push(name + (traces.length ? '' : ' (no trace of that name)'));
   }
   return res;
 }""".replace("NOT_DRAWN", json.dumps(NOT_DRAWN))
@@ -138,7 +155,7 @@ def _run_and_check(page, base: str, token: str, name: str, shots: Path) -> list[
     failed = page.locator(".jp-OutputArea-output", has_text="Traceback (most recent call last)")
     assert failed.count() == 0, failed.first.inner_text()[-3000:]
     page.wait_for_timeout(1500)  # plotly's resize to the output width
-    figures = page.locator(".jp-OutputArea-output .js-plotly-plot")
+    figures = page.locator(".jp-OutputArea-output.js-plotly-plot")  # JupyterLab's plotly output is the plot
     want = int(json.loads((shots.parent / "lab" / name).read_text())["metadata"]["r3lab"]["ci_expect_figures"])
     assert figures.count() >= want, f"{figures.count()} figures drawn, {want} expected"
     problems = []
@@ -149,12 +166,14 @@ def _run_and_check(page, base: str, token: str, name: str, shots: Path) -> list[
         fig.screenshot(path=str(shots / f"{Path(name).stem}-{i:02d}.png"))
         r = fig.evaluate(_CHECK)
         where = f"{name} figure {i} ({title!r})"
-        if r["scroll"][0] > r["scroll"][1] + 1 or r["box"][1] > r["area"][1] + 1:
+        if max(r["scroll"]) > 1 or r["box"][1] > r["area"][1] + 1 or r["box"][0] < r["area"][0] - 1:
             problems.append(f"{where} does not fit its output area: {r}")
         if r["outside"]:
             problems.append(f"{where} draws text outside its box (clipped): {r['outside']}")
         if r["duplicates"]:
             problems.append(f"{where} repeats tick labels on an axis: {r['duplicates']}")
+        if r["overlaps"]:
+            problems.append(f"{where} has titles or legend drawn over each other: {r['overlaps']}")
         if r["undrawn"]:
             problems.append(f"{where} lists legend entries with nothing drawn and no note: {r['undrawn']}")
     return problems

@@ -257,11 +257,13 @@ def test_drift_figures_show_the_hand_computed_numbers():
     assert auto.x[0] == pytest.approx(1e-4) and auto.x[-1] == pytest.approx((3 - 1) * 1.2) and auto.y[-1] == 0
     np.testing.assert_allclose(ef.data[1].y, [0, 0, 0])
     # the floor is 0 at every tau: a log axis cannot draw it, and its legend entry says so in place
-    assert ef.data[2].name == "floor: engine (0 at every τ: not drawn on the log axis)" and ef.data[2].line.dash == "dash"
+    assert ef.data[2].name == "floor: engine (0 at every τ: not drawn on the log axis)"
+    assert ef.data[2].line.dash == "dash"
     assert ef.data[0].line.color == MODE_COLORS["none"]
 
     hist = delta_histogram_figure(inf, modes, bins=10)
-    assert [int(np.sum(t.customdata)) // 2 for t in hist.data] == [4, 4] and hist.data[1].line.color == MODE_COLORS["R3"]
+    assert [int(np.sum(t.customdata)) // 2 for t in hist.data] == [4, 4]
+    assert hist.data[1].line.color == MODE_COLORS["R3"]
     assert all(t.type == "scatter" for t in hist.data)  # a step outline: no bars on the log count axis
 
     flipped = np.array([False, True, True, False])

@@ -4,12 +4,13 @@ Figures are for notebooks and papers; nothing here calls ``.show()``. They share
 (``"r3lab"``: fonts, white background) and one fixed colour per replay mode (:data:`MODE_COLORS`), so
 none / R2 / R3 look the same in every figure (engine and trainer have their own pair, :data:`SOURCE_COLORS`).
 Every figure is a :class:`LabFigure`: displayed in a notebook it fills the output area's width; exported it
-keeps its paper size. Labels and units of record keys come from :mod:`r3lab.labels`. :func:`export` writes a figure as PNG, SVG and PDF through
-kaleido with the system's Chromium (:func:`find_chromium`; no browser is downloaded).
+keeps its paper size. Labels and units of record keys come from :mod:`r3lab.labels`. :func:`export` writes a
+figure as PNG, SVG and PDF through kaleido with the system's Chromium (:func:`find_chromium`; no browser is
+downloaded).
 
-Modules: ``style`` (template, sizes, mode colours), ``exporting`` (files), and the figure builders
-``ticks`` (tick values and labels from the data's range), ``results`` (tables and runs), ``routing`` (routes and expert load), ``logprobs`` (log-prob drift per token)
-and ``paper`` (the paper figures from committed results).
+Modules: ``style`` (template, sizes, colours, :func:`finish`), ``ticks`` (tick values and labels from the data's
+range), ``exporting`` (files), and the figure builders ``results`` (tables and runs), ``routing`` (routes and
+expert load), ``logprobs`` (log-prob drift per token) and ``paper`` (the paper figures from committed results).
 """
 
 from r3lab.runs import rl_token_logprobs  # re-exported: the notebooks read RL token tables through viz
@@ -53,4 +54,5 @@ __all__ = ["MODE_COLORS", "mode_color", "ONE_COLUMN", "TWO_COLUMN", "TEMPLATE", 
            "load_imbalance_figure", "load_shift_figure", "prob_density_figure", "extreme_fraction_figure",
            "delta_histogram_figure", "flip_split_figure", "layer_drift_figure", "response_differs",
            "most_flipped_sample", "rl_token_logprobs", "export_figures", "paper_figures", "paper_figure_set",
-           "SOURCE_COLORS", "NOT_DRAWN", "NOTEBOOK_CONFIG", "LabFigure", "finish", "axis_ticks", "tick_labels", "tick_values"]
+           "SOURCE_COLORS", "NOT_DRAWN", "NOTEBOOK_CONFIG", "LabFigure", "finish", "axis_ticks", "tick_labels",
+           "tick_values"]

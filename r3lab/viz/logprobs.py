@@ -53,7 +53,7 @@ def prob_density_figure(logp_infer: Any, logp_train: Mapping[str, Any], *, bins:
     edges = np.linspace(0.0, 1.0, bins + 1)
     hists = {m: np.histogram2d(np.exp(inf), np.exp(lt), bins=[edges, edges])[0] for m, (lt, inf) in modes.items()}
     top = max(float(h.max()) for h in hists.values())
-    cb = tick_values(1.0, max(top, 2.0), log=True)  # the colour bar in tokens, on the log10 scale it is drawn in
+    cb = tick_values(1.0, max(top, 2.0), log=True, integer=True)  # the colour bar in tokens, on the log10 scale it is drawn in
     colorbar = {"title": {"text": "tokens", "side": "right"}, "tickmode": "array", "tickvals": np.log10(cb).tolist(),
                 "ticktext": tick_labels(cb, log=True), "thickness": 14, "len": 0.9}
     for i, (mode, h) in enumerate(hists.items(), 1):
@@ -148,12 +148,13 @@ def flip_split_figure(logp_infer: Any, logp_train: Mapping[str, Any], flipped: A
     ``{mode: array}`` when the modes scored different samples."""
     modes = _modes(logp_train, logp_infer)
     fig = go.Figure()
-    shown = []
+    shown: list[float | None] = []
+    splits = {}
     for mode, (lt, inf) in modes.items():
         f = np.asarray(flipped[mode] if isinstance(flipped, Mapping) else flipped, dtype=bool)
         if f.shape != inf.shape:
             raise R3LabError(f"flipped has shape {f.shape}; the log-probs of {mode!r} have {inf.shape}")
-        split = _flip_split_k3(lt, inf, f)
+        split = splits[mode] = _flip_split_k3(lt, inf, f)
         y = [k3 for _, k3 in split.values()]
         shown += y
         fig.add_scatter(x=list(split), y=y,
@@ -161,10 +162,9 @@ def flip_split_figure(logp_infer: Any, logp_train: Mapping[str, Any], flipped: A
                         customdata=[n for n, _ in split.values()],
                         hovertemplate="%{x}: %{y:.3g} (%{customdata} tokens)<extra></extra>")
     fig.update_yaxes(title_text="k3 KL (nats/token)", type="log", **axis_ticks(shown, log=True))
-    counts = "; ".join(f"{m}: " + ", ".join(f"{n} {g}" for g, (n, _) in _flip_split_k3(lt, inf, np.asarray(
-        flipped[m] if isinstance(flipped, Mapping) else flipped, dtype=bool)).items()) for m, (lt, inf) in modes.items())
-    return finish(fig, ONE_COLUMN, title="drift on route-flipped vs agreeing tokens", subtitle=f"sampled tokens {counts}",
-                  scattermode="group")
+    counts = "; ".join(f"{m}: " + ", ".join(f"{n} {g}" for g, (n, _) in split.items()) for m, split in splits.items())
+    return finish(fig, ONE_COLUMN, title="drift on route-flipped vs agreeing tokens",
+                  subtitle=f"sampled tokens {counts}", scattermode="group")
 
 
 def layer_drift_figure(differs: Any, logp_infer: Any, logp_train: Mapping[str, Any], *,

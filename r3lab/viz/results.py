@@ -127,10 +127,10 @@ def drift_figure(run: Run) -> go.Figure:
     seeds = sorted({len(cs) for cs in cells.values()})
     fig = go.Figure()
     shown = []
-    for key, name, color, symbol in (("k3_none", "none", MODE_COLORS["none"], "circle"),
-                                     ("k3_r3", "R3", MODE_COLORS["R3"], "circle"),
-                                     ("k3_flipped_none", "none, route-flipped tokens", MODE_COLORS["none"], "diamond-open"),
-                                     ("k3_flipped_r3", "R3, route-flipped tokens", MODE_COLORS["R3"], "diamond-open")):
+    for key, name, color, symbol in (
+            ("k3_none", "none", MODE_COLORS["none"], "circle"), ("k3_r3", "R3", MODE_COLORS["R3"], "circle"),
+            ("k3_flipped_none", "none, route-flipped tokens", MODE_COLORS["none"], "diamond-open"),
+            ("k3_flipped_r3", "R3, route-flipped tokens", MODE_COLORS["R3"], "diamond-open")):
         vals = [np.array([c.get(key, np.nan) for c in cs], dtype=np.float64) for cs in cells.values()]
         spread = np.array([_median_min_max(v) for v in vals]).reshape(-1, 3)  # NaN where no cell has the value
         med = spread[:, 0]
@@ -177,6 +177,6 @@ def load_shift_figure(runs: Sequence[Run], *, what: str = "engine") -> go.Figure
                         line={"color": mode_color(mode)})
     fig.update_xaxes(title_text="RL step", **axis_ticks(np.concatenate([s for v in by_mode.values() for s, _ in v]),
                                                         integer=True))
-    fig.update_yaxes(title_text="total-variation distance", **axis_ticks(np.concatenate(shown), include_zero=True))
+    fig.update_yaxes(title_text="total-variation distance", **axis_ticks(np.concatenate(shown)))
     return finish(fig, ONE_COLUMN, title=f"{what} expert load: shift from the first step",
                   subtitle="mean over layers, median over seeds")

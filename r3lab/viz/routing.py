@@ -110,7 +110,7 @@ def expert_load_figure(routes: Routes, *, title: str = "expert load", reference:
                                colorscale=scale, zmid=mid, hovertemplate="%{y}, expert %{x}: %{z:.3f}<extra></extra>"))
     vio = metrics.max_violation(load)
     fig.data[0].colorbar = {"title": {"text": "share of slots" if reference is None else "difference", "side": "right"},
-                            **axis_ticks(np.ravel(z), percent=True)}
+                            **axis_ticks(np.ravel(z), percent=True, set_range=False)}
     return finish(fig, ONE_COLUMN, title=title, subtitle=f"max_vio per layer {vio.min():.2f} - {vio.max():.2f}",
                   xaxis_title="expert")
 
@@ -129,13 +129,13 @@ def expert_load_comparison_figure(engine: Routes, trainer: Routes, *, names: tup
     for col, z in ((1, a), (2, b)):
         fig.add_heatmap(z=z, x=x, y=y, colorscale="Viridis", zmin=0, zmax=top, row=1, col=col, showscale=col == 2,
                         colorbar={"x": 0.64, "xanchor": "left", "len": 0.8, "thickness": 12,
-                                  **axis_ticks([0.0, top], percent=True)},
+                                  **axis_ticks([0.0, top], percent=True, set_range=False)},
                         hovertemplate="%{y}, expert %{x}: %{z:.2%}<extra></extra>")
     d = b - a
     lim = float(np.abs(d).max()) or 1e-9
     fig.add_heatmap(z=d, x=x, y=y, colorscale="RdBu", zmid=0, zmin=-lim, zmax=lim, row=1, col=3,
                     colorbar={"x": 1.0, "xanchor": "left", "len": 0.8, "thickness": 12,
-                              **axis_ticks([-lim, lim], percent=True)},
+                              **axis_ticks([-lim, lim], percent=True, set_range=False)},
                     hovertemplate="%{y}, expert %{x}: %{z:+.2%}<extra></extra>")
     fig.update_xaxes(title_text="expert")
     return finish(fig, TWO_COLUMN, title=title, subtitle="share of routed slots per layer and expert; colour bars in %",
@@ -175,6 +175,5 @@ def load_imbalance_figure(routes: Mapping[str, Routes], *, title: str = "load im
                         line={"color": SOURCE_COLORS.get(name) or MODE_COLORS.get(name, "#555555")})
     fig.update_xaxes(title_text="layer", **axis_ticks(np.concatenate([r.layer_ids for r in routes.values()]),
                                                       integer=True))
-    fig.update_yaxes(title_text="max_vio (max load / mean load - 1)", **axis_ticks(np.concatenate(vios),
-                                                                                   include_zero=True))
+    fig.update_yaxes(title_text="max_vio (max load / mean load - 1)", **axis_ticks(np.concatenate(vios)))
     return finish(fig, ONE_COLUMN, title=title)

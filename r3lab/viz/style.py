@@ -127,6 +127,23 @@ def _bars_on_log(fig: go.Figure) -> list[str]:
             and types.get((t.yaxis or "y") if (t.orientation or "v") == "v" else (t.xaxis or "x")) == "log"]
 
 
+def _wrap_axis_titles(fig: go.Figure, height: int) -> None:
+    """A y axis title longer than the plot is tall runs into the title: break it into lines (and widen the margin)."""
+    font = (fig.layout.font.size or 13) + 1
+    chars = max(16, int((height - (fig.layout.margin.t or 60) - (fig.layout.margin.b or 50) - 40) / (0.62 * font)))
+    extra = 0
+    for name in fig.layout:
+        if re.fullmatch(r"yaxis\d*", name) and fig.layout[name].title.text:
+            text = wrap(fig.layout[name].title.text, chars)
+            fig.layout[name].title.text = text
+            extra = max(extra, text.count("<br>"))
+    if extra:
+        left = fig.layout.margin.l or 70
+        right = fig.layout.margin.r or 30
+        secondary = "yaxis2" in fig.layout and fig.layout["yaxis2"].overlaying  # a right axis: its title wraps too
+        fig.update_layout(margin_l=left + 18 * extra, margin_r=right + 18 * extra if secondary else right)
+
+
 def finish(fig: go.Figure, size: Mapping[str, int], *, title: str | None = None, subtitle: str | None = None,
            **layout: Any) -> LabFigure:
     """The figure in the r3lab template at ``size`` (:data:`ONE_COLUMN` / :data:`TWO_COLUMN`), its title (and a
@@ -146,6 +163,7 @@ def finish(fig: go.Figure, size: Mapping[str, int], *, title: str | None = None,
         fig.update_layout(title_subtitle_text=sub, title_subtitle_font_size=12)
     if lines > 1:
         fig.update_layout(margin_t=40 + 20 * lines)
+    _wrap_axis_titles(fig, int(size["height"]))
     bad = _bars_on_log(fig)
     if bad:
         raise R3LabError(f"bars on a log axis do not compare fairly ({bad}): use a linear axis or points")

@@ -47,7 +47,7 @@ def tick_values(lo: float, hi: float, *, log: bool = False, target: int = 5, int
                      if lo * (1 - 1e-9) <= m * 10.0**k <= hi * (1 + 1e-9)]
             if len(ticks) >= 3:
                 return np.array(ticks)
-        lin = tick_values(lo, hi, target=4)
+        lin = tick_values(lo, hi, target=4, integer=integer)
         return lin[lin > 0] if (lin > 0).sum() >= 2 else np.array([lo, hi])
     if hi == lo:
         half = abs(lo) / 2 or 0.5
@@ -95,10 +95,13 @@ def tick_labels(values: Any, *, percent: bool = False, log: bool = False) -> lis
 
 
 def axis_ticks(values: Iterable[Any], *, log: bool = False, percent: bool = False, include_zero: bool = False,
-               pad: float = 0.05, target: int = 5, integer: bool = False) -> dict[str, Any]:
+               pad: float = 0.05, target: int = 6, integer: bool = False, set_range: bool = True) -> dict[str, Any]:
     """Axis properties (``tickmode="array"``, ``tickvals``, ``ticktext``) for data ``values`` (None, NaN and,
     on a log axis, values <= 0 are ignored), padded by ``pad`` of the range as plotly's autorange pads; an
-    empty dict when no value is left (plotly's own ticks then). ``integer``: whole-number ticks (RL steps)."""
+    empty dict when no value is left (plotly's own ticks then). ``integer``: whole-number ticks (RL steps).
+
+    The axis ``range`` is set to that padded range (in log10 units on a log axis), so the ticks shown are the
+    ones chosen; ``set_range=False`` for a colour bar (which has no range of its own: pass zmin/zmax)."""
     a = _finite(values, log)
     if a.size == 0:
         return {}
@@ -115,5 +118,10 @@ def axis_ticks(values: Iterable[Any], *, log: bool = False, percent: bool = Fals
         if include_zero:
             lo, hi = (0.0 if a.min() >= 0 else lo), (0.0 if a.max() <= 0 else hi)
     ticks = tick_values(lo, hi, log=log, target=target, integer=integer and not log)
-    return {"tickmode": "array", "tickvals": [float(t) for t in ticks],
-            "ticktext": tick_labels(ticks, percent=percent, log=log)}
+    out: dict[str, Any] = {"tickmode": "array", "tickvals": [float(t) for t in ticks],
+                           "ticktext": tick_labels(ticks, percent=percent, log=log)}
+    if set_range:
+        if hi == lo:  # one value: the ticks' span around it
+            lo, hi = min(lo, float(ticks.min())), max(hi, float(ticks.max()))
+        out["range"] = [math.log10(lo), math.log10(hi)] if log else [lo, hi]
+    return out
