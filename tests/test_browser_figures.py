@@ -52,7 +52,7 @@ def _ci_notebook(path: Path, root: Path, tmp: Path) -> Path:
 
 
 # Per figure: does it fit its output area, which tick labels repeat on an axis, which legend entries draw nothing
-_CHECK = """(gd) => {
+_CHECK = r"""(gd) => {
   const out = gd.closest('.jp-OutputArea-child') || gd.parentElement;  // the output row (prompt and output)
   const box = gd.getBoundingClientRect(), area = out.getBoundingClientRect();
   const res = {scroll: [gd.scrollWidth - gd.clientWidth, out.scrollWidth - out.clientWidth],
@@ -138,6 +138,43 @@ def test_every_figure_fits_reads_and_draws_what_its_legend_lists(lab):
     assert not problems, "\n".join(problems)
 
 
+_BAD_FIGURES = [  # each cell draws one problem the checks must report (plain plotly figures, not r3lab's)
+    ("import plotly.graph_objects as go", None),
+    ('go.Figure(go.Scatter(x=[0, 1], y=[0, 1]), layout={"width": 1100})', "does not fit"),
+    ('go.Figure(go.Scatter(x=[0, 1], y=[0.001, 0.009]), layout={"yaxis_tickformat": ".0%"})', "repeats tick labels"),
+    ('go.Figure([go.Scatter(x=[1, 2], y=[0, 0], name="floor"), go.Scatter(x=[1, 2], y=[1, 2], name="seen")], '
+     'layout={"yaxis_type": "log", "showlegend": True})', "nothing drawn"),
+    ('go.Figure(go.Scatter(x=[0, 1], y=[0, 1]), layout={"title": "a title far too long for its figure " * 6})',
+     "outside its box"),
+    ('go.Figure(go.Scatter(x=[0, 1], y=[0, 1]), layout={"height": 220, "title": {"text": "a title", "x": 0}, '
+     '"margin_t": 30, "yaxis_title": "a y axis title much taller than its short plot"})', "drawn over each other"),
+]
+
+
+def test_the_checks_catch_each_problem_they_look_for(tmp_path):
+    """The checks can fail: a notebook of plain plotly figures, each with one of the problems, reports each."""
+    from playwright.sync_api import sync_playwright
+
+    root = tmp_path / "lab"
+    root.mkdir()
+    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "r3lab", "display_name": "r3lab (Python 3.11)",
+                                                            "language": "python"},
+                                            "r3lab": {"ci_expect_figures": len(_BAD_FIGURES) - 1}})
+    nb.cells = [nbformat.v4.new_code_cell(src) for src, _ in _BAD_FIGURES]
+    nbformat.write(nb, root / "bad.ipynb")
+    shots = tmp_path / "figures"
+    shots.mkdir()
+    with lab_server(tmp_path, root) as (base, token), sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=_chromium(), headless=True, args=CHROMIUM_ARGS, timeout=60_000)
+        try:
+            problems = _run_and_check(browser.new_page(viewport=VIEWPORT), base, token, "bad.ipynb", shots)
+        finally:
+            browser.close()
+    for i, (_, want) in enumerate(_BAD_FIGURES[1:]):
+        found = [m for m in problems if m.startswith(f"bad.ipynb figure {i} ")]
+        assert any(want in m for m in found), (i, want, found)
+
+
 def _run_and_check(page, base: str, token: str, name: str, shots: Path) -> list[str]:
     page.goto(f"{base}/lab/tree/{name}?token={token}", timeout=60_000)
     page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
@@ -146,11 +183,11 @@ def _run_and_check(page, base: str, token: str, name: str, shots: Path) -> list[
     page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
     page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
     # done: the kernel is idle and every code cell has run, or a cell raised (Run All stops there)
-    page.wait_for_function("""() => {
+    page.wait_for_function(r"""() => {
         const prompts = Array.from(document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')).map(e => e.textContent);
         const failed = Array.from(document.querySelectorAll('.jp-OutputArea-output'))
             .some(o => o.textContent.includes('Traceback (most recent call last)'));
-        return document.body.innerText.includes('| Idle') && (failed || prompts.every(t => /\\[\\d+\\]/.test(t)));
+        return document.body.innerText.includes('| Idle') && (failed || prompts.every(t => /\[\d+\]/.test(t)));
     }""", timeout=900_000, polling=1000)
     failed = page.locator(".jp-OutputArea-output", has_text="Traceback (most recent call last)")
     assert failed.count() == 0, failed.first.inner_text()[-3000:]

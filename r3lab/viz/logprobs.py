@@ -53,7 +53,7 @@ def prob_density_figure(logp_infer: Any, logp_train: Mapping[str, Any], *, bins:
     edges = np.linspace(0.0, 1.0, bins + 1)
     hists = {m: np.histogram2d(np.exp(inf), np.exp(lt), bins=[edges, edges])[0] for m, (lt, inf) in modes.items()}
     top = max(float(h.max()) for h in hists.values())
-    cb = tick_values(1.0, max(top, 2.0), log=True, integer=True)  # the colour bar in tokens, on the log10 scale it is drawn in
+    cb = tick_values(1.0, max(top, 2.0), log=True, integer=True)  # colour bar ticks in tokens, drawn on log10
     colorbar = {"title": {"text": "tokens", "side": "right"}, "tickmode": "array", "tickvals": np.log10(cb).tolist(),
                 "ticktext": tick_labels(cb, log=True), "thickness": 14, "len": 0.9}
     for i, (mode, h) in enumerate(hists.items(), 1):
