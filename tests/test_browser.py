@@ -9,6 +9,7 @@ test's temporary folder. No browser is downloaded: a missing Chromium is a failu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import nbformat
@@ -59,12 +61,10 @@ def _small_notebook(root: Path, runs: Path) -> Path:
     return out
 
 
-@pytest.fixture
-def lab(tmp_path):
-    """JupyterLab on a free loopback port with a token, serving a temporary root; stopped with its kernels."""
-    root = tmp_path / "lab"
-    root.mkdir()
-    nb = _small_notebook(root, tmp_path / "runs")
+@contextlib.contextmanager
+def lab_server(tmp_path: Path, root: Path) -> Iterator[tuple[str, str]]:
+    """JupyterLab on a free loopback port with a token, serving ``root``; yields (base URL, token), then stops
+    the server with its kernels. Every cell is in the DOM (no windowing) and there is no news pop-up."""
     port, token = free_port(), secrets.token_urlsafe(24)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime")}
     log = open(tmp_path / "jupyter.log", "w")  # noqa: SIM115 - closed below
@@ -93,7 +93,7 @@ def lab(tmp_path):
             if proc.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"JupyterLab did not start: {(tmp_path / 'jupyter.log').read_text()[-3000:]}")
             time.sleep(0.5)
-        yield base, token, nb.name, tmp_path
+        yield base, token
     finally:
         for sig, wait_s in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):  # the server, its kernels and their jobs
             try:
@@ -108,6 +108,16 @@ def lab(tmp_path):
         log.close()
 
 
+@pytest.fixture
+def lab(tmp_path):
+    """JupyterLab serving a temporary root that holds the small notebook 04."""
+    root = tmp_path / "lab"
+    root.mkdir()
+    nb = _small_notebook(root, tmp_path / "runs")
+    with lab_server(tmp_path, root) as (base, token):
+        yield base, token, nb.name, tmp_path
+
+
 _POINTS = """() => Array.from(document.querySelectorAll('.r3lab-dashboard .js-plotly-plot'))
                   .map(gd => (gd.data || []).reduce((n, t) => n + (t.y || []).filter(v => v !== null).length, 0))"""
 
@@ -120,7 +130,7 @@ def test_notebook_04_runs_in_jupyterlab_and_its_dashboard_runs(lab):
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, headless=True, args=CHROMIUM_ARGS, timeout=60_000)
         try:
-            page = browser.new_page(viewport={"width": 1500, "height": 1100})
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})  # the default layout a user sees
             try:
                 _run_and_check(page, base, token, name, out)
             except Exception:

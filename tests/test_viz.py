@@ -18,7 +18,7 @@ def test_transport_figure_has_one_bar_trace_per_method_in_the_shared_template():
     fig = transport_figure(RECORDS)
     assert [t.name for t in fig.data] == ["compact + base64 + orjson", "r3lab topk-set"]
     assert list(fig.data[1].y) == [0.516, 0.516] and list(fig.data[0].x) == ["64e top-8", "512e top-22"]
-    assert "uniform" in fig.layout.title.text
+    assert "uniform" in fig.layout.title.subtitle.text
     assert fig.layout.template == pio.templates[TEMPLATE]  # the paper template, as every other figure
 
 
@@ -119,7 +119,7 @@ def test_route_view_highlights_exactly_the_cells_whose_expert_sets_differ():
     assert "'w4'" in hm.hovertext[2][4] and list(hm.y) == ["layer 1", "layer 2", "layer 3"]
     flipped_hover = [h for line in hm.hovertext for h in line if "differs" in h]
     assert len(flipped_hover) == int(flip[6:15].sum())
-    assert f"{int(flip[6:15].sum())} of 27" in fig.layout.title.text
+    assert f"{int(flip[6:15].sum())} of 27" in fig.layout.title.subtitle.text
     window = route_view_figure(eng, own, sample=1, tokens=words, start=2, stop=5)
     np.testing.assert_array_equal(np.array(window.data[0].z), flip[8:11].T.astype(int))
     assert np.array(route_view_figure(eng, sample=0).data[0].z).sum() == 0  # engine only: nothing highlighted
@@ -154,7 +154,7 @@ def test_codec_figure_from_measured_records():
     assert [t.name for t in size] == [BASELINE, "raw", "topk-set+zstd"] and len(speed) == 3
     assert list(size[1].x) == ["a", "b"] and list(size[1].y) == pytest.approx([recs[1]["bytes_per_id"],
                                                                                 recs[4]["bytes_per_id"]])
-    assert size[1].marker.color == speed[1].marker.color and fig.layout.yaxis.type == "log"
+    assert size[1].marker.color == speed[1].marker.color and fig.layout.yaxis.type != "log"  # sizes are bars: linear
     with pytest.raises(R3LabError, match="lack"):
         codec_figure([{"codec": "raw"}])
 
@@ -206,7 +206,7 @@ def test_load_shift_over_rl_steps_per_mode(tmp_path):
                 w.log_step({"step": step})
     runs = [load(tmp_path / m) for m in ("R3", "none")]
     fig = load_shift_figure(runs)
-    assert [t.name for t in fig.data] == ["none (1 seeds)", "R3 (1 seeds)"]
+    assert [t.name for t in fig.data] == ["none (1 seed)", "R3 (1 seed)"]
     assert [t.line.color for t in fig.data] == [MODE_COLORS["none"], MODE_COLORS["R3"]]
 
     def share(r):  # expert load by hand: top-1, so the share of tokens per expert
@@ -256,11 +256,15 @@ def test_drift_figures_show_the_hand_computed_numbers():
     auto = extreme_fraction_figure(inf, modes).data[0]
     assert auto.x[0] == pytest.approx(1e-4) and auto.x[-1] == pytest.approx((3 - 1) * 1.2) and auto.y[-1] == 0
     np.testing.assert_allclose(ef.data[1].y, [0, 0, 0])
-    assert ef.data[2].name == "floor: engine" and ef.data[2].line.dash == "dash"
+    # the floor is 0 at every tau: a log axis cannot draw it, and its legend entry says so in place
+    assert ef.data[2].name == "floor: engine (0 at every τ: not drawn on the log axis)"
+    assert ef.data[2].line.dash == "dash"
     assert ef.data[0].line.color == MODE_COLORS["none"]
 
     hist = delta_histogram_figure(inf, modes, bins=10)
-    assert [int(np.sum(t.y)) for t in hist.data] == [4, 4] and hist.data[1].marker.color == MODE_COLORS["R3"]
+    assert [int(np.sum(t.customdata)) // 2 for t in hist.data] == [4, 4]
+    assert hist.data[1].line.color == MODE_COLORS["R3"]
+    assert all(t.type == "scatter" for t in hist.data)  # a step outline: no bars on the log count axis
 
     flipped = np.array([False, True, True, False])
     split = flip_split_figure(inf, modes, flipped)
@@ -333,3 +337,173 @@ def test_rl_token_logprobs_pools_each_modes_last_token_table(tmp_path):
         w.write_tokens(0, {"logp_old": np.zeros(1)})
     with pytest.raises(R3LabError, match="is a 'drift' run, not an RL run"):
         rl_token_logprobs([load(tmp_path / "d")])
+
+
+# --- ticks chosen from the data's range -------------------------------------------------------------------
+
+@pytest.mark.parametrize("log", [False, True], ids=["linear", "log"])
+@pytest.mark.parametrize("percent", [False, True], ids=["number", "percent"])
+def test_tick_labels_are_distinct_and_read_back_over_1e_7_to_1e3(log, percent):
+    import numpy as np
+
+    from r3lab.viz import axis_ticks
+
+    checked = 0
+    for lo in np.geomspace(1e-7, 1e3, 31):
+        for spread in (1.0005, 1.01, 1.3, 2, 7, 10, 300, 1e5, 1e9):
+            hi = lo * spread
+            if hi > 1e3 * 1.0001 and spread > 10:
+                continue
+            t = axis_ticks([lo, (lo + hi) / 2, hi], log=log, percent=percent)
+            vals, text = t["tickvals"], t["ticktext"]
+            assert len(vals) >= 2, (lo, hi, log, t)
+            assert len(set(text)) == len(text), (lo, hi, log, percent, text)
+            back = [float(s.rstrip("%")) / (100 if percent else 1) for s in text]  # each label reads as its value
+            step = min(abs(b - a) for a, b in zip(vals, vals[1:], strict=False))
+            for v, b in zip(vals, back, strict=True):
+                assert abs(b - v) <= (1e-6 * v if log else 1e-6 * step), (v, b, text)
+            checked += 1
+    assert checked > 200
+
+
+def test_ticks_answer_the_issue_cases():
+    from r3lab.viz import axis_ticks, tick_labels
+
+    # a share axis below 1%: no "1%, 1%, 0%"
+    assert axis_ticks([0.0012, 0.0087], percent=True, include_zero=True)["ticktext"] == ["0%", "0.2%", "0.4%",
+                                                                                          "0.6%", "0.8%"]
+    # a log axis over three decades: decade labels, no "902.8071μ"
+    assert axis_ticks([6e-7, 9e-4], log=True)["ticktext"] == ["1e-6", "1e-5", "1e-4", "1e-3"]
+    # a log axis inside one decade (the monitor's 50μ-350μ): three ticks, not nine
+    assert axis_ticks([5e-5, 3.5e-4], log=True)["ticktext"] == ["5e-5", "1e-4", "2e-4"]
+    assert tick_labels([0.1 * 3, 0.1 * 6]) == ["0.3", "0.6"]  # float noise never shows
+    assert axis_ticks([None, float("nan")]) == {} and axis_ticks([0.0, -1.0], log=True) == {}
+    assert axis_ticks([0, 1], integer=True)["tickvals"] == [0.0, 1.0]  # RL steps: whole numbers
+
+
+# --- the labels table ---------------------------------------------------------------------------------------
+
+def _record_keys() -> set[str]:
+    """Every key the RL and drift records use: read from the committed runs and from r3lab/experiments/rl.py."""
+    import re
+    from pathlib import Path
+
+    import numpy as np
+    import orjson
+
+    from r3lab import metrics
+
+    root = Path(__file__).resolve().parent.parent
+    keys: set[str] = set()
+    for steps in [*(root / "bench" / "results" / "rl").glob("*/steps.jsonl"),
+                  root / "bench" / "results" / "drift-run" / "steps.jsonl"]:
+        for line in steps.read_bytes().splitlines():
+            keys |= set(orjson.loads(line))
+    src = (root / "r3lab" / "experiments" / "rl.py").read_text()
+    keys |= set(re.findall(r'rec\["([^"]+)"\]', src))
+    keys |= {f"mismatch/{k}" for k in metrics.mismatch_metrics(np.zeros(3), np.full(3, -0.1))}
+    keys |= {f"mismatch/k3_kl_{n}" for n in ("flipped", "agreeing")}
+    stats = re.search(r"stats: dict\[str, list\[float\]\] = \{k: \[\] for k in \(([^)]*)\)", src)
+    keys |= {f"train/{k}" for k in re.findall(r'"([a-z_]+)"', stats[1])}
+    keys |= {k for k, _, _ in __import__("r3lab.experiments.rl", fromlist=["COMPARISON_METRICS"]).COMPARISON_METRICS}
+    return keys - {"model", "trainer_dtype", "seed", "_tokens"}  # the cell's name, not a metric
+
+
+def test_every_metric_key_of_the_rl_and_drift_records_has_a_label_and_unit():
+    import re
+
+    from r3lab import labels
+
+    keys = _record_keys()
+    assert len(keys) > 50 and "routing/engine_max_vio" in keys and "k3_flipped_r3" in keys
+    missing = sorted(k for k in keys if not labels.is_known(k))
+    assert not missing, f"keys without a label in r3lab/labels.py: {missing}"
+    for k in keys:
+        assert labels.label(k) != k and not re.search(r"\w/\w", labels.label(k)), k  # human words, not the raw key
+        assert labels.kind(k) in ("percent", "number", "count", "seconds") and labels.scale(k) in ("linear", "log")
+    assert labels.axis_title("mismatch/k3_kl") == "train-inference k3 KL (nats/token)"
+    assert labels.unit("routing/engine_trainer_disagreement") == "%" and labels.kind("train/clip_frac") == "percent"
+    assert labels.label("mean/train/clip_frac") == "clipped tokens (run mean)"  # the summary's keys
+    assert labels.label("my/own_metric") == "my/own_metric" and not labels.is_known("my/own_metric")
+    assert labels.format_value("routing/engine_trainer_disagreement", 0.0531) == "5.31%"
+    assert labels.format_value("mismatch/k3_kl", 2.0891e-4) == "2.09e-4"
+    assert labels.format_value("mismatch/tokens", 359.0) == "359" and labels.format_value("x", None) == "n/a"
+
+
+def test_labels_imports_neither_torch_nor_plotly():
+    import subprocess
+    import sys
+
+    code = "import sys, r3lab.labels; print(sorted(m for m in ('torch', 'plotly') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_rl_curves_use_the_labels_table_not_raw_keys():
+    from pathlib import Path
+
+    from r3lab.runs import list_runs
+    from r3lab.viz import rl_curves_figure
+
+    root = Path(__file__).resolve().parent.parent / "bench" / "results" / "rl"
+    runs = [r for _, r in list_runs(root) if r.name.startswith("tiny-qwen3-moe-default-")]
+    fig = rl_curves_figure(runs, "routing/engine_trainer_disagreement")
+    assert fig.layout.title.text == "engine-trainer routing differs (token x layer)"
+    assert fig.layout.yaxis.title.text.endswith("(%)") and all(t.endswith("%") for t in fig.layout.yaxis.ticktext)
+    assert len(set(fig.layout.yaxis.ticktext)) == len(fig.layout.yaxis.ticktext)
+
+
+# --- honest marks and the notebook display ---------------------------------------------------------------------
+
+def test_finish_notes_undrawn_legend_entries_and_refuses_bars_on_a_log_axis():
+    import plotly.graph_objects as go
+
+    from r3lab.errors import R3LabError
+    from r3lab.viz import NOT_DRAWN, ONE_COLUMN, finish
+
+    fig = go.Figure()
+    fig.add_scatter(x=[1, 2], y=[0.0, 0.0], name="zero floor")
+    fig.add_scatter(x=[1, 2], y=[1e-3, 2e-3], name="drawn")
+    fig.add_scatter(x=[1, 2], y=[None, float("nan")], name="empty")
+    fig.add_scatter(x=[1, 2], y=[0.0, 0.0], name="hidden", showlegend=False)
+    fig = finish(fig, ONE_COLUMN, yaxis_type="log")
+    assert [t.name for t in fig.data] == [f"zero floor (0 everywhere: {NOT_DRAWN} on the log axis)", "drawn",
+                                          f"empty (no value: {NOT_DRAWN})", "hidden"]
+    linear = finish(go.Figure(go.Scatter(x=[1, 2], y=[0, 0], name="zero")), ONE_COLUMN)
+    assert linear.data[0].name == "zero"  # a zero line draws on a linear axis
+    with pytest.raises(R3LabError, match="bars on a log axis"):
+        finish(go.Figure(go.Bar(x=["a"], y=[3.0], name="b")), ONE_COLUMN, yaxis_type="log")
+
+
+def test_long_titles_wrap_to_the_paper_width_and_notebooks_get_no_fixed_width(monkeypatch):
+    import plotly.graph_objects as go
+    import plotly.io as pio
+
+    from r3lab.viz import NOTEBOOK_CONFIG, ONE_COLUMN, LabFigure, finish
+
+    long = "engine vs trainer routing per layer " * 4
+    fig = finish(go.Figure(go.Scatter(x=[0, 1], y=[0, 1])), ONE_COLUMN, title=long, subtitle="what the counts count")
+    lines = fig.layout.title.text.split("<br>")
+    assert len(lines) > 1 and max(map(len, lines)) <= 60 and fig.layout.margin.t > 60
+    assert isinstance(fig, LabFigure) and isinstance(fig, go.Figure)
+    assert fig.layout.width == ONE_COLUMN["width"] and fig.to_dict()["layout"]["width"] == 520  # exports: paper size
+    shown = fig.notebook_dict()["layout"]
+    assert "width" not in shown and shown["autosize"] is True and shown["height"] == ONE_COLUMN["height"]
+    monkeypatch.setattr(pio.renderers, "default", "plotly_mimetype")  # what JupyterLab's kernel uses
+    bundle = fig._repr_mimebundle_()
+    plotly_json = bundle["application/vnd.plotly.v1+json"]
+    assert "width" not in plotly_json["layout"] and plotly_json["config"]["responsive"] is NOTEBOOK_CONFIG["responsive"]
+
+
+def test_one_seed_draws_no_error_bars_and_legends_count_seeds_in_the_singular(tmp_path):
+    from r3lab.runs import RunWriter, load
+    from r3lab.viz import MODE_COLORS, SOURCE_COLORS, drift_figure
+
+    with RunWriter(tmp_path, "d1", "drift", {}) as w:
+        w.log_step({"step": 0, "model": "m", "trainer_dtype": "float32", "seed": 0, "k3_none": 2e-4, "k3_r3": 7e-5,
+                    "k3_flipped_none": 2e-3, "k3_flipped_r3": 6e-5})
+        w.finish({})
+    fig = drift_figure(load(tmp_path / "d1"))
+    assert all(t.type == "scatter" and t.error_y.visible is False for t in fig.data)  # points, no stub bars
+    assert "1 seed)" in fig.layout.title.text and "no spread" in fig.layout.title.subtitle.text
+    assert not set(SOURCE_COLORS.values()) & set(MODE_COLORS.values())  # engine/trainer never wear a mode's colour

@@ -2,12 +2,15 @@
 
 Figures are for notebooks and papers; nothing here calls ``.show()``. They share one template
 (``"r3lab"``: fonts, white background) and one fixed colour per replay mode (:data:`MODE_COLORS`), so
-none / R2 / R3 look the same in every figure. :func:`export` writes a figure as PNG, SVG and PDF through
-kaleido with the system's Chromium (:func:`find_chromium`; no browser is downloaded).
+none / R2 / R3 look the same in every figure (engine and trainer have their own pair, :data:`SOURCE_COLORS`).
+Every figure is a :class:`LabFigure`: displayed in a notebook it fills the output area's width; exported it
+keeps its paper size. Labels and units of record keys come from :mod:`r3lab.labels`. :func:`export` writes a
+figure as PNG, SVG and PDF through kaleido with the system's Chromium (:func:`find_chromium`; no browser is
+downloaded).
 
-Modules: ``style`` (template, sizes, mode colours), ``exporting`` (files), and the figure builders
-``results`` (tables and runs), ``routing`` (routes and expert load), ``logprobs`` (log-prob drift per token)
-and ``paper`` (the paper figures from committed results).
+Modules: ``style`` (template, sizes, colours, :func:`finish`), ``ticks`` (tick values and labels from the data's
+range), ``exporting`` (files), and the figure builders ``results`` (tables and runs), ``routing`` (routes and
+expert load), ``logprobs`` (log-prob drift per token) and ``paper`` (the paper figures from committed results).
 """
 
 from r3lab.runs import rl_token_logprobs  # re-exported: the notebooks read RL token tables through viz
@@ -30,11 +33,26 @@ from r3lab.viz.routing import (
     response_differs,
     route_view_figure,
 )
-from r3lab.viz.style import FLIP_COLOR, MODE_COLORS, ONE_COLUMN, TEMPLATE, TWO_COLUMN, mode_color
+from r3lab.viz.style import (
+    FLIP_COLOR,
+    MODE_COLORS,
+    NOT_DRAWN,
+    NOTEBOOK_CONFIG,
+    ONE_COLUMN,
+    SOURCE_COLORS,
+    TEMPLATE,
+    TWO_COLUMN,
+    LabFigure,
+    finish,
+    mode_color,
+)
+from r3lab.viz.ticks import axis_ticks, tick_labels, tick_values
 
 __all__ = ["MODE_COLORS", "mode_color", "ONE_COLUMN", "TWO_COLUMN", "TEMPLATE", "FLIP_COLOR", "EXPORT_FORMATS",
            "find_chromium", "export", "transport_figure", "rl_curves_figure", "expert_load_figure", "drift_figure",
            "route_view_figure", "codec_figure", "expert_load_comparison_figure", "layer_disagreement_figure",
            "load_imbalance_figure", "load_shift_figure", "prob_density_figure", "extreme_fraction_figure",
            "delta_histogram_figure", "flip_split_figure", "layer_drift_figure", "response_differs",
-           "most_flipped_sample", "rl_token_logprobs", "export_figures", "paper_figures", "paper_figure_set"]
+           "most_flipped_sample", "rl_token_logprobs", "export_figures", "paper_figures", "paper_figure_set",
+           "SOURCE_COLORS", "NOT_DRAWN", "NOTEBOOK_CONFIG", "LabFigure", "finish", "axis_ticks", "tick_labels",
+           "tick_values"]

@@ -10,10 +10,11 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from r3lab import metrics
+from r3lab import labels, metrics
 from r3lab.errors import R3LabError
 from r3lab.runs import Run, mode_order
-from r3lab.viz.style import MODE_COLORS, ONE_COLUMN, TEMPLATE, TWO_COLUMN, mode_color
+from r3lab.viz.style import MODE_COLORS, ONE_COLUMN, TWO_COLUMN, finish, mode_color, plural
+from r3lab.viz.ticks import axis_ticks
 
 __all__ = ["transport_figure", "codec_figure", "rl_curves_figure", "drift_figure", "load_shift_figure"]
 
@@ -33,20 +34,14 @@ def transport_figure(records: Iterable[Mapping[str, Any]], *, popularity: str = 
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
     methods = list(dict.fromkeys(r["method"] for r in rows))
     fig = go.Figure()
+    values = []
     for m in methods:
         by_w = {r["workload"]: r["bytes_per_id"] for r in rows if r["method"] == m}
+        values += [by_w.get(w) for w in workloads]
         fig.add_bar(name=m, x=workloads, y=[by_w.get(w) for w in workloads], hovertemplate="%{x}<br>%{y:.3f} bytes/id")
-    fig.update_layout(
-        title=f"Routed-expert transport: bytes per routed id ({popularity} expert popularity)",
-        yaxis_title="bytes per routed id (log)",
-        yaxis_type="log",
-        barmode="group",
-        template=TEMPLATE,
-        legend={"orientation": "h", "y": -0.2},
-        width=1100,
-        height=520,
-    )
-    return fig
+    fig.update_yaxes(title_text="bytes per routed id", **axis_ticks(values, include_zero=True))
+    return finish(fig, {"width": 1100, "height": 520}, title="Routed-expert transport: bytes per routed id",
+                  subtitle=f"{popularity} expert popularity", barmode="group", legend={"orientation": "h", "y": -0.2})
 
 
 def codec_figure(records: Iterable[Mapping[str, Any]]) -> go.Figure:
@@ -61,7 +56,7 @@ def codec_figure(records: Iterable[Mapping[str, Any]]) -> go.Figure:
     groups = list(dict.fromkeys(r["routes"] for r in rows))
     codecs = list(dict.fromkeys(r["codec"] for r in rows))
     palette = ["#4c4c4c", "#8c564b", "#9467bd", "#17becf", "#bcbd22", "#2ca02c", "#d62728", "#ff7f0e", "#1f77b4"]
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("bytes per routed id (log)", "encode + decode, M ids/s"))
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("size: bytes per routed id", "speed: encode + decode, M ids/s"))
     for i, c in enumerate(codecs):
         by = {r["routes"]: r for r in rows if r["codec"] == c}
         color = palette[i % len(palette)]
@@ -69,9 +64,9 @@ def codec_figure(records: Iterable[Mapping[str, Any]]) -> go.Figure:
             fig.add_bar(x=groups, y=[by[g][key] if g in by else None for g in groups], name=c, marker_color=color,
                         legendgroup=c, showlegend=col == 1, row=1, col=col,
                         hovertemplate=f"{c}<br>%{{x}}<br>%{{y:.3g}}<extra></extra>")
-    fig.update_yaxes(type="log", row=1, col=1)
-    fig.update_layout(template=TEMPLATE, barmode="group", title="Route codecs: size and speed", **TWO_COLUMN)
-    return fig
+    for col, key in ((1, "bytes_per_id"), (2, "mids_per_s")):  # linear: bar lengths compare
+        fig.update_yaxes(**axis_ticks([r[key] for r in rows], include_zero=True), row=1, col=col)
+    return finish(fig, TWO_COLUMN, title="Route codecs: size and speed", barmode="group")
 
 
 def rl_curves_figure(runs: Sequence[Run], metric: str = "mismatch/k3_kl", *, log: bool | None = None,
@@ -90,6 +85,7 @@ def rl_curves_figure(runs: Sequence[Run], metric: str = "mismatch/k3_kl", *, log
     if not by_mode:
         raise R3LabError("no runs to plot")
     fig = go.Figure()
+    shown = []
     for mode in mode_order(by_mode):
         n = min(len(v) for v in by_mode[mode])
         stack = np.stack([v[:n] for v in by_mode[mode]])
@@ -97,12 +93,20 @@ def rl_curves_figure(runs: Sequence[Run], metric: str = "mismatch/k3_kl", *, log
         color = mode_color(mode)
         if stack.shape[0] > 1:
             _band(fig, x, np.nanmin(stack, 0), np.nanmax(stack, 0), color, mode)
-        fig.add_scatter(x=x, y=np.nanmedian(stack, 0), mode="lines", name=f"{mode} ({stack.shape[0]} seeds)",
-                        line={"color": color, "width": 2}, legendgroup=mode)
-    use_log = metric.startswith("mismatch/k3") if log is None else log
-    fig.update_layout(template=TEMPLATE, title=title or metric, xaxis_title="RL step", yaxis_title=metric,
-                      yaxis_type="log" if use_log else "linear", **ONE_COLUMN)
-    return fig
+            shown += [np.nanmin(stack, 0), np.nanmax(stack, 0)]
+        median = np.nanmedian(stack, 0)
+        shown.append(median)
+        fig.add_scatter(x=x, y=median, mode="lines+markers" if n < 12 else "lines",
+                        name=f"{mode} ({plural(stack.shape[0], 'seed')})", line={"color": color, "width": 2},
+                        legendgroup=mode, hovertemplate=f"{mode}, step %{{x}}: %{{y:.4g}}<extra></extra>")
+    use_log = labels.scale(metric) == "log" if log is None else log
+    percent = labels.kind(metric) == "percent"
+    fig.update_yaxes(title_text=labels.axis_title(metric), type="log" if use_log else "linear",
+                     **axis_ticks(np.concatenate(shown), log=use_log, percent=percent))
+    fig.update_xaxes(title_text="RL step", **axis_ticks(np.arange(max(len(v) for v in shown)), integer=True))
+    seeds = sorted({len(v) for v in by_mode.values()})
+    sub = "median over seeds, min - max band" if seeds[-1] > 1 else "one seed per mode"
+    return finish(fig, ONE_COLUMN, title=title or labels.label(metric), subtitle=sub)
 
 
 def _median_min_max(v: np.ndarray) -> tuple[float, float, float]:
@@ -119,20 +123,33 @@ def drift_figure(run: Run) -> go.Figure:
     for s in run.step_records:
         cells.setdefault((s["model"], s["trainer_dtype"]), []).append(s)
     trainer = {"bfloat16": "bf16 trainer, fp32 router", "float32": "fp32 trainer"}
-    labels = [f"{m}<br>{trainer.get(d, d)}" for m, d in cells]
+    names = [f"{m}<br>{trainer.get(d, d)}" for m, d in cells]
+    seeds = sorted({len(cs) for cs in cells.values()})
     fig = go.Figure()
-    for key, name, color in (("k3_none", "none", MODE_COLORS["none"]), ("k3_r3", "R3", MODE_COLORS["R3"]),
-                             ("k3_flipped_none", "none, route-flipped tokens", "#bcbcbc"),
-                             ("k3_flipped_r3", "R3, route-flipped tokens", "#f4a3a3")):
+    shown = []
+    for key, name, color, symbol in (
+            ("k3_none", "none", MODE_COLORS["none"], "circle"), ("k3_r3", "R3", MODE_COLORS["R3"], "circle"),
+            ("k3_flipped_none", "none, route-flipped tokens", MODE_COLORS["none"], "diamond-open"),
+            ("k3_flipped_r3", "R3, route-flipped tokens", MODE_COLORS["R3"], "diamond-open")):
         vals = [np.array([c.get(key, np.nan) for c in cs], dtype=np.float64) for cs in cells.values()]
         spread = np.array([_median_min_max(v) for v in vals]).reshape(-1, 3)  # NaN where no cell has the value
         med = spread[:, 0]
-        fig.add_bar(x=labels, y=med, name=name, marker_color=color,
-                    error_y={"type": "data", "symmetric": False, "array": spread[:, 2] - med,
-                             "arrayminus": med - spread[:, 1]})
-    fig.update_layout(template=TEMPLATE, barmode="group", yaxis_type="log", yaxis_title="train-inference k3 KL",
-                      title=f"What R3 changes ({len(next(iter(cells.values())))} seeds)", **TWO_COLUMN)
-    return fig
+        n = [int(np.isfinite(v).sum()) for v in vals]
+        shown += list(spread[:, 1:].ravel()) if max(n) > 1 else list(med)
+        # points on the log axis (a bar's length from an arbitrary floor means nothing); min - max only where
+        # a cell has two or more seeds (one seed has no spread to show)
+        error = {"type": "data", "symmetric": False, "array": np.where(np.array(n) > 1, spread[:, 2] - med, 0),
+                 "arrayminus": np.where(np.array(n) > 1, med - spread[:, 1], 0), "visible": max(n) > 1,
+                 "thickness": 1.5, "width": 6}
+        fig.add_scatter(x=names, y=med, name=name, mode="markers", offsetgroup=name, error_y=error, customdata=n,
+                        marker={"color": color, "size": 11, "symbol": symbol, "line": {"width": 2, "color": color}},
+                        hovertemplate=f"{name}<br>%{{x}}<br>median %{{y:.3g}} over %{{customdata}} seed(s)"
+                                      "<extra></extra>")
+    fig.update_yaxes(type="log", title_text="train-inference k3 KL (nats/token)", **axis_ticks(shown, log=True))
+    sub = (f"median over {plural(seeds[-1], 'seed')}, min - max as error bars" if seeds[-1] > 1 else
+           "one seed per cell: no spread shown")
+    return finish(fig, TWO_COLUMN, title=f"What R3 changes ({plural(seeds[-1], 'seed')})", subtitle=sub,
+                  scattermode="group")
 
 
 def load_shift_figure(runs: Sequence[Run], *, what: str = "engine") -> go.Figure:
@@ -150,12 +167,16 @@ def load_shift_figure(runs: Sequence[Run], *, what: str = "engine") -> go.Figure
         by_mode.setdefault(r.config["mode"], []).append(
             (steps, [float(metrics.load_shift(ld, loads[0]).mean()) for ld in loads]))
     fig = go.Figure()
+    shown = []
     for mode in mode_order(by_mode):
         series = by_mode[mode]
         n = min(len(s) for s, _ in series)
         y = np.median(np.array([v[:n] for _, v in series]), axis=0)
-        fig.add_scatter(x=series[0][0][:n], y=y, mode="lines+markers", name=f"{mode} ({len(series)} seeds)",
+        shown.append(y)
+        fig.add_scatter(x=series[0][0][:n], y=y, mode="lines+markers", name=f"{mode} ({plural(len(series), 'seed')})",
                         line={"color": mode_color(mode)})
-    fig.update_layout(template=TEMPLATE, title=f"{what} expert load: shift from the first step",
-                      xaxis_title="RL step", yaxis_title="total-variation distance (mean over layers)", **ONE_COLUMN)
-    return fig
+    fig.update_xaxes(title_text="RL step", **axis_ticks(np.concatenate([s for v in by_mode.values() for s, _ in v]),
+                                                        integer=True))
+    fig.update_yaxes(title_text="total-variation distance", **axis_ticks(np.concatenate(shown)))
+    return finish(fig, ONE_COLUMN, title=f"{what} expert load: shift from the first step",
+                  subtitle="mean over layers, median over seeds")

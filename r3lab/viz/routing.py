@@ -15,7 +15,8 @@ from plotly.subplots import make_subplots
 from r3lab import metrics
 from r3lab.errors import R3LabError
 from r3lab.routes import Routes
-from r3lab.viz.style import FLIP_COLOR, MODE_COLORS, ONE_COLUMN, TEMPLATE, TWO_COLUMN
+from r3lab.viz.style import FLIP_COLOR, MODE_COLORS, ONE_COLUMN, SOURCE_COLORS, TWO_COLUMN, finish, plural
+from r3lab.viz.ticks import axis_ticks
 
 __all__ = ["route_view_figure", "most_flipped_sample", "response_differs", "expert_load_figure",
            "expert_load_comparison_figure", "layer_disagreement_figure", "load_imbalance_figure"]
@@ -74,14 +75,15 @@ def route_view_figure(engine: Routes, trainer: Routes | None = None, *, sample: 
         hovertemplate="%{hovertext}<extra></extra>", colorscale=[[0, "#f4f4f4"], [1, FLIP_COLOR]], zmin=0, zmax=1,
         showscale=False, xgap=1, ygap=1, textfont={"size": 9}))
     if prompt_len is not None and start < prompt_len < stop:
-        fig.add_vline(x=prompt_len - start - 0.5, line={"color": "#333333", "dash": "dash", "width": 2},
-                      annotation_text="sampled →", annotation_position="top right")
+        # the line through the heatmap, its label above the plot area (never over a cell)
+        fig.add_vline(x=prompt_len - start - 0.5, line={"color": "#333333", "dash": "dash", "width": 2})
+        fig.add_annotation(x=prompt_len - start - 0.5, y=1, yref="paper", yanchor="bottom", xanchor="left",
+                           text="sampled →", showarrow=False, font={"size": 12})
     n = int(differs[start:stop].sum())
-    what = f"{n} of {differs[start:stop].size} (token, layer) cells differ from the trainer" if own is not None else (
-        "engine only")
-    fig.update_layout(template=TEMPLATE, title=f"sample {sample}: experts per token and layer ({what})",
-                      xaxis={"title": "token (position: text)", "tickangle": -60}, **TWO_COLUMN)
-    return fig
+    what = (f"{n} of {differs[start:stop].size} (token, layer) cells differ from the trainer "
+            f"({len(rows)} tokens x {eng.shape[1]} layers)" if own is not None else "engine only")
+    return finish(fig, TWO_COLUMN, title=f"sample {sample}: experts per token and layer", subtitle=what,
+                  xaxis={"title": "token (position: text)", "tickangle": -60}, margin_t=90)
 
 
 def most_flipped_sample(engine: Routes, trainer: Routes) -> int:
@@ -107,9 +109,10 @@ def expert_load_figure(routes: Routes, *, title: str = "expert load", reference:
     fig = go.Figure(go.Heatmap(z=z, x=list(range(routes.num_experts)), y=[f"layer {g}" for g in routes.layer_ids],
                                colorscale=scale, zmid=mid, hovertemplate="%{y}, expert %{x}: %{z:.3f}<extra></extra>"))
     vio = metrics.max_violation(load)
-    fig.update_layout(template=TEMPLATE, title=f"{title} (max_vio per layer {vio.min():.2f} - {vio.max():.2f})",
-                      xaxis_title="expert", **ONE_COLUMN)
-    return fig
+    fig.data[0].colorbar = {"title": {"text": "share of slots" if reference is None else "difference", "side": "right"},
+                            **axis_ticks(np.ravel(z), percent=True, set_range=False)}
+    return finish(fig, ONE_COLUMN, title=title, subtitle=f"max_vio per layer {vio.min():.2f} - {vio.max():.2f}",
+                  xaxis_title="expert")
 
 
 def expert_load_comparison_figure(engine: Routes, trainer: Routes, *, names: tuple[str, str] = ("engine", "trainer"),
@@ -120,20 +123,23 @@ def expert_load_comparison_figure(engine: Routes, trainer: Routes, *, names: tup
     b = metrics.expert_load(trainer.values, trainer.num_experts)
     y = [f"layer {int(g)}" for g in engine.layer_ids]
     x = list(range(engine.num_experts))
-    fig = make_subplots(rows=1, cols=3, shared_yaxes=True, horizontal_spacing=0.09,
+    fig = make_subplots(rows=1, cols=3, shared_yaxes=True, horizontal_spacing=0.11,
                         subplot_titles=(names[0], names[1], f"{names[1]} - {names[0]}"))
     top = float(max(a.max(), b.max()))
     for col, z in ((1, a), (2, b)):
         fig.add_heatmap(z=z, x=x, y=y, colorscale="Viridis", zmin=0, zmax=top, row=1, col=col, showscale=col == 2,
-                        colorbar={"x": 0.645, "xanchor": "left", "len": 0.8, "thickness": 12},
-                        hovertemplate="%{y}, expert %{x}: %{z:.3f}<extra></extra>")
+                        colorbar={"x": 0.64, "xanchor": "left", "len": 0.8, "thickness": 12,
+                                  **axis_ticks([0.0, top], percent=True, set_range=False)},
+                        hovertemplate="%{y}, expert %{x}: %{z:.2%}<extra></extra>")
     d = b - a
     lim = float(np.abs(d).max()) or 1e-9
     fig.add_heatmap(z=d, x=x, y=y, colorscale="RdBu", zmid=0, zmin=-lim, zmax=lim, row=1, col=3,
-                    hovertemplate="%{y}, expert %{x}: %{z:+.4f}<extra></extra>")
+                    colorbar={"x": 1.0, "xanchor": "left", "len": 0.8, "thickness": 12,
+                              **axis_ticks([-lim, lim], percent=True, set_range=False)},
+                    hovertemplate="%{y}, expert %{x}: %{z:+.2%}<extra></extra>")
     fig.update_xaxes(title_text="expert")
-    fig.update_layout(template=TEMPLATE, title=title, **TWO_COLUMN)
-    return fig
+    return finish(fig, TWO_COLUMN, title=title, subtitle="share of routed slots per layer and expert; colour bars in %",
+                  margin_r=70)
 
 
 def layer_disagreement_figure(engine: Routes, trainer: Routes, *, title: str | None = None) -> go.Figure:
@@ -141,27 +147,33 @@ def layer_disagreement_figure(engine: Routes, trainer: Routes, *, title: str | N
     share of experts the two do not share (1 - overlap / k)."""
     _same_shape(engine, trainer)
     agree = metrics.route_agreement(engine.values, trainer.values, engine.num_experts, engine.layer_ids)
-    labels = [f"layer {int(g)}" for g in engine.layer_ids]
+    names = [f"layer {int(g)}" for g in engine.layer_ids]
+    differ = [1 - agree["per_layer_agreement"][int(g)] for g in engine.layer_ids]
+    apart = [1 - agree["per_layer_overlap"][int(g)] for g in engine.layer_ids]
     fig = go.Figure()
-    fig.add_bar(x=labels, y=[1 - agree["per_layer_agreement"][int(g)] for g in engine.layer_ids],
-                name="expert set differs", marker_color="#ff7f0e")
-    fig.add_bar(x=labels, y=[1 - agree["per_layer_overlap"][int(g)] for g in engine.layer_ids],
-                name="experts not shared (of k)", marker_color="#9467bd")
-    fig.update_layout(template=TEMPLATE, barmode="group", yaxis_title="share", yaxis_tickformat=".1%",
-                      title=title or f"engine vs trainer routing per layer ({agree['tokens']} tokens, "
-                      f"{agree['token_disagreement']:.1%} of tokens differ somewhere)", **ONE_COLUMN)
-    return fig
+    fig.add_bar(x=names, y=differ, name="expert set differs", marker_color="#ff7f0e")
+    fig.add_bar(x=names, y=apart, name="experts not shared (of k)", marker_color="#9467bd")
+    fig.update_yaxes(title_text="share of routed positions (%)", **axis_ticks(differ + apart, percent=True,
+                                                                                include_zero=True))
+    n = agree["tokens"]
+    return finish(fig, ONE_COLUMN, barmode="group", title=title or "engine vs trainer routing per layer",
+                  subtitle=f"{plural(n, 'routed position')} (prompt and sampled tokens, one router input each); "
+                           f"{agree['token_disagreement']:.1%} differ in some layer")
 
 
 def load_imbalance_figure(routes: Mapping[str, Routes], *, title: str = "load imbalance per layer") -> go.Figure:
-    """verl's ``max_vio`` per layer (max over mean expert load, minus 1) for each named set of routes."""
+    """verl's ``max_vio`` per layer (max over mean expert load, minus 1) for each named set of routes (engine and
+    trainer in :data:`SOURCE_COLORS`, a replay mode in its own colour)."""
     if not routes:
         raise R3LabError("no routes to plot")
     fig = go.Figure()
-    palette = {"engine": "#1f77b4", "trainer": "#ff7f0e"}
+    vios = []
     for name, r in routes.items():
         vio = metrics.max_violation(metrics.expert_load(r.values, r.num_experts))
+        vios.append(vio)
         fig.add_scatter(x=[int(g) for g in r.layer_ids], y=vio, mode="lines+markers", name=name,
-                        line={"color": MODE_COLORS.get(name, palette.get(name))})
-    fig.update_layout(template=TEMPLATE, title=title, xaxis_title="layer", yaxis_title="max_vio", **ONE_COLUMN)
-    return fig
+                        line={"color": SOURCE_COLORS.get(name) or MODE_COLORS.get(name, "#555555")})
+    fig.update_xaxes(title_text="layer", **axis_ticks(np.concatenate([r.layer_ids for r in routes.values()]),
+                                                      integer=True))
+    fig.update_yaxes(title_text="max_vio (max load / mean load - 1)", **axis_ticks(np.concatenate(vios)))
+    return finish(fig, ONE_COLUMN, title=title)
