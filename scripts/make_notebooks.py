@@ -117,9 +117,9 @@ route_view
 """),
     md("## Codecs: size and speed"),
     code("""
-records = measure_codecs(engine_routes, repeats=repeats, label=f"{model}<br>{engine_routes.total_tokens} tokens")
+records = measure_codecs(engine_routes, repeats=repeats, label=f"{model}, {engine_routes.total_tokens} tokens")
 records += measure_codecs(workload_routes(**synthetic), repeats=repeats,
-                          label=f"GLM-4.7-Flash-shaped<br>{synthetic['tokens']} tokens")
+                          label=f"GLM-4.7-Flash-shaped, {synthetic['tokens']} tokens")
 codecs = viz.codec_figure(records)
 codecs
 """),
