@@ -403,8 +403,11 @@ def _record_keys() -> set[str]:
     keys |= set(re.findall(r'rec\["([^"]+)"\]', src))
     keys |= {f"mismatch/{k}" for k in metrics.mismatch_metrics(np.zeros(3), np.full(3, -0.1))}
     keys |= {f"mismatch/k3_kl_{n}" for n in ("flipped", "agreeing")}
-    stats = re.search(r"stats: dict\[str, list\[float\]\] = \{k: \[\] for k in \(([^)]*)\)", src)
-    keys |= {f"train/{k}" for k in re.findall(r'"([a-z_]+)"', stats[1])}
+    from r3lab.config import RLMetric
+    from r3lab.experiments.rl import UPDATE_STATS
+
+    keys |= {f"train/{k}" for k in UPDATE_STATS}  # the per-update statistics, averaged per step
+    keys |= {v for k, v in vars(RLMetric).items() if not k.startswith("_") and isinstance(v, str)}
     keys |= {k for k, _, _ in __import__("r3lab.experiments.rl", fromlist=["COMPARISON_METRICS"]).COMPARISON_METRICS}
     return keys - {"model", "trainer_dtype", "seed", "_tokens"}  # the cell's name, not a metric
 

@@ -261,7 +261,7 @@ def _proximal(trainer: Trainer, batch: RolloutBatch, config: RLConfig, behaviour
     return OldPolicy(logp_prox, current.logprobs, behaviour_native.routes, rec, tokens, logp_behaviour, weights)
 
 
-_UPDATE_STATS = ("loss", "clip_frac", "approx_kl", "grad_norm", "entropy", "route_change", "used_route_change",
+UPDATE_STATS = ("loss", "clip_frac", "approx_kl", "grad_norm", "entropy", "route_change", "used_route_change",
                  "tis_weight_mean")
 # collapse precursors on the policy side, per mini-batch (the maximum over the update is what bursts)
 _PRECURSORS = ("clip_frac", "grad_norm", "policy_abs_dlogp", "policy_is_ess")
@@ -276,7 +276,7 @@ def policy_updates(trainer: Trainer, batch: RolloutBatch, old: OldPolicy, config
     """
     chunks = np.array_split(rng.permutation(len(batch.tokens)), config.mini_batches)
     tok_sample = batch.tokens.token_sample
-    stats: dict[str, list[float]] = {k: [] for k in _UPDATE_STATS}
+    stats: dict[str, list[float]] = {k: [] for k in UPDATE_STATS}
     precursors: dict[str, list[float]] = {k: [] for k in _PRECURSORS}
     gspo = config.loss == "gspo"
     first_mb_gap = trainer_floor = 0.0
