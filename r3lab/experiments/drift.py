@@ -212,8 +212,9 @@ def run_drift(
                         _write_cell(writer, len(rows) - 1, row, samples, results[s])
                     if on_row is not None:
                         on_row(row)
-                if hasattr(trainer, "close"):  # a multi-process trainer (Megatron's ranks) ends them
-                    trainer.close()
+                close = getattr(trainer, "close", None)  # a multi-process trainer (Megatron's ranks) ends them
+                if close is not None:
+                    close()
                 del trainer
                 _release_device()
         if writer is not None:

@@ -320,8 +320,9 @@ def run_rl(config: RLConfig, *, engine: RolloutEngine | None = None, runs_root: 
     finally:
         if writer is not None:
             writer.close()
-        if hasattr(trainer, "close"):  # a multi-process trainer (Megatron's ranks) ends them
-            trainer.close()
+        close = getattr(trainer, "close", None)  # a multi-process trainer (Megatron's ranks) ends them
+        if close is not None:
+            close()
         if own_engine:
             engine.close()
 

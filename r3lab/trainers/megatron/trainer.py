@@ -68,7 +68,7 @@ class MegatronTrainer(Closing):
         import torch.distributed as dist
         import torch.multiprocessing as mp
 
-        from r3lab.trainers.megatron.checkpoint import group_routing_mismatch, layout_for
+        from r3lab.trainers.megatron.checkpoint import GroupRoutingMismatchWarning, group_routing_mismatch, layout_for
         from r3lab.trainers.megatron.store_backend import StoreBackend
 
         for k, v in (("tp", tp), ("pp", pp), ("ep", ep)):
@@ -86,7 +86,7 @@ class MegatronTrainer(Closing):
         cfg = json.loads((self.model_dir / "config.json").read_text())
         self.group_routing = group_routing_mismatch(cfg)  # None, or why native routes differ by construction
         if self.group_routing:
-            warnings.warn(f"{self.model_dir.name}: {self.group_routing}", stacklevel=2)
+            warnings.warn(f"{self.model_dir.name}: {self.group_routing}", GroupRoutingMismatchWarning, stacklevel=2)
         self.num_experts = int(cfg.get("num_experts") or cfg.get("n_routed_experts") or cfg["num_local_experts"])
         self.replay_checked = 0  # router rows whose used ids were checked against the replayed ids
         self.replay_mismatched = 0
@@ -338,7 +338,8 @@ class MegatronTrainer(Closing):
         ent = self._flat(replies, "entropy", len(batch))
         stats = clipped_policy_loss(torch.from_numpy(logp).float(), update).stats(update.clip_eps)
         self.timings["policy_step"].append(time.perf_counter() - t0)
-        return PolicyStepStats(loss=stats["loss"], clip_frac=stats["clip_frac"], approx_kl=stats["approx_kl"],
+        return PolicyStepStats(loss=float(stats["loss"] or 0.0), clip_frac=float(stats["clip_frac"] or 0.0),
+                               approx_kl=float(stats["approx_kl"] or 0.0),
                                grad_norm=float(replies[0]["grad_norm"]), entropy=float(ent.mean()),
                                tis_weight_mean=stats["tis_weight_mean"], logprobs=logp)
 

@@ -160,7 +160,9 @@ class RankState:
                 g = torch.empty_like(y)
                 dist.recv(g, src=ps.get_pipeline_model_parallel_next_rank())
                 y.backward(g)
-        if grad_fn is not None and not first:
+        if grad_fn is not None and inp is not None:
+            if inp.grad is None:
+                raise RuntimeError(f"pipeline stage {self.pp}: no gradient reached this stage's input")
             dist.send(inp.grad.contiguous(), dst=ps.get_pipeline_model_parallel_prev_rank())
         return out
 
