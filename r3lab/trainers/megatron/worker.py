@@ -213,7 +213,8 @@ class RankState:
         result: dict[str, Any] = {}
 
         def loss_of(y: torch.Tensor) -> None:
-            lp = -vocab_parallel_cross_entropy(y[:, :-1].float().contiguous(), tokens[:, 1:])
+            # a copy: Megatron's cross entropy works in place on its input (a view of y when B == 1)
+            lp = -vocab_parallel_cross_entropy(y[:, :-1].float().contiguous().clone(), tokens[:, 1:])
             parts = [lp[b, pl[i] - 1 : len(seqs[i]) - 1] for b, i in keep]
             if parts:
                 cur = torch.cat(parts)
