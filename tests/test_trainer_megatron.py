@@ -192,7 +192,7 @@ def test_a_megatron_drift_run(tmp_path):
     rows = run_drift(cfg, progress=False, runs_root=tmp_path, on_trainer=lambda label, t, s: seen.append(t))
     (row,) = rows
     s = row.summary
-    assert s["tokens"] == 3 * 8 and np.isfinite(s["k3_none"]) and np.isfinite(s["k3_r3"])
+    assert 0 < s["tokens"] <= 3 * 8 and np.isfinite(s["k3_none"]) and np.isfinite(s["k3_r3"])  # EOS may end early
     (t,) = seen
     assert t.name == "megatron" and t.replay_checked > 0 and t.replay_mismatched == 0
     assert t._closed  # the run ended its ranks
