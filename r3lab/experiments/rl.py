@@ -171,7 +171,13 @@ class StepResult:
 
 
 def load_trainer(config: RLConfig, path: str | os.PathLike) -> Trainer:
-    """The RL trainer of ``config`` (transformers, in ``trainer_dtype`` with ``router_dtype`` routers, AdamW)."""
+    """The RL trainer of ``config``: transformers (``trainer_dtype`` with ``router_dtype`` routers) or Megatron-core
+    on ``tp * pp * dp`` CPU ranks (``config.trainer == "megatron"``, fp32 routers), each with AdamW at ``lr``."""
+    if config.trainer == "megatron":
+        from r3lab.trainers.megatron.trainer import MegatronTrainer
+
+        return MegatronTrainer(path, tp=config.tp, pp=config.pp, ep=config.ep, dp=config.dp,
+                               dtype=config.trainer_dtype, lr=config.lr)
     from r3lab.trainers.hf import HFTrainer
 
     return HFTrainer.load(path, config.trainer_dtype, router_dtype=config.router_dtype, lr=config.lr)
@@ -377,6 +383,7 @@ def run_rl(config: RLConfig, *, engine: RolloutEngine | None = None, runs_root: 
     if engine is None:
         engine = RolloutEngine(path, seed=config.seed, dtype=config.engine_dtype, engine_quant=config.engine_quant)
     writer = None
+    trainer = None
     try:
         trainer = load_trainer(config, path)
         checkpoint = trainer.export_weights()
@@ -457,6 +464,9 @@ def run_rl(config: RLConfig, *, engine: RolloutEngine | None = None, runs_root: 
     finally:
         if writer is not None:
             writer.close()
+        close = getattr(trainer, "close", None)  # a multi-process trainer (Megatron's ranks) ends them
+        if close is not None:
+            close()
         if own_engine:
             engine.close()
 

@@ -5,7 +5,8 @@
 * :mod:`r3lab.trainers.megatron_bridge`: :class:`MegatronBridgeTrainer`, a one-rank Megatron GPTModel loaded by
   megatron-bridge on a GPU node (scoring only, ``trainer="megatron-bridge"``).
 * :mod:`r3lab.trainers.megatron`: Megatron-core GPTModels built from the shipped checkpoints on CPU (gloo) ranks in
-  any TP/PP/EP/DP layout (mbridge's mappings, the local spec), and their weights exported in checkpoint names.
+  any TP/PP/EP/DP layout (mbridge's mappings, the local spec), and their weights exported in checkpoint names;
+  :class:`~r3lab.trainers.megatron.trainer.MegatronTrainer` drives such ranks as a trainer (``trainer="megatron"``).
 * :mod:`r3lab.trainers.loss`: the clipped policy-gradient objective every trainer's ``policy_step`` uses.
 
 The trainer modules import torch (and transformers / megatron-core when used); this package's own import stays

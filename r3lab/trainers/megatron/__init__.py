@@ -6,6 +6,9 @@
   (mbridge's mappings) into this rank's GPTModel chunks; :func:`export_hf_state_dict` gathers them back.
 * :mod:`~r3lab.trainers.megatron.forward`: masks, the forward-only pipeline pass, token log-probs.
 * :mod:`~r3lab.trainers.megatron.launch`: :func:`launch` runs a function on spawned gloo ranks.
+* :mod:`~r3lab.trainers.megatron.trainer`: :class:`MegatronTrainer`, long-lived ranks
+  (:mod:`~r3lab.trainers.megatron.worker`) behind the trainer interface, routes staged to them through
+  :mod:`~r3lab.trainers.megatron.store_backend`. Import it from its module (it is not re-exported here).
 
 megatron-core, mbridge and transformers are imported when used, not when this package is imported.
 """

@@ -1,0 +1,364 @@
+"""The Megatron-core trainer on CPU ranks behind :class:`~r3lab.trainers.base.Trainer` (``trainer="megatron"``).
+
+:class:`MegatronTrainer` is a driver that owns ``tp * pp * dp`` long-lived gloo rank processes
+(:mod:`~r3lab.trainers.megatron.worker`; torch.distributed processes rather than Ray actors: Megatron's parallel
+state is one torch.distributed world, the same under torchrun with NCCL, and spawned ranks start in seconds and
+die with the driver). Each rank builds its GPTModel shard from the checkpoint (:func:`build_model`, fp32 or
+bf16) and serves commands from a pipe. Every wait is bounded and all-or-none: a rank that raises, dies or does
+not answer within ``timeout_s`` makes the driver end every rank and raise :class:`MegatronTrainerError`.
+
+Routes travel the seeds' way: the driver encodes them with an r3lab codec and stages one chunk per
+(DP rank, mini-batch) with :func:`r3lab.staging.stage` into the key-value store it hosts
+(:class:`~r3lab.trainers.megatron.store_backend.StoreBackend`); each rank receives only its chunk
+(checksums, identity checks, the all-or-none tally), slices it with :func:`~r3lab.slicing.shard_local` and
+replays it with :func:`~r3lab.replay.megatron_replay`. While replaying, every rank also records the ids its
+routers used (their routing maps) and checks them against the replayed ids, row by row; the counts are kept
+(:attr:`MegatronTrainer.replay_checked`, :attr:`~MegatronTrainer.replay_mismatched`) and a mismatch raises.
+
+The DP split is contiguous (``r3lab.slicing.dp_sequence_ids``); a batch that does not split evenly is padded
+with copies of its last sample, scored and discarded (no loss). ``policy_step`` runs the forward and backward
+through the pipeline stages (REPLAY_FORWARD, then REPLAY_BACKWARD), the clipped objective of
+:mod:`r3lab.trainers.loss` over the mini-batch's tokens, gradient all-reduce (DP; expert-DP for expert
+parameters; SP norms and routers over TP), clipping on the global norm and torch AdamW on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from r3lab._process import Closing, free_port
+from r3lab.errors import ConfigError, R3LabError
+from r3lab.routes import Routes
+from r3lab.trainers.base import PolicyStepStats, PolicyUpdate, TokenBatch, TrainerScores
+
+__all__ = ["MegatronTrainer", "MegatronTrainerError", "derived_dp"]
+
+
+class MegatronTrainerError(R3LabError):
+    """A trainer rank failed, died or did not answer in time (every rank was ended), or replay did not hold."""
+
+
+def derived_dp(tp: int, ep: int) -> int:
+    """The fewest DP ranks that fit ``ep``: Megatron needs ``tp * dp`` divisible by ``etp * ep`` (etp = tp)."""
+    return int(ep) if ep > 1 else 1
+
+
+class MegatronTrainer(Closing):
+    """Megatron-core GPTModel shards on ``tp * pp * dp`` gloo CPU ranks as a :class:`~r3lab.trainers.base.Trainer`.
+
+    ``lr`` given: every rank has an AdamW optimizer (betas and weight decay as :class:`~r3lab.trainers.hf.HFTrainer`)
+    and takes policy steps. ``dp`` defaults to :func:`derived_dp`. ``codec``: the r3lab codec routes are staged with.
+    """
+
+    name = "megatron"
+    batch_forward = True  # score() runs the batch as one padded forward per DP rank
+
+    def __init__(self, model_dir: str | os.PathLike, *, tp: int = 1, pp: int = 1, ep: int = 1, dp: int | None = None,
+                 dtype: str = "float32", lr: float | None = None, codec: str = "raw", timeout_s: float = 180.0,
+                 start_timeout_s: float = 300.0):
+        import torch.distributed as dist
+        import torch.multiprocessing as mp
+
+        from r3lab.trainers.megatron.checkpoint import GroupRoutingMismatchWarning, group_routing_mismatch, layout_for
+        from r3lab.trainers.megatron.store_backend import StoreBackend
+
+        for k, v in (("tp", tp), ("pp", pp), ("ep", ep)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{k} must be a positive int, got {v!r}")
+        if dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"dtype must be float32 or bfloat16, got {dtype!r}")
+        self.model_dir = Path(model_dir)
+        self.dtype, self.codec, self.timeout_s = dtype, codec, float(timeout_s)
+        self._procs: list[Any] = []
+        self._conns: list[Any] = []
+        self._closed = False
+        self.layout = layout_for(self.model_dir, tp=tp, pp=pp, ep=ep, dp=dp or derived_dp(tp, ep),
+                                 sequence_parallel=tp > 1, packed=False)
+        cfg = json.loads((self.model_dir / "config.json").read_text())
+        self.group_routing = group_routing_mismatch(cfg)  # None, or why native routes differ by construction
+        if self.group_routing:
+            warnings.warn(f"{self.model_dir.name}: {self.group_routing}", GroupRoutingMismatchWarning, stacklevel=2)
+        self.num_experts = int(cfg.get("num_experts") or cfg.get("n_routed_experts") or cfg["num_local_experts"])
+        self.replay_checked = 0  # router rows whose used ids were checked against the replayed ids
+        self.replay_mismatched = 0
+        self.stage_stats: list[Any] = []
+        self.timings: dict[str, list[float]] = {"score": [], "policy_step": [], "export": []}
+        self._stages = 0
+        world = self.layout.world_size
+        self._store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
+                                    timeout=_td(max(self.timeout_s, 60.0)))
+        self._backend = StoreBackend(self._store)
+        spec = dict(model_dir=str(self.model_dir), layout=self.layout.to_dict(), dtype=dtype, lr=lr,
+                    collective_timeout_s=self.timeout_s, staging_timeout_s=min(60.0, self.timeout_s / 2))
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        from r3lab.trainers.megatron.worker import rank_main
+
+        try:
+            for r in range(world):
+                parent, child = ctx.Pipe()
+                p = ctx.Process(target=rank_main, args=(r, world, port, self._store.port, child, spec), daemon=True,
+                                name=f"r3lab-megatron-rank{r}")
+                p.start()
+                child.close()
+                self._procs.append(p)
+                self._conns.append(parent)
+            self.ranks = self._collect("start", start_timeout_s, expect="ready")
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- plumbing ------------------------------------------------------------------------------
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def _fail(self, message: str) -> MegatronTrainerError:
+        self.close()
+        return MegatronTrainerError(f"Megatron trainer ({self._describe()}): {message}; every rank was ended")
+
+    def _describe(self) -> str:
+        L = self.layout
+        return f"{self.model_dir.name}, tp={L.tp} pp={L.pp} ep={L.ep} dp={L.dp}, {self.dtype}"
+
+    def _collect(self, what: str, timeout: float, expect: str = "ok") -> list[Any]:
+        """Every rank's reply within ``timeout`` s, or end them all and raise (a failure, a death or the deadline)."""
+        deadline = time.monotonic() + timeout
+        replies: dict[int, Any] = {}
+        while len(replies) < len(self._conns):
+            for r, c in enumerate(self._conns):
+                if r in replies:
+                    continue
+                try:
+                    ready = c.poll(0.02)
+                except (EOFError, OSError):
+                    ready = False
+                if ready:
+                    try:
+                        kind, value = c.recv()
+                    except (EOFError, OSError) as e:
+                        raise self._fail(f"rank {r} closed its pipe during {what} ({type(e).__name__})") from None
+                    if kind == "error":
+                        dead = [d for d, p in enumerate(self._procs) if not p.is_alive()]
+                        also = f" (dead ranks: {dead})" if dead else ""
+                        raise self._fail(f"rank {r} failed during {what}{also}:\n{value}")
+                    if kind != expect:
+                        raise self._fail(f"rank {r} answered {kind!r} to {what}")
+                    replies[r] = value
+                elif not self._procs[r].is_alive():
+                    raise self._fail(f"rank {r} (pid {self._procs[r].pid}) died during {what} "
+                                     f"(exit code {self._procs[r].exitcode})")
+            if len(replies) < len(self._conns) and time.monotonic() > deadline:
+                late = [r for r in range(len(self._conns)) if r not in replies]
+                raise self._fail(f"ranks {late} did not answer {what} within {timeout:.0f} s")
+        return [replies[r] for r in range(len(self._conns))]
+
+    def _call(self, cmd: str, **kwargs: Any) -> list[Any]:
+        if self._closed:
+            raise MegatronTrainerError(f"the Megatron trainer ({self._describe()}) is closed")
+        dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+        if dead:
+            r = dead[0]
+            raise self._fail(f"rank {r} (pid {self._procs[r].pid}) died before {cmd} (exit code "
+                             f"{self._procs[r].exitcode}; dead ranks: {dead})")
+        for r, c in enumerate(self._conns):
+            try:
+                c.send((cmd, kwargs))
+            except (BrokenPipeError, OSError):
+                raise self._fail(f"rank {r} is gone (its pipe is closed) before {cmd}") from None
+        return self._collect(cmd, self.timeout_s)
+
+    def close(self) -> None:
+        """End every rank (a polite ``close`` first, then terminate, then kill); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for c in self._conns:
+            try:
+                c.send(("close", {}))
+            except (BrokenPipeError, OSError):
+                pass
+        end = time.monotonic() + 10.0
+        for p in self._procs:
+            p.join(max(0.0, end - time.monotonic()))
+        for p in self._procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(5.0)
+            if p.is_alive():
+                p.kill()
+                p.join(5.0)
+        for c in self._conns:
+            c.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    # ---- batches -------------------------------------------------------------------------------
+    def _padded(self, batch: TokenBatch) -> tuple[dict, list[list[int]], int]:
+        """The batch as the ranks get it (padded with copies of the last sample to split over DP), and the shares."""
+        from r3lab.slicing import dp_sequence_ids
+
+        n = len(batch)
+        dp = self.layout.dp
+        total = max(dp, math.ceil(n / dp) * dp)
+        idx = list(range(n)) + [n - 1] * (total - n)
+        seqs = [list(batch.sequences[i]) for i in idx]
+        pls = [batch.prompt_lens[i] for i in idx]
+        shares = [dp_sequence_ids(total, self.layout, d)[0].tolist() for d in range(dp)]
+        return dict(sequences=seqs, prompt_lens=pls, width=batch.width), shares, total
+
+    def _stage(self, batch: TokenBatch, routes: Routes | None, total: int) -> tuple[dict | None, Any]:
+        if routes is None:
+            return None, None
+        from r3lab.staging import StagingPlan, stage
+
+        if not isinstance(routes, Routes):
+            raise ConfigError(f"routes must be r3lab Routes, got {type(routes).__name__}")
+        want = np.array([len(q) for q in batch.sequences])
+        if len(routes) != len(batch) or not np.array_equal(np.asarray(routes.lengths), want):
+            raise ConfigError(f"routes have {len(routes)} sequences of {np.asarray(routes.lengths).tolist()[:8]} rows; "
+                              f"the batch has {len(batch)} of {want.tolist()[:8]} tokens (P + R rows per sample)")
+        missing = sorted(set(self.layout.router_layers) - set(routes.layer_ids.tolist()))
+        if missing:
+            raise ConfigError(f"routes lack the router layers {missing} of {self.model_dir.name}")
+        if total > len(routes):
+            routes = routes.take(list(range(len(routes))) + [len(routes) - 1] * (total - len(routes)))
+        plan = StagingPlan.build(total, self.layout)
+        self._stages += 1
+        staged, stats = stage(routes, plan, self._backend, codec=self.codec, stage_id=f"b{self._stages}")
+        self.stage_stats.append(stats)
+        return dict(stage_id=staged.stage_id, plan=plan.to_dict(), refs=dict(staged.refs),
+                    layer_ids=list(staged.layer_ids)), staged
+
+    def _release(self, staged: Any) -> None:
+        if staged is None:
+            return
+        staged.release()
+        for k in staged.coordinator.keys(1):
+            try:
+                self._store.delete_key(k)
+            except Exception:  # noqa: BLE001 - best effort
+                pass
+
+    def _replay_counts(self, replies: list[dict], what: str) -> None:
+        checked = sum(int(r["checked"]) for r in replies)
+        bad = sum(int(r["mismatched"]) for r in replies)
+        self.replay_checked += checked
+        self.replay_mismatched += bad
+        if bad:
+            per = {i: r["mismatched"] for i, r in enumerate(replies) if r["mismatched"]}
+            raise MegatronTrainerError(f"{what}: record after replay differs from the given routes in {bad} of "
+                                       f"{checked} router rows (by rank: {per})")
+
+    @staticmethod
+    def _flat(replies: list[dict], key: str, n: int) -> np.ndarray:
+        got: dict[int, np.ndarray] = {}
+        for r in replies:
+            got.update(r.get(key) or {})
+        return np.concatenate([got[i] for i in range(n)]).astype(np.float64)
+
+    def _routes(self, replies: list[dict], batch: TokenBatch) -> Routes:
+        layers = list(self.layout.router_layers)
+        cu = np.concatenate([[0], np.cumsum([len(q) for q in batch.sequences])]).astype(np.int64)
+        k = None
+        vals = None
+        for r in replies:
+            if "rows" not in r:
+                continue
+            keep = r["rows"] < cu[-1]
+            for g, ids in r["ids"].items():
+                if vals is None:
+                    k = ids.shape[1]
+                    vals = np.full((int(cu[-1]), len(layers), k), -1, dtype=np.int16)
+                vals[r["rows"][keep], layers.index(int(g))] = ids[keep]
+        if vals is None or (vals < 0).any():
+            raise MegatronTrainerError("the ranks' recorded routes do not cover every token and router layer")
+        return Routes(vals, cu, self.num_experts, layers)
+
+    # ---- the Trainer interface ------------------------------------------------------------------
+    def score(self, batch: TokenBatch, *, routes: Routes | None = None, record: bool = False,
+              entropy: bool = False) -> TrainerScores:
+        t0 = time.perf_counter()
+        payload, shares, total = self._padded(batch)
+        staged_info, staged = self._stage(batch, routes, total)
+        try:
+            replies = self._call("score", batch=payload, shares=shares, staged=staged_info, record=record,
+                                 entropy=entropy)
+        finally:
+            if not self._closed:
+                self._release(staged)
+        if routes is not None:
+            self._replay_counts(replies, "score")
+        n = len(batch)
+        out = TrainerScores(self._flat(replies, "logprobs", n), self._routes(replies, batch) if record else None,
+                            self._flat(replies, "entropy", n) if entropy else None)
+        self.timings["score"].append(time.perf_counter() - t0)
+        return out
+
+    def policy_step(self, batch: TokenBatch, update: PolicyUpdate, *, routes: Routes | None = None) -> PolicyStepStats:
+        import torch
+
+        from r3lab.trainers.loss import clipped_policy_loss
+
+        t0 = time.perf_counter()
+        n_tok = int(batch.response_lengths.sum())
+        arrays = {k: np.asarray(getattr(update, k), dtype=np.float64) for k in ("old_logprobs", "advantages",
+                                                                               "infer_logprobs")}
+        for k, a in arrays.items():
+            if a.shape != (n_tok,):
+                raise ConfigError(f"PolicyUpdate.{k} has shape {a.shape}; the batch scores {n_tok} tokens")
+        payload, shares, total = self._padded(batch)
+        ends = np.cumsum(batch.response_lengths)
+        index = [np.arange(e - k, e) for e, k in zip(ends, batch.response_lengths, strict=True)]
+        upd = dict(old=arrays["old_logprobs"], adv=arrays["advantages"], infer=arrays["infer_logprobs"], index=index,
+                   clip_eps=update.clip_eps, tis_cap=update.tis_cap, max_grad_norm=update.max_grad_norm)
+        staged_info, staged = self._stage(batch, routes, total)
+        try:
+            replies = self._call("policy_step", batch=payload, shares=shares, staged=staged_info, update=upd,
+                                 real_samples=len(batch), total_tokens=n_tok)
+        finally:
+            if not self._closed:
+                self._release(staged)
+        if routes is not None:
+            self._replay_counts(replies, "policy_step")
+        logp = self._flat(replies, "logprobs", len(batch))
+        ent = self._flat(replies, "entropy", len(batch))
+        stats = clipped_policy_loss(torch.from_numpy(logp).float(), update).stats(update.clip_eps)
+        self.timings["policy_step"].append(time.perf_counter() - t0)
+        return PolicyStepStats(loss=float(stats["loss"] or 0.0), clip_frac=float(stats["clip_frac"] or 0.0),
+                               approx_kl=float(stats["approx_kl"] or 0.0),
+                               grad_norm=float(replies[0]["grad_norm"]), entropy=float(ent.mean()),
+                               tis_weight_mean=stats["tis_weight_mean"], logprobs=logp)
+
+    def export_weights(self) -> Mapping[str, Any]:
+        """The weights gathered from every shard, in the checkpoint's names and shapes (CPU tensors, model dtype)."""
+        import torch
+
+        t0 = time.perf_counter()
+        replies = self._call("export")
+        state = next(r for r in replies if r is not None)
+        out = {}
+        for n, (kind, a) in state.items():
+            t = torch.from_numpy(np.array(a))
+            out[n] = t.view(torch.bfloat16) if kind == "bfloat16" else t
+        self.timings["export"].append(time.perf_counter() - t0)
+        return out
+
+
+def _td(seconds: float):
+    import datetime
+
+    return datetime.timedelta(seconds=seconds)

@@ -1,0 +1,335 @@
+"""One trainer rank of :class:`~r3lab.trainers.megatron.trainer.MegatronTrainer`: a long-lived gloo process.
+
+:func:`rank_main` joins the ranks' gloo world, builds this rank's GPTModel shard (:func:`build_model`), reports
+ready, then serves the driver's commands from its pipe until ``close``: ``score``, ``policy_step``, ``export``.
+Each command's reply is ``("ok", result)`` or ``("error", traceback)``; results are numpy (no tensors cross the
+pipe). Routes arrive through :mod:`r3lab.staging` (:class:`StoreBackend`): this rank receives only its DP
+share's chunk, :func:`~r3lab.slicing.shard_local` slices it and :func:`~r3lab.replay.megatron_replay` replays it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import traceback
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["rank_main", "RankState"]
+
+
+def _used_ids(routing_map: torch.Tensor, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Expert ids each row of a router's ``routing_map`` ``[tokens, E]`` selected (sorted), and rows with != top_k."""
+    m = routing_map.detach().bool()
+    bad = m.sum(1) != top_k
+    ids = torch.sort(torch.topk(m.to(torch.int8), top_k, dim=1, sorted=False)[1], dim=1)[0]
+    return ids.numpy(), bad.numpy()
+
+
+class RankState:
+    """This rank's model, optimizer and coordinates; one method per driver command."""
+
+    def __init__(self, model: Any, layout: Any, backend: Any, *, lr: float | None, staging_timeout: float):
+        from megatron.core import parallel_state as ps
+
+        from r3lab.replay.megatron import megatron_routers
+
+        self.model, self.layout, self.backend, self.staging_timeout = model, layout, backend, staging_timeout
+        self.dp = ps.get_data_parallel_rank()
+        self.pp = ps.get_pipeline_model_parallel_rank()
+        self.tp = ps.get_tensor_model_parallel_rank()
+        self.last = self.pp == layout.pp - 1
+        self.routers = megatron_routers(model.chunks)[0]
+        self.top_k = int(model.config.moe_router_topk)
+        self.params = [p for c in model.chunks for p in c.parameters()]
+        self.optimizer = None
+        if lr is not None:
+            for c in model.chunks:
+                c.train()
+            self.optimizer = torch.optim.AdamW(self.params, lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
+
+    # ---- inputs ------------------------------------------------------------------------------
+    def _inputs(self, batch: dict, shares: list[list[int]]):
+        from r3lab.slicing import token_rows
+
+        mine = shares[self.dp]
+        S = -(-int(batch["width"]) // self.layout.seq_alignment) * self.layout.seq_alignment
+        lay = dataclasses.replace(self.layout, seq_length=S)
+        seqs = [batch["sequences"][i] for i in mine]
+        tokens = torch.zeros((len(mine), S), dtype=torch.long)
+        for b, q in enumerate(seqs):
+            tokens[b, : len(q)] = torch.tensor(q)
+        lens = np.array([len(q) for q in seqs], dtype=np.int64)
+        rows = token_rows(lens, lay, tp_rank=self.tp)  # micro-batch token index per router row, -1 = padding
+        cu_all = np.concatenate([[0], np.cumsum([len(q) for q in batch["sequences"]])]).astype(np.int64)
+        share_cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+        real = rows >= 0
+        q = np.searchsorted(share_cu, rows[real], side="right") - 1
+        global_rows = cu_all[np.asarray(mine, dtype=np.int64)[q]] + rows[real] - share_cu[q]
+        return mine, lay, tokens, real, global_rows
+
+    def _replay_ids(self, staged: dict | None, lay: Any) -> list[torch.Tensor] | None:
+        if staged is None:
+            return None
+        from r3lab.slicing import shard_local
+        from r3lab.staging import RankCoords, StagedBatch, StagingPlan, receive
+
+        plan = StagingPlan.from_dict(staged["plan"])
+        sb = StagedBatch(staged["stage_id"], plan, dict(staged["refs"]), self.backend,
+                         self.backend.tally(staged["stage_id"], plan), tuple(staged["layer_ids"]))
+        share, _ = receive(sb, RankCoords(self.dp, self.pp, 0, self.tp), 0, timeout=self.staging_timeout)
+        ids = shard_local(share, lay, pp_rank=self.pp, cp_rank=0, tp_rank=self.tp)
+        return [torch.from_numpy(np.ascontiguousarray(a)) for a in ids]
+
+    def _hooks(self, used: dict[int, torch.Tensor]) -> list[Any]:
+        """Forward hooks keeping each router's routing map: the ids it actually used (replayed or chosen)."""
+
+        def keep(g: int):
+            def hook(module, args, out):
+                used[g] = out[1].detach()
+
+            return hook
+
+        return [r.register_forward_hook(keep(g)) for g, r in self.routers.items()]
+
+    def _check_replay(self, ids: list[torch.Tensor], used: dict[int, torch.Tensor], real: np.ndarray):
+        """Record after replay against the replayed ids, row by row (real rows): rows checked, rows differing."""
+        mismatched = 0
+        for g, want in zip(self.routers, ids, strict=True):
+            got, bad = _used_ids(used[g], self.top_k)
+            w = np.sort(want.numpy(), axis=1)
+            differ = (got != w).any(axis=1) | bad
+            mismatched += int(differ[real].sum())
+        return int(real.sum()) * len(ids), mismatched
+
+    def _forward(self, tokens: torch.Tensor, ids: list[torch.Tensor] | None, record: bool, grad_fn=None):
+        """One micro-batch forward (and backward when ``grad_fn`` is given) with replay, recording or neither."""
+        from r3lab.replay import megatron_replay
+
+        used: dict[int, torch.Tensor] = {}
+        hooks = self._hooks(used)
+        recorded = None
+        try:
+            if ids is not None:
+                with megatron_replay(self.model.chunks, [ids]) as rep:
+                    rep.begin_microbatch(forward_only=grad_fn is None)
+                    out = self._run(tokens, rep.after_forward, grad_fn)
+            elif record:
+                with megatron_replay(self.model.chunks, mode="record") as rec:
+                    rec.begin_microbatch()
+                    box: dict = {}
+                    out = self._run(tokens, lambda: box.setdefault("r", rec.after_forward()), grad_fn)
+                    recorded = box["r"]
+            else:
+                out = self._run(tokens, None, grad_fn)
+        finally:
+            for h in hooks:
+                h.remove()
+        return out, used, recorded
+
+    def _run(self, tokens: torch.Tensor, after_forward, grad_fn):
+        """The pipeline: forward through this stage (recv/send activations), then backward (send/recv grads)."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        from r3lab.trainers.megatron.forward import forward_tokens
+
+        if self.layout.vpp != 1:
+            raise NotImplementedError("the Megatron trainer runs vpp=1 (no virtual pipeline chunks)")
+        cfg = self.model.config
+        B, S = tokens.shape
+        seq_local = S // self.layout.tp if cfg.sequence_parallel else S
+        first = self.pp == 0
+        inp = None
+        if not first:
+            inp = torch.empty(seq_local, B, int(cfg.hidden_size), dtype=cfg.params_dtype)
+            dist.recv(inp, src=ps.get_pipeline_model_parallel_prev_rank())
+            inp.requires_grad_(grad_fn is not None)
+        y = forward_tokens(self.model.chunks[0], tokens, input_tensor=inp, grad=grad_fn is not None)
+        if after_forward is not None:
+            after_forward()
+        out = None
+        if self.last:
+            out = grad_fn(y) if grad_fn is not None else y
+        else:
+            dist.send(y.detach().contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+            if grad_fn is not None:
+                g = torch.empty_like(y)
+                dist.recv(g, src=ps.get_pipeline_model_parallel_next_rank())
+                y.backward(g)
+        if grad_fn is not None and inp is not None:
+            if inp.grad is None:
+                raise RuntimeError(f"pipeline stage {self.pp}: no gradient reached this stage's input")
+            dist.send(inp.grad.contiguous(), dst=ps.get_pipeline_model_parallel_prev_rank())
+        return out
+
+    # ---- commands ------------------------------------------------------------------------------
+    def score(self, batch: dict, shares: list[list[int]], staged: dict | None, record: bool, entropy: bool) -> dict:
+        from r3lab.trainers.megatron.forward import gather_vocab
+
+        mine, lay, tokens, real, global_rows = self._inputs(batch, shares)
+        ids = self._replay_ids(staged, lay)
+        with torch.no_grad():
+            logits, used, recorded = self._forward(tokens, ids, record and ids is None)
+        out: dict[str, Any] = {"checked": 0, "mismatched": 0}
+        if ids is not None:
+            out["checked"], out["mismatched"] = self._check_replay(ids, used, real)
+        if record and (self.layout.sequence_parallel or self.tp == 0):
+            if recorded is None:
+                recorded = {g: torch.from_numpy(_used_ids(m, self.top_k)[0]) for g, m in used.items()}
+            out["rows"] = global_rows
+            out["ids"] = {g: t.numpy()[real].astype(np.int16) for g, t in recorded.items()}
+        if self.last:
+            with torch.no_grad():
+                full = gather_vocab(logits).float()  # a TP collective: every TP rank of the last stage takes part
+                lsm = torch.log_softmax(full[:, :-1], dim=-1)
+                lp = lsm.gather(2, tokens[:, 1:, None])[..., 0]
+                ent = -(lsm.exp() * lsm).sum(-1) if entropy else None
+            if self.tp == 0:
+                pl, seqs = batch["prompt_lens"], batch["sequences"]
+                out["logprobs"] = {i: lp[b, pl[i] - 1 : len(seqs[i]) - 1].double().numpy() for b, i in enumerate(mine)}
+                if ent is not None:
+                    out["entropy"] = {i: ent[b, pl[i] - 1 : len(seqs[i]) - 1].double().numpy()
+                                      for b, i in enumerate(mine)}
+        return out
+
+    def policy_step(self, batch: dict, shares: list[list[int]], staged: dict | None, update: dict,
+                    real_samples: int, total_tokens: int) -> dict:
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        from r3lab.trainers.base import PolicyUpdate
+        from r3lab.trainers.loss import clipped_policy_loss
+        from r3lab.trainers.megatron.forward import gather_vocab
+
+        if self.optimizer is None:
+            raise RuntimeError("this trainer has no optimizer: build it with lr=...")
+        mine, lay, tokens, real, _ = self._inputs(batch, shares)
+        ids = self._replay_ids(staged, lay)
+        pl, seqs = batch["prompt_lens"], batch["sequences"]
+        keep = [(b, i) for b, i in enumerate(mine) if i < real_samples]  # filler samples carry no loss
+        result: dict[str, Any] = {}
+
+        def loss_of(y: torch.Tensor) -> None:
+            # a copy: Megatron's cross entropy works in place on its input (a view of y when B == 1)
+            lp = -vocab_parallel_cross_entropy(y[:, :-1].float().contiguous().clone(), tokens[:, 1:])
+            parts = [lp[b, pl[i] - 1 : len(seqs[i]) - 1] for b, i in keep]
+            if parts:
+                cur = torch.cat(parts)
+                sel = np.concatenate([update["index"][i] for _, i in keep])
+                mb = PolicyUpdate(old_logprobs=update["old"][sel], advantages=update["adv"][sel],
+                                  infer_logprobs=update["infer"][sel], clip_eps=update["clip_eps"],
+                                  tis_cap=update["tis_cap"], max_grad_norm=update["max_grad_norm"])
+                loss = clipped_policy_loss(cur, mb).loss * (cur.numel() / total_tokens)
+            else:
+                loss = lp.sum() * 0.0
+            loss.backward()
+            with torch.no_grad():
+                full = gather_vocab(y.detach()).float()
+                lsm = torch.log_softmax(full[:, :-1], dim=-1)
+                ent = -(lsm.exp() * lsm).sum(-1)
+            if self.tp == 0:
+                result["logprobs"] = {i: lp[b, pl[i] - 1 : len(seqs[i]) - 1].detach().double().numpy()
+                                      for b, i in keep}
+                result["entropy"] = {i: ent[b, pl[i] - 1 : len(seqs[i]) - 1].double().numpy() for b, i in keep}
+
+        self.optimizer.zero_grad(set_to_none=False)
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        _, used, _ = self._forward(tokens, ids, False, grad_fn=loss_of)
+        result["checked"], result["mismatched"] = self._check_replay(ids, used, real) if ids is not None else (0, 0)
+        norm = self._reduce_and_clip(float(update["max_grad_norm"]))
+        self.optimizer.step()
+        result["grad_norm"] = norm
+        return result
+
+    def _reduce_and_clip(self, max_norm: float) -> float:
+        """All-reduce gradients (SP norms over TP, dense over DP, experts over expert-DP), clip on the global norm."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        tp_group, dp_group = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
+        edp_group = ps.get_expert_data_parallel_group()
+        sq = torch.zeros((), dtype=torch.float64)
+        for c in self.model.chunks:
+            for name, p in c.named_parameters():
+                g = p.grad
+                expert = ".mlp.experts." in name
+                if getattr(p, "sequence_parallel", False) and self.layout.tp > 1:
+                    dist.all_reduce(g, group=tp_group)
+                if expert:
+                    if ps.get_expert_data_parallel_world_size() > 1:
+                        dist.all_reduce(g, group=edp_group)
+                    owner = ps.get_expert_data_parallel_rank() == 0 and (
+                        getattr(p, "tensor_model_parallel", False) or ps.get_expert_tensor_parallel_rank() == 0)
+                else:
+                    if self.layout.dp > 1:
+                        dist.all_reduce(g, group=dp_group)
+                    owner = self.dp == 0 and (getattr(p, "tensor_model_parallel", False) or self.tp == 0)
+                if owner:
+                    sq += g.double().pow(2).sum()
+        dist.all_reduce(sq)
+        norm = float(sq.sqrt())
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for p in self.params:
+                p.grad.mul_(coef)
+        return norm
+
+    def export(self) -> dict | None:
+        from r3lab.trainers.megatron.checkpoint import export_hf_state_dict
+
+        state = export_hf_state_dict(self.model, dst=0)
+        if state is None:
+            return None
+        out = {}
+        for n, t in state.items():
+            t = t.detach().contiguous()
+            out[n] = ("bfloat16", t.view(torch.int16).numpy()) if t.dtype == torch.bfloat16 else (None, t.numpy())
+        return out
+
+
+def rank_main(rank: int, world: int, port: int, store_port: int, conn: Any, spec: dict) -> None:
+    """A trainer rank's whole life: join, build, serve commands until ``close`` (or the pipe closes)."""
+    import torch.distributed as dist
+
+    from r3lab.slicing import ParallelLayout
+    from r3lab.trainers.megatron.checkpoint import build_model
+    from r3lab.trainers.megatron.cpu import destroy_parallel, patch_megatron_for_cpu
+    from r3lab.trainers.megatron.store_backend import StoreBackend
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    try:
+        patch_megatron_for_cpu()
+        coll = datetime.timedelta(seconds=float(spec["collective_timeout_s"]))
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=coll)
+        store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=coll)
+        layout = ParallelLayout.from_dict(spec["layout"])
+        model = build_model(spec["model_dir"], layout, dtype=spec["dtype"], group_routing="ignore")
+        state = RankState(model, layout, StoreBackend(store), lr=spec["lr"],
+                          staging_timeout=float(spec["staging_timeout_s"]))
+        conn.send(("ready", dict(rank=rank, dp=state.dp, pp=state.pp, tp=state.tp, pid=os.getpid())))
+    except BaseException:  # noqa: BLE001 - the driver gets the reason, then ends every rank
+        conn.send(("error", traceback.format_exc()))
+        return
+    try:
+        while True:
+            try:
+                cmd, kwargs = conn.recv()
+            except EOFError:
+                break
+            if cmd == "close":
+                break
+            try:
+                conn.send(("ok", getattr(state, cmd)(**kwargs)))
+            except BaseException:  # noqa: BLE001 - the driver raises it and ends every rank
+                conn.send(("error", traceback.format_exc()))
+    finally:
+        try:
+            destroy_parallel(keep_process_group=False)
+        except Exception:  # noqa: BLE001 - teardown must not hide the rank's own error
+            pass

@@ -1,0 +1,215 @@
+"""The Megatron-core trainer on gloo CPU ranks (r3lab.trainers.megatron.trainer) behind the Trainer interface.
+
+Oracles: the transformers trainer (HFTrainer) on the same checkpoint, replaying its own recorded routes on both
+sides (so no routing flip can enter): fp32 log-probs agree within 1e-4; one policy step at TP2xPP2 gives the same
+new weights as at TP1xPP1 (and as HFTrainer's step); the ids the routers used while replaying equal the routes
+given, counted on every rank; a rank killed with SIGKILL makes the driver raise within its timeout, leaving no
+process. Then a short drift run and a short RL run with ``--trainer megatron``. Megatron runs hold the heavy lock
+(``flock /tmp/r3lab-heavy.lock``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from r3lab.config import DriftConfig, RLConfig, megatron_dp
+from r3lab.errors import ConfigError
+from r3lab.paths import model_dir
+from r3lab.trainers import PolicyUpdate, TokenBatch, Trainer
+from r3lab.trainers.hf import HFTrainer
+from r3lab.trainers.megatron.trainer import MegatronTrainer, MegatronTrainerError, derived_dp
+
+TOL = 1e-4  # fp32 on both sides, different kernels and summation orders (measured ~1e-6)
+# one AdamW step from the same weights: Adam's first step moves every weight by lr * g / (|g| + eps), about lr in
+# size whatever |g|, so where a gradient is near zero its fp32 rounding (summation order over TP shards and stages)
+# shows up at up to lr times its relative error; measured 2.3e-5 against a step of 1e-3, bound lr / 20
+LR = 1e-3
+WEIGHT_TOL = LR / 20
+
+
+def _batch() -> TokenBatch:
+    rng = np.random.default_rng(0)
+    lens, prompts = (13, 17, 9, 16), (4, 6, 3, 5)
+    return TokenBatch.from_ids([rng.integers(4, 388, size=n).tolist() for n in lens], prompts)
+
+
+def _update(batch: TokenBatch, old: np.ndarray) -> PolicyUpdate:
+    adv = np.random.default_rng(1).standard_normal(int(batch.response_lengths.sum()))
+    return PolicyUpdate(old_logprobs=old - 0.05, advantages=adv, infer_logprobs=old, tis_cap=2.0, max_grad_norm=1.0)
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    """The transformers oracle on tiny-qwen3-moe: its native routes and log-probs, and its replayed log-probs."""
+    hf = HFTrainer.load(model_dir("tiny-qwen3-moe"), lr=LR)
+    batch = _batch()
+    rec = hf.score(batch, record=True)
+    rep = hf.score(batch, routes=rec.routes)
+    t0 = time.perf_counter()
+    rep = hf.score(batch, routes=rec.routes)
+    score_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    step = hf.policy_step(batch, _update(batch, rep.logprobs), routes=rec.routes)
+    step_s = time.perf_counter() - t0
+    return dict(batch=batch, routes=rec.routes, native=rec.logprobs, replay=rep.logprobs, step=step,
+                weights=hf.export_weights(), score_s=score_s, step_s=step_s)
+
+
+def _step_and_export(trainer: MegatronTrainer, q: dict) -> dict:
+    batch = q["batch"]
+    t0 = time.perf_counter()
+    scores = trainer.score(batch, routes=q["routes"], record=True)
+    score_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    step = trainer.policy_step(batch, _update(batch, q["replay"]), routes=q["routes"])
+    step_s = time.perf_counter() - t0
+    return dict(scores=scores, step=step, weights=trainer.export_weights(), score_s=score_s, step_s=step_s,
+                checked=trainer.replay_checked, mismatched=trainer.replay_mismatched)
+
+
+@pytest.fixture(scope="module")
+def layouts(qwen):
+    out = {}
+    for name, kw in {"tp1": {}, "tp2_pp2": dict(tp=2, pp=2)}.items():
+        with MegatronTrainer(model_dir("tiny-qwen3-moe"), lr=LR, timeout_s=120, **kw) as t:
+            out[name] = _step_and_export(t, qwen)
+    print("\nlayout   score s (hf)      step s (hf)       max|dlogp| replay")
+    for name, r in out.items():
+        d = np.abs(r["scores"].logprobs - qwen["replay"]).max()
+        hf_s, hf_step = qwen["score_s"], qwen["step_s"]
+        print(f"{name:8s} {r['score_s']:.3f} ({hf_s:.3f})  {r['step_s']:.3f} ({hf_step:.3f})  {d:.2e}")
+    return out
+
+
+@pytest.mark.parametrize("name", ["tp1", "tp2_pp2"])
+def test_replayed_scores_equal_transformers(qwen, layouts, name):
+    got = layouts[name]["scores"]
+    assert got.logprobs.shape == qwen["replay"].shape
+    assert np.abs(got.logprobs - qwen["replay"]).max() < TOL
+
+
+@pytest.mark.parametrize("name", ["tp1", "tp2_pp2"])
+def test_record_after_replay_equals_the_given_routes_on_every_rank(qwen, layouts, name):
+    r = layouts[name]
+    want = qwen["routes"]
+    # every router row was checked once per forward (SP: each TP rank checks its slice), in the scoring forward
+    # and in the step's forward
+    assert r["checked"] == 2 * int(want.total_tokens) * want.num_layers and r["mismatched"] == 0
+    got = r["scores"].routes
+    assert np.array_equal(np.asarray(got.cu_seqlens), np.asarray(want.cu_seqlens))
+    assert np.array_equal(np.sort(got.values, -1), np.sort(want.values, -1))
+
+
+def test_one_step_at_tp2_pp2_gives_the_weights_of_tp1(qwen, layouts):
+    a, b = layouts["tp1"]["weights"], layouts["tp2_pp2"]["weights"]
+    assert sorted(a) == sorted(b) and len(a) > 10
+    err = max(float((a[n] - b[n]).abs().max()) for n in a)
+    moved = max(float((a[n] - qwen["weights"][n].to(a[n].dtype)).abs().max()) for n in a if n in qwen["weights"])
+    print(f"\nmax |w(tp2pp2) - w(tp1)| = {err:.2e}; max |w(tp1) - w(hf)| = {moved:.2e}")
+    assert err < WEIGHT_TOL
+    # and the step is the transformers trainer's step (same objective, clipping, AdamW)
+    assert moved < WEIGHT_TOL
+    s1, s2, hf = layouts["tp1"]["step"], layouts["tp2_pp2"]["step"], qwen["step"]
+    for k in ("loss", "grad_norm", "clip_frac", "approx_kl", "entropy", "tis_weight_mean"):
+        assert getattr(s1, k) == pytest.approx(getattr(hf, k), rel=1e-4, abs=1e-6), k
+        assert getattr(s2, k) == pytest.approx(getattr(hf, k), rel=1e-4, abs=1e-6), k
+    # the weights really moved (the comparison is not between two unchanged checkpoints)
+    ckpt = HFTrainer.load(model_dir("tiny-qwen3-moe")).export_weights()
+    assert max(float((a[n] - ckpt[n]).abs().max()) for n in a) > 10 * WEIGHT_TOL
+
+
+@pytest.fixture(scope="module")
+def glm_tp2():
+    hf = HFTrainer.load(model_dir("tiny-glm4-moe"))
+    batch = _batch()
+    rec = hf.score(batch, record=True)
+    rep = hf.score(batch, routes=rec.routes)
+    with pytest.warns(UserWarning, match="top_k // topk_group"):
+        t = MegatronTrainer(model_dir("tiny-glm4-moe"), tp=2, timeout_s=60)
+    try:
+        yield t, batch, rec, rep
+    finally:
+        t.close()
+
+
+def test_glm_replayed_scores_equal_transformers_and_the_mismatch_is_named(glm_tp2):
+    t, batch, rec, rep = glm_tp2
+    assert isinstance(t, Trainer) and t.group_routing and "sum of the best 2" in t.group_routing
+    got = t.score(batch, routes=rec.routes, entropy=True)
+    assert np.abs(got.logprobs - rep.logprobs).max() < TOL
+    assert got.entropy.shape == got.logprobs.shape and (got.entropy > 0).all()
+    assert t.replay_checked > 0 and t.replay_mismatched == 0
+
+
+def test_routes_that_do_not_fit_the_batch_are_refused(glm_tp2):
+    t, batch, rec, _ = glm_tp2
+    with pytest.raises(ConfigError, match="P \\+ R rows"):
+        t.score(batch.take([0, 1]), routes=rec.routes)
+
+
+def test_a_rank_that_dies_makes_the_driver_raise_and_leaves_no_process(glm_tp2):
+    t, batch, _, _ = glm_tp2
+    pids = t.pids
+    os.kill(pids[1], signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(MegatronTrainerError, match="rank 1 .*died|rank 1 .*pipe|rank 1 is gone"):
+        t.score(batch)
+    assert time.monotonic() - t0 < t.timeout_s + 15
+    time.sleep(0.5)
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    with pytest.raises(MegatronTrainerError, match="closed"):
+        t.score(batch)
+
+
+def test_the_layout_knobs_validate_and_derive_dp():
+    assert DriftConfig(trainer="megatron", tp=2, pp=2).dp == 1
+    assert RLConfig(trainer="megatron", ep=2).dp == 2 == derived_dp(1, 2) == megatron_dp(1, 2)
+    with pytest.raises(ConfigError, match="--trainer megatron"):
+        DriftConfig(tp=2)
+    with pytest.raises(ConfigError, match="--tp"):
+        RLConfig(trainer="megatron", tp=0)
+    with pytest.raises(ConfigError, match="--trainer must be one of"):
+        RLConfig(trainer="megatron-bridge")
+    args = DriftConfig(trainer="megatron", tp=2).to_cli_args()
+    assert args[args.index("--trainer") + 1] == "megatron" and args[args.index("--tp") + 1] == "2"
+
+
+# ---- the experiments with --trainer megatron --------------------------------------------------------------------
+def test_a_megatron_drift_run(tmp_path):
+    from r3lab.experiments.drift import run_drift
+
+    seen = []
+    cfg = DriftConfig.quick(trainer="megatron", tp=2, models=("tiny-qwen3-moe",), trainer_dtypes=("float32",),
+                            prompts=3, max_tokens=8)
+    rows = run_drift(cfg, progress=False, runs_root=tmp_path, on_trainer=lambda label, t, s: seen.append(t))
+    (row,) = rows
+    s = row.summary
+    assert 0 < s["tokens"] <= 3 * 8 and np.isfinite(s["k3_none"]) and np.isfinite(s["k3_r3"])  # EOS may end early
+    (t,) = seen
+    assert t.name == "megatron" and t.replay_checked > 0 and t.replay_mismatched == 0
+    assert t._closed  # the run ended its ranks
+
+
+def test_a_megatron_rl_run(tmp_path):
+    from r3lab.experiments.rl import run_rl
+
+    cfg = RLConfig.quick(trainer="megatron", tp=2, steps=2, prompts_per_step=2, samples_per_prompt=2, max_tokens=8,
+                         mini_batches=2, mode="R3")
+    run = run_rl(cfg, progress=False)
+    assert len(run.history) == 2
+    for rec in run.history:
+        assert np.isfinite(rec["reward_mean"]) and rec["engine_weight_version"] >= 0
+        assert np.isfinite(rec["train/clip_frac"])
+    assert run.history[-1]["engine_weight_version"] == 1  # the engine took the Megatron trainer's weights
+
+
+def test_megatron_trainer_module_imports_without_torch_distributed_state():
+    assert not torch.distributed.is_initialized()
