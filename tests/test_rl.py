@@ -185,18 +185,25 @@ def test_config_refuses_nonsense():
         RLConfig(router_dtype="bfloat16")
 
 
-def test_command_line_rl_and_runs(tmp_path, capfd):
-    from r3lab.cli import main
+def test_command_line_rl_and_runs(tmp_path):
+    """`r3lab rl` and `r3lab runs` as a user types them, in their own process: a second in-process vLLM engine would
+    tear down the global parallel state the module's engine still uses when it closes."""
+    import subprocess
+    import sys
 
-    main(["rl", "--quick", "--modes", "R2", "--steps", "2", "--runs", str(tmp_path), "--name", "cli", "--no-progress"])
-    out = capfd.readouterr()
-    assert "| tiny-qwen3-moe | R2 | 1 x 2 |" in out.out and "run: " in out.err
+    def r3lab(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "r3lab", *args], capture_output=True, text=True, timeout=600)
+
+    out = r3lab("rl", "--quick", "--modes", "R2", "--steps", "2", "--runs", str(tmp_path), "--name", "cli",
+                "--no-progress")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "| tiny-qwen3-moe | R2 | 1 x 2 |" in out.stdout and "run: " in out.stderr
     assert load(tmp_path / "cli-R2-s0").finished
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "config.json").write_text("{")
-    main(["runs", str(tmp_path)])
-    listing = capfd.readouterr().out
-    assert "cli-R2-s0" in listing and "finished" in listing and "unreadable" in listing
+    listing = r3lab("runs", str(tmp_path))
+    assert listing.returncode == 0, listing.stderr
+    assert "cli-R2-s0" in listing.stdout and "finished" in listing.stdout and "unreadable" in listing.stdout
 
 
 # ---- collapse: the detector on synthetic series, and the run summary's block ---------------------------------------
