@@ -285,3 +285,11 @@ if __name__ == "__main__":
     nemo_rl_dump(out / "nemo-rl")
     prime_rl_dump(out / "prime-rl")
     print(f"wrote dumps under {out}")
+
+
+def imported_run(tmp: Path) -> Path:
+    """A generated slime dump (with its train dump) imported as an r3lab run under ``tmp``: what notebook 06 opens."""
+    from r3lab.importers import import_run
+
+    src = slime_dump(tmp / "dump")
+    return import_run("slime", src, tmp / "imported", config=model_config(tmp / "model"), train=src / "train")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import make_dumps
 import nbformat
 import pytest
 from test_browser import CHROMIUM_ARGS, _chromium, lab_server
@@ -37,6 +38,8 @@ def _ci_notebook(path: Path, root: Path, tmp: Path) -> Path:
     nb = load_notebook_node(str(path))
     params = dict(nb.metadata["r3lab"]["ci_parameters"])
     params.update({"out_dir": str(tmp / "out"), "export": False})
+    if path.stem == "06_your_run":  # the notebook opens an imported run: import a generated slime dump
+        params["run"] = str(make_dumps.imported_run(tmp))
     source = next(c.source for c in nb.cells if c.cell_type == "code")
     if "\nruns_dir =" in "\n" + source:
         params["runs_dir"] = str(tmp / "runs")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import make_dumps
 import nbformat
 import pytest
 
@@ -67,16 +68,6 @@ def _check_exported(folder: Path) -> list[Path]:
     return files
 
 
-def _imported_run(tmp_path: Path) -> Path:
-    import make_dumps
-
-    from r3lab.importers import import_run
-
-    src = make_dumps.slime_dump(tmp_path / "dump")
-    return import_run("slime", src, tmp_path / "imported", config=make_dumps.model_config(tmp_path / "model"),
-                      train=src / "train")
-
-
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids)
 def test_notebook_runs_top_to_bottom_and_draws_its_figures(path, tmp_path, monkeypatch):
     import papermill  # the lab extra; a missing one fails here, loudly
@@ -88,7 +79,7 @@ def test_notebook_runs_top_to_bottom_and_draws_its_figures(path, tmp_path, monke
     out_dir = tmp_path / "out"
     params = {**meta["ci_parameters"], "out_dir": str(out_dir)}
     if path.stem == "06_your_run":  # the notebook opens an imported run: import a generated slime dump
-        params["run"] = str(_imported_run(tmp_path))
+        params["run"] = str(make_dumps.imported_run(tmp_path))
     if "\nruns_dir =" in "\n" + nb.cells[[c.cell_type for c in nb.cells].index("code")].source:
         params["runs_dir"] = str(tmp_path / "runs")
     executed = tmp_path / path.name
