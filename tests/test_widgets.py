@@ -366,10 +366,16 @@ def test_a_constant_series_gets_a_range_around_its_value_not_down_to_minus_one()
     set_traces(view.figure, [("a", "R3", "R3", "solid", [0, 1, 2], [0.1, 0.1, 0.1])])
     assert tuple(view.figure.layout.yaxis.range) == pytest.approx((0.09, 0.11))
     set_traces(view.figure, [("a", "R3", "R3", "solid", [0, 1, 2], [0.1, 0.1, 0.3])])
-    assert view.figure.layout.yaxis.range is None and view.figure.layout.yaxis.autorange is True
+    lo, hi = view.figure.layout.yaxis.range
+    assert lo < 0.1 and hi > 0.3 and lo > 0.0  # the data's range, padded: not down to -0.9
     log = LiveFigure("t", "mismatch/k3_kl")
     set_traces(log.figure, [("a", "R3", "R3", "solid", [0, 1], [1e-4, 1e-4])])
     assert tuple(log.figure.layout.yaxis.range) == pytest.approx((-4.5, -3.5))  # log10 units: half a decade
+    # a log axis over less than a decade (the monitor's crowded "350μ ... 50μ"): few ticks, every label distinct
+    set_traces(log.figure, [("a", "R3", "R3", "solid", [0, 1, 2, 3], [5e-5, 1.2e-4, 2.2e-4, 3.5e-4])])
+    text = list(log.figure.layout.yaxis.ticktext)
+    assert 2 <= len(text) <= 8 and len(set(text)) == len(text), text
+    assert "μ" not in "".join(text), text
     assert view.draw() and not view.draw()  # sent once; the same figure again sends nothing
 
 

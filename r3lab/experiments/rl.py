@@ -69,6 +69,7 @@ from r3lab.doctor import diagnose
 from r3lab.errors import ConfigError
 from r3lab.experiments.multiturn import engine_prefix_cache, prefill_vs_decode, rollout_turns
 from r3lab.experiments.tasks import LetterTask, make_task
+from r3lab.labels import label
 from r3lab.paths import model_dir
 from r3lab.rollout import RolloutEngine, RolloutResult, SamplingConfig, append_last_row
 from r3lab.routes import Routes
@@ -544,16 +545,16 @@ def run_comparison(base: RLConfig, *, modes: Sequence[str] = MODES, seeds: Seque
     return out
 
 
-COMPARISON_METRICS = (
-    (RLMetric.REWARD, "reward", ".3f"),
-    (RLMetric.K3_KL, "k3 KL", ".2e"),
-    (RLMetric.F_1_5, "F(1.5)", ".4f"),
-    (RLMetric.ABS_DIFF, "mean abs dlogp", ".4f"),
-    (RLMetric.ENGINE_TRAINER_DISAGREEMENT, "engine-trainer routing differs", ".3f"),
-    (RLMetric.ROUTE_CHANGE_LAST_MB, "policy route change (last mini-batch)", ".3f"),
-    (RLMetric.USED_ROUTE_CHANGE_LAST_MB, "used routes vs old policy (last mini-batch)", ".3f"),
-    (RLMetric.CLIP_FRAC, "clip frac", ".3f"),
-)
+COMPARISON_METRICS = tuple((key, label(key), fmt) for key, fmt in (  # (record key, column title, format)
+    (RLMetric.REWARD, ".3f"),
+    (RLMetric.K3_KL, ".2e"),
+    (RLMetric.F_1_5, ".4f"),
+    (RLMetric.ABS_DIFF, ".4f"),
+    (RLMetric.ENGINE_TRAINER_DISAGREEMENT, ".3f"),
+    (RLMetric.ROUTE_CHANGE_LAST_MB, ".3f"),
+    (RLMetric.USED_ROUTE_CHANGE_LAST_MB, ".3f"),
+    (RLMetric.CLIP_FRAC, ".3f"),
+))
 
 
 def comparison_rows(steps_by_run: Sequence[tuple[RLConfig | dict, Sequence[dict[str, Any]]]]) -> list[dict[str, Any]]:
@@ -579,8 +580,7 @@ def comparison_rows(steps_by_run: Sequence[tuple[RLConfig | dict, Sequence[dict[
 def comparison_table(rows: Sequence[dict[str, Any]]) -> str:
     """Markdown: one line per (model, mode), every cell min / median / max over seeds of the run's mean (one
     seed: its value alone, no range)."""
-    head = ["model", "mode", "seeds x steps", *[label for _, label, _ in COMPARISON_METRICS],
-            "reward rise (last - first quarter)"]
+    head = ["model", "mode", "seeds x steps", *[title for _, title, _ in COMPARISON_METRICS], label("reward_rise")]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["model"], r["mode"], f"{r['seeds']} x {r['steps']}"]

@@ -16,6 +16,7 @@ import plotly.graph_objects as go
 
 from r3lab.config import MODES, RLConfig
 from r3lab.errors import ConfigError, R3LabError
+from r3lab.labels import axis_title, label
 from r3lab.moe_layout import MoELayout
 from r3lab.paths import MODELS, model_dir, runs_dir
 from r3lab.runs import RunFollower, mark_stopped
@@ -138,7 +139,7 @@ class AblationDashboard(widgets.VBox):
                                             layout=widgets.Layout(**_CONTROL))
         self.status = widgets.HTML("<div class='r3lab-status'>ready</div>")
         self.messages = widgets.HTML("")
-        self.curve_view = LiveFigure(metric, metric)
+        self.curve_view = LiveFigure(label(metric), metric)
         self.layer_view = LiveFigure("engine-trainer routing disagreement, layer -", LAYER_METRIC)
         self.layer_view.figure.update_layout(yaxis_title="share of token rows that differ")
         self.curve_fig, self.layer_fig = self.curve_view.figure, self.layer_view.figure
@@ -282,7 +283,7 @@ class AblationDashboard(widgets.VBox):
 
     def _draw(self, snap: Sequence[Any]) -> None:
         metric, layer = self.metric.value, self.layer.value
-        self.curve_fig.update_layout(title=metric, yaxis_title=metric,
+        self.curve_fig.update_layout(title=label(metric), yaxis_title=axis_title(metric),
                                      yaxis_type="log" if metric.startswith(LOG_METRICS) else "linear")
         self.layer_fig.update_layout(title=f"engine-trainer routing disagreement, layer {layer}")
         for name, fig, key, lay in (("curves", self.curve_fig, metric, None),

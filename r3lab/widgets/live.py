@@ -25,8 +25,9 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 import plotly.io as pio
 
+from r3lab.labels import axis_title
 from r3lab.runs import FollowedRun, RunFollower
-from r3lab.viz import TEMPLATE, mode_color
+from r3lab.viz import TEMPLATE, axis_ticks, mode_color
 
 __all__ = ["DEFAULT_METRICS", "LAYER_METRIC", "PLOTLY_MIME", "LiveFigure"]
 
@@ -56,7 +57,7 @@ class LiveFigure:
 
     def __init__(self, title: str, metric: str, height: int = 380):
         self.figure = go.Figure()
-        self.figure.update_layout(template=TEMPLATE, title=title, xaxis_title="RL step", yaxis_title=metric,
+        self.figure.update_layout(template=TEMPLATE, title=title, xaxis_title="RL step", yaxis_title=axis_title(metric),
                                   height=height, autosize=True, showlegend=True,
                                   yaxis_type="log" if metric.startswith(LOG_METRICS) else "linear",
                                   margin=MARGIN, legend=LEGEND)
@@ -98,18 +99,23 @@ def set_traces(fig: go.Figure, series: Sequence[Series]) -> None:
 
 
 def fit_y(fig: go.Figure) -> None:
-    """Autorange y, except for a constant series: plotly would span value ± 1 (0.1 drawn from -0.9), so the
-    range is set around the value instead (± 10 % of it; ± half a decade on a log axis)."""
+    """Fit the y axis to the data with ticks chosen from its range (``viz.axis_ticks``: never crowded or repeated
+    labels, e.g. on a log axis over a decade). A constant series is drawn around its value (plotly would span
+    value ± 1, so 0.1 drawn from -0.9): ± 10 % of it, ± half a decade on a log axis."""
     ys = [float(v) for t in fig.data for v in (t.y or ()) if v is not None and math.isfinite(float(v))]
     log = fig.layout.yaxis.type == "log"
     if log:
-        ys = [math.log10(v) for v in ys if v > 0]
-    if not ys or max(ys) != min(ys):
-        fig.update_layout(yaxis_autorange=True, yaxis_range=None)
+        ys = [v for v in ys if v > 0]
+    if not ys:
+        fig.update_layout(yaxis_autorange=True, yaxis_range=None, yaxis_tickmode="auto")
         return
-    v = ys[0]
-    d = 0.5 if log else (abs(v) * 0.1 or 0.1)
-    fig.update_layout(yaxis_autorange=False, yaxis_range=[v - d, v + d])
+    if max(ys) == min(ys):
+        v = ys[0]
+        ys = [v / 10**0.5, v * 10**0.5] if log else [v - (abs(v) * 0.1 or 0.1), v + (abs(v) * 0.1 or 0.1)]
+        ticks = axis_ticks(ys, log=log, pad=0.0)
+    else:
+        ticks = axis_ticks(ys, log=log)
+    fig.update_layout(yaxis_autorange=False, yaxis=ticks)
 
 
 def set_steps(fig: go.Figure, total: int | None) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 import ipywidgets as widgets
 
 from r3lab.errors import ConfigError
+from r3lab.labels import label
 from r3lab.runs import RunFollower
 from r3lab.widgets.jobs import RLJob
 from r3lab.widgets.live import (
@@ -44,8 +45,8 @@ class RunMonitor(widgets.VBox):
         self.follower = RunFollower(source, prefix, expect=expect, job=job, interval=interval, stall_s=stall_s,
                                     settle_s=settle_s, folder_wait_s=folder_wait_s, on_update=self._refresh)
         self.metrics, self.layer, self.job = list(metrics), layer, job
-        self.views = {m: LiveFigure(m if layer is None or m != LAYER_METRIC else f"{m} (layer {layer})", m)
-                      for m in self.metrics}
+        self.views = {m: LiveFigure(f"{label(m)} (layer {layer})" if layer is not None and m == LAYER_METRIC
+                                    else label(m), m) for m in self.metrics}
         self.figures = {m: v.figure for m, v in self.views.items()}
         self.status = widgets.HTML(status_html(self.follower))
         grid = widgets.GridBox([v.widget for v in self.views.values()],
