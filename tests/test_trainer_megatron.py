@@ -204,11 +204,11 @@ def test_a_megatron_rl_run(tmp_path):
     cfg = RLConfig.quick(trainer="megatron", tp=2, steps=2, prompts_per_step=2, samples_per_prompt=2, max_tokens=8,
                          mini_batches=2, mode="R3")
     run = run_rl(cfg, progress=False)
-    assert len(run.history) == 2
-    for rec in run.history:
+    assert len(run.steps) == 2
+    for rec in run.steps:
         assert np.isfinite(rec["reward_mean"]) and rec["engine_weight_version"] >= 0
         assert np.isfinite(rec["train/clip_frac"])
-    assert run.history[-1]["engine_weight_version"] == 1  # the engine took the Megatron trainer's weights
+    assert run.steps[-1]["engine_weight_version"] == 1  # the engine took the Megatron trainer's weights
 
 
 def test_megatron_trainer_module_imports_without_torch_distributed_state():
