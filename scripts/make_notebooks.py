@@ -145,13 +145,13 @@ compare the modes with each other, not with zero.
 """),
     params("""
 model = "tiny-qwen3-moe"
-drift_run = None  # a drift run folder (r3lab drift) to load; None: run a small drift experiment here
+drift_run = None  # a drift run (r3lab drift) or an imported run (r3lab import) to load; None: run one here
 prompts = 16
 max_tokens = 32
 seed = 0
 trainer_dtype = "bfloat16"
 step = 0  # the drift run's cell (one per model x trainer dtype x seed) to show
-rl_runs = None  # RL run folders written with token_steps=1 (one per mode x seed); None: run small here
+rl_runs = None  # RL run folders (token_steps=1, one per mode x seed) or imported runs; None: run small here
 rl_steps = 6
 rl_prompts = 4
 rl_samples = 8
@@ -210,13 +210,13 @@ tokens, and layers whose disagreement carries the drift.
 """),
     params("""
 model = "tiny-qwen3-moe"
-drift_run = None  # a drift run folder to load; None: run a small drift experiment here
+drift_run = None  # a drift run or an imported run (r3lab import) to load; None: run one small here
 prompts = 24
 max_tokens = 32
 seed = 0
 trainer_dtype = "bfloat16"
 step = 0  # the drift run's cell to show
-rl_runs = None  # RL run folders (token tables stored); None: run small here
+rl_runs = None  # RL run folders (token tables stored) or imported runs; None: run small here
 rl_steps = 6
 rl_prompts = 4
 rl_samples = 8
@@ -292,7 +292,7 @@ prompts, seed, steps; **Run** starts `r3lab rl` in a child process and its figur
 them as PNG/SVG/PDF) and the **live monitor** following a job that runs while the kernel stays free.
 """),
     params("""
-reference_runs = None  # a folder of finished RL runs; None: the committed reference runs (bench/results/rl)
+reference_runs = None  # a folder of finished RL (or imported) runs; None: the committed ones (bench/results/rl)
 reference_prefix = "tiny-qwen3-moe-default-"  # the runs of that folder to plot (name prefix)
 model = "tiny-qwen3-moe"  # the model of the runs started from this notebook
 modes = ["none", "R2", "R3"]

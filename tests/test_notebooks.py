@@ -143,6 +143,31 @@ def test_notebook_takes_an_imported_run(name, tmp_path, monkeypatch):
     assert not list(tmp_path.joinpath("runs").glob("*")), "the notebook ran an experiment instead of the given run"
 
 
+def test_imported_run_helpers_note_what_is_missing_and_pass_r3lab_runs_through(tmp_path):
+    """The notebooks' helpers: a missing field of an imported run becomes a note that in_place passes on (also as
+    a mapping's value); r3lab's own runs pass through of_kind unchanged; the token log-probs are the table's own."""
+    import numpy as np
+
+    from r3lab import importers
+    from r3lab.runs import load, load_runs, reference_runs_dir
+
+    run = load(_imported_run(tmp_path))
+    trainer = importers.routes_or_note(run, 0, "trainer")
+    assert isinstance(trainer, importers.NotAvailable) and "trainer routes" in trainer.message
+    engine = importers.routes_or_note(run, 0, "engine")
+    assert engine.total_tokens == run.routes(0, "engine").total_tokens
+    assert importers.in_place(dict, a=1, b={"t": trainer}) is trainer
+    assert importers.in_place(dict, a=1) == {"a": 1}
+    assert list(importers.drawn({"engine": engine, "trainer": trainer})) == ["engine"]
+    tok = run.tokens([0])
+    infer, modes = importers.token_logprobs(tok)
+    assert list(modes) == ["trainer"] and np.array_equal(modes["trainer"], tok["logp_train"].to_numpy())
+    assert np.array_equal(infer, tok["logp_infer"].to_numpy()) and importers.noise_floors(tok) == {}
+    assert isinstance(importers.of_kind([run], "rl"), importers.NotAvailable)
+    own = load_runs(reference_runs_dir(), "tiny-qwen3-moe-default-")
+    assert importers.of_kind(own, "rl") is own
+
+
 def test_generated_notebooks_match_their_generator():
     """Every notebook is scripts/make_notebooks.py's output: edit the generator, then rerun it."""
     gen = _generator()
