@@ -50,7 +50,7 @@ run.steps
 """
 
 IMPORTS_02_03 = """
-from r3lab import viz
+from r3lab import importers, viz
 from r3lab.config import DriftConfig, RLConfig, RLMetric
 from r3lab.experiments import load_or_run
 """
@@ -145,13 +145,13 @@ compare the modes with each other, not with zero.
 """),
     params("""
 model = "tiny-qwen3-moe"
-drift_run = None  # a drift run folder (r3lab drift) to load; None: run a small drift experiment here
+drift_run = None  # a drift run (r3lab drift) or an imported run (r3lab import) to load; None: run one here
 prompts = 16
 max_tokens = 32
 seed = 0
 trainer_dtype = "bfloat16"
 step = 0  # the drift run's cell (one per model x trainer dtype x seed) to show
-rl_runs = None  # RL run folders written with token_steps=1 (one per mode x seed); None: run small here
+rl_runs = None  # RL run folders (token_steps=1, one per mode x seed) or imported runs; None: run small here
 rl_steps = 6
 rl_prompts = 4
 rl_samples = 8
@@ -164,33 +164,34 @@ export = False
     md("## Engine vs trainer on the same tokens"),
     code(DRIFT_LOAD),
     code("""
-engine, trainer = run.routes(step, "engine"), run.routes(step, "trainer")
-load_fig = viz.expert_load_comparison_figure(engine, trainer, title=f"{run.name}, cell {step}: expert load")
+engine, trainer = importers.routes_or_note(run, step, "engine"), importers.routes_or_note(run, step, "trainer")
+load_fig = importers.in_place(viz.expert_load_comparison_figure, engine, trainer,
+                              title=f"{run.name}, cell {step}: expert load")
 load_fig
 """),
     code("""
-disagreement = viz.layer_disagreement_figure(engine, trainer)
+disagreement = importers.in_place(viz.layer_disagreement_figure, engine, trainer)
 disagreement
 """),
     code("""
-imbalance = viz.load_imbalance_figure({"engine": engine, "trainer": trainer})
+imbalance = importers.in_place(viz.load_imbalance_figure, importers.drawn({"engine": engine, "trainer": trainer}))
 imbalance
 """),
     md("## Over RL steps, per replay mode"),
     code(RL_LOAD),
     code("""
-shift = viz.load_shift_figure(rl)
+shift = importers.in_place(viz.load_shift_figure, importers.of_kind(rl, "rl"))
 shift
 """),
     code("""
-viz.rl_curves_figure(rl, RLMetric.ENGINE_TRAINER_DISAGREEMENT, log=False)
+importers.in_place(viz.rl_curves_figure, importers.of_kind(rl, "rl"), RLMetric.ENGINE_TRAINER_DISAGREEMENT, log=False)
 """),
     code("""
-viz.rl_curves_figure(rl, RLMetric.ENGINE_MAX_VIO, log=False)
+importers.in_place(viz.rl_curves_figure, importers.of_kind(rl, "rl"), RLMetric.ENGINE_MAX_VIO, log=False)
 """),
     code("""
-viz.export_figures({"expert_load": load_fig, "layer_disagreement": disagreement, "load_imbalance": imbalance,
-                    "load_shift": shift}, out_dir) if export else []
+viz.export_figures(importers.drawn({"expert_load": load_fig, "layer_disagreement": disagreement,
+                                    "load_imbalance": imbalance, "load_shift": shift}), out_dir) if export else []
 """),
 ]
 
@@ -209,13 +210,13 @@ tokens, and layers whose disagreement carries the drift.
 """),
     params("""
 model = "tiny-qwen3-moe"
-drift_run = None  # a drift run folder to load; None: run a small drift experiment here
+drift_run = None  # a drift run or an imported run (r3lab import) to load; None: run one small here
 prompts = 24
 max_tokens = 32
 seed = 0
 trainer_dtype = "bfloat16"
 step = 0  # the drift run's cell to show
-rl_runs = None  # RL run folders (token tables stored); None: run small here
+rl_runs = None  # RL run folders (token tables stored) or imported runs; None: run small here
 rl_steps = 6
 rl_prompts = 4
 rl_samples = 8
@@ -228,55 +229,56 @@ export = False
     md("## The drift experiment"),
     code(DRIFT_LOAD),
     code("""
-drift = viz.drift_figure(run)
+drift = importers.in_place(viz.drift_figure, importers.of_kind(run, "drift"))
 drift
 """),
     code("""
 tok = run.tokens([step])
-drift_modes = {"none": tok.logp_none, "R3": tok.logp_r3}
-density = viz.prob_density_figure(tok.logp_infer, drift_modes)
+logp_infer, drift_modes = importers.token_logprobs(tok)
+density = viz.prob_density_figure(logp_infer, drift_modes)
 density
 """),
     md("F(τ): the share of tokens whose probability ratio is beyond τ either way; dashed: the noise floors."),
     code("""
-floors = {"engine vs engine": (tok.logp_engine_again, tok.logp_infer), "trainer vs trainer": (tok.logp_none_batched,
-                                                                                                tok.logp_none)}
-f_tau = viz.extreme_fraction_figure(tok.logp_infer, drift_modes, floors=floors)
+f_tau = viz.extreme_fraction_figure(logp_infer, drift_modes, floors=importers.noise_floors(tok))
 f_tau
 """),
     code("""
-viz.delta_histogram_figure(tok.logp_infer, drift_modes)
+viz.delta_histogram_figure(logp_infer, drift_modes)
 """),
     code("""
-split = viz.flip_split_figure(tok.logp_infer, drift_modes, tok.flipped)
+flipped = importers.column_or_note(tok, "flipped", "the flipped-vs-agreeing split needs trainer routes")
+split = importers.in_place(viz.flip_split_figure, logp_infer, drift_modes, flipped)
 split
 """),
     md("Per layer: the share of sampled tokens routed differently there, and the drift of those tokens."),
     code("""
-differs = viz.response_differs(run.routes(step, "engine"), run.routes(step, "trainer"), tok.groupby("sample").size())
-viz.layer_drift_figure(differs, tok.logp_infer, drift_modes, layer_ids=run.routes(step, "engine").layer_ids)
+engine, trainer = importers.routes_or_note(run, step, "engine"), importers.routes_or_note(run, step, "trainer")
+differs = importers.in_place(viz.response_differs, engine, trainer, tok.groupby("sample").size())
+importers.in_place(viz.layer_drift_figure, differs, logp_infer, drift_modes, 
+                   layer_ids=importers.in_place(getattr, engine, "layer_ids"))
 """),
     md("## RL: none vs R2 vs R3 (old-policy log-probs of each mode's last stored step)"),
     code(RL_LOAD),
     code("""
-rl_logps, rl_flipped = viz.rl_token_logprobs(rl)
-viz.prob_density_figure(None, rl_logps)
+rl_logps, rl_flipped = importers.rl_token_logprobs(rl)
+importers.in_place(viz.prob_density_figure, None, rl_logps)
 """),
     code("""
-viz.extreme_fraction_figure(None, rl_logps)
+importers.in_place(viz.extreme_fraction_figure, None, rl_logps)
 """),
     code("""
-viz.delta_histogram_figure(None, rl_logps)
+importers.in_place(viz.delta_histogram_figure, None, rl_logps)
 """),
     code("""
-viz.flip_split_figure(None, rl_logps, rl_flipped)
+importers.in_place(viz.flip_split_figure, None, rl_logps, rl_flipped)
 """),
     code("""
-viz.rl_curves_figure(rl, RLMetric.K3_KL)
+importers.in_place(viz.rl_curves_figure, importers.of_kind(rl, "rl"), RLMetric.K3_KL)
 """),
     code("""
 figures = {"drift": drift, "prob_density": density, "f_tau": f_tau, "flip_split": split}
-viz.export_figures(figures, out_dir) if export else []
+viz.export_figures(importers.drawn(figures), out_dir) if export else []
 """),
 ]
 
@@ -290,7 +292,7 @@ prompts, seed, steps; **Run** starts `r3lab rl` in a child process and its figur
 them as PNG/SVG/PDF) and the **live monitor** following a job that runs while the kernel stays free.
 """),
     params("""
-reference_runs = None  # a folder of finished RL runs; None: the committed reference runs (bench/results/rl)
+reference_runs = None  # a folder of finished RL (or imported) runs; None: the committed ones (bench/results/rl)
 reference_prefix = "tiny-qwen3-moe-default-"  # the runs of that folder to plot (name prefix)
 model = "tiny-qwen3-moe"  # the model of the runs started from this notebook
 modes = ["none", "R2", "R3"]
@@ -302,11 +304,12 @@ live_timeout_s = 1800  # how long the last cell waits for the live job
 out_dir = None  # where runs (and exported figures, in figures/) go; None: data/runs
 """),
     code("""
-from r3lab import viz, widgets
+from r3lab import importers, viz, widgets
 from r3lab.config import RLMetric
 
 runs = widgets.load_runs(reference_runs or widgets.reference_runs_dir(), reference_prefix)
-[(r.name, len(r.step_records), r.finished) for r in runs]
+finished = importers.of_kind(runs, "rl")  # an imported run has no replay mode: its curves say so in place
+[(r.name, r.kind, len(r.step_records), r.finished) for r in runs]
 """),
     md("""
 ## Metrics over RL steps
@@ -314,19 +317,22 @@ runs = widgets.load_runs(reference_runs or widgets.reference_runs_dir(), referen
 Median over seeds per mode, min - max as a band; one colour per mode in every r3lab figure.
 """),
     code("""
-viz.rl_curves_figure(runs, RLMetric.K3_KL, title="train-inference k3 KL (trainer old policy vs engine)")
+importers.in_place(viz.rl_curves_figure, finished, RLMetric.K3_KL,
+                   title="train-inference k3 KL (trainer old policy vs engine)")
 """),
     code("""
-viz.rl_curves_figure(runs, RLMetric.F_2, title="F(2): share of tokens with ratio beyond 2x")
+importers.in_place(viz.rl_curves_figure, finished, RLMetric.F_2,
+                   title="F(2): share of tokens with ratio beyond 2x")
 """),
     code("""
-viz.rl_curves_figure(runs, RLMetric.REWARD, title="reward")
+importers.in_place(viz.rl_curves_figure, finished, RLMetric.REWARD, title="reward")
 """),
     code("""
-viz.rl_curves_figure(runs, RLMetric.ROUTE_CHANGE_LAST_MB, title="policy route change vs old policy (last mini-batch)")
+importers.in_place(viz.rl_curves_figure, finished, RLMetric.ROUTE_CHANGE_LAST_MB,
+                   title="policy route change vs old policy (last mini-batch)")
 """),
     code("""
-viz.rl_curves_figure(runs, RLMetric.CLIP_FRAC, title="clip fraction")
+importers.in_place(viz.rl_curves_figure, finished, RLMetric.CLIP_FRAC, title="clip fraction")
 """),
     md("""
 ## Ablation dashboard

@@ -96,6 +96,69 @@ def test_notebook_runs_top_to_bottom_and_draws_its_figures(path, tmp_path, monke
         assert _check_exported(out_dir), f"export=True wrote no figure files under {out_dir}"
 
 
+# Notebooks 02-04 on an imported run (the generated slime dump: engine routes and log-probs, no trainer routes, no
+# replay mode): (plotly figures, in-place notes) each must show. The figures are those the fields allow (expert load
+# imbalance; the drift densities, F(tau), delta histogram); the notes stand for the ones needing trainer routes, a
+# drift run's cells or a replay mode.
+IMPORTED_EXPECT = {"02_expert_distribution": (1, 5), "03_logprob_drift": (3, 8), "04_rl_ablation": (0, 5)}
+
+
+@pytest.mark.parametrize("name", sorted(IMPORTED_EXPECT))
+def test_notebook_takes_an_imported_run(name, tmp_path, monkeypatch):
+    """Where notebooks 02-04 take a run folder they take an imported run: no error, and in place of each figure
+    whose fields the run lacks a note saying which (04: its finished-runs part; the live job cells are dropped)."""
+    import papermill
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    run = _imported_run(tmp_path / "fixture")
+    nb = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4)
+    if name == "04_rl_ablation":
+        nb.cells = [c for c in nb.cells if "live" not in c.metadata.get("tags", [])]
+        params = {"reference_runs": str(run.parent), "reference_prefix": run.name}
+    else:
+        params = {"drift_run": str(run), "rl_runs": [str(run)], "runs_dir": str(tmp_path / "runs")}
+    source = tmp_path / f"{name}.in.ipynb"
+    nbformat.write(nb, source)
+    executed = tmp_path / f"{name}.ipynb"
+    papermill.execute_notebook(str(source), str(executed), parameters={**params, "out_dir": str(tmp_path / "out")},
+                               kernel_name="r3lab", cwd=str(tmp_path), execution_timeout=600, progress_bar=False)
+    outputs = [o for c in nbformat.read(executed, as_version=4).cells if c.cell_type == "code" for o in c.outputs]
+    errors = [o for o in outputs if o.output_type == "error"]
+    assert not errors, errors[0].get("evalue")
+    figures = [o for o in outputs if PLOTLY in o.get("data", {})]
+    notes = [o.data["text/markdown"] for o in outputs if "text/markdown" in o.get("data", {})]
+    for f in figures:
+        assert f["data"][PLOTLY]["data"], "a figure without traces"
+    assert all(n.startswith("*") and "need" in n for n in notes), notes
+    assert (len(figures), len(notes)) == IMPORTED_EXPECT[name], (len(figures), notes)
+    assert not list(tmp_path.joinpath("runs").glob("*")), "the notebook ran an experiment instead of the given run"
+
+
+def test_imported_run_helpers_note_what_is_missing_and_pass_r3lab_runs_through(tmp_path):
+    """The notebooks' helpers: a missing field of an imported run becomes a note that in_place passes on (also as
+    a mapping's value); r3lab's own runs pass through of_kind unchanged; the token log-probs are the table's own."""
+    import numpy as np
+
+    from r3lab import importers
+    from r3lab.runs import load, load_runs, reference_runs_dir
+
+    run = load(_imported_run(tmp_path))
+    trainer = importers.routes_or_note(run, 0, "trainer")
+    assert isinstance(trainer, importers.NotAvailable) and "trainer routes" in trainer.message
+    engine = importers.routes_or_note(run, 0, "engine")
+    assert engine.total_tokens == run.routes(0, "engine").total_tokens
+    assert importers.in_place(dict, a=1, b={"t": trainer}) is trainer
+    assert importers.in_place(dict, a=1) == {"a": 1}
+    assert list(importers.drawn({"engine": engine, "trainer": trainer})) == ["engine"]
+    tok = run.tokens([0])
+    infer, modes = importers.token_logprobs(tok)
+    assert list(modes) == ["trainer"] and np.array_equal(modes["trainer"], tok["logp_train"].to_numpy())
+    assert np.array_equal(infer, tok["logp_infer"].to_numpy()) and importers.noise_floors(tok) == {}
+    assert isinstance(importers.of_kind([run], "rl"), importers.NotAvailable)
+    own = load_runs(reference_runs_dir(), "tiny-qwen3-moe-default-")
+    assert importers.of_kind(own, "rl") is own
+
+
 def test_generated_notebooks_match_their_generator():
     """Every notebook is scripts/make_notebooks.py's output: edit the generator, then rerun it."""
     gen = _generator()

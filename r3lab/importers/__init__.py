@@ -20,7 +20,19 @@ from r3lab.importers.common import (
     safe_torch_load,
     sample_tokens,
 )
-from r3lab.importers.figures import NotAvailable, drawn, health_figure, run_figures
+from r3lab.importers.figures import (
+    NotAvailable,
+    column_or_note,
+    drawn,
+    health_figure,
+    in_place,
+    noise_floors,
+    of_kind,
+    rl_token_logprobs,
+    routes_or_note,
+    run_figures,
+    token_logprobs,
+)
 from r3lab.importers.miles import import_miles
 from r3lab.importers.nemo_rl import import_nemo_rl
 from r3lab.importers.prime_rl import import_prime_rl
@@ -28,7 +40,8 @@ from r3lab.importers.slime import import_slime
 
 __all__ = ["KINDS", "IMPORT_KIND", "import_run", "import_slime", "import_miles", "import_nemo_rl", "import_prime_rl",
            "ImportFormatError", "UnsafeFileError", "LayerMap", "safe_torch_load", "sample_tokens",
-           "run_figures", "health_figure", "NotAvailable", "drawn"]
+           "run_figures", "health_figure", "NotAvailable", "drawn", "in_place", "routes_or_note", "of_kind",
+           "token_logprobs", "noise_floors", "column_or_note", "rl_token_logprobs"]
 
 KINDS = {"slime": import_slime, "miles": import_miles, "nemo-rl": import_nemo_rl, "prime-rl": import_prime_rl}
 

@@ -4,15 +4,18 @@ figure a run lacks a field for, a :class:`NotAvailable` that says which field an
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from r3lab.doctor import HEALTH_NAMES, LOGP_TRAIN_COLUMNS, facts, health_series
 from r3lab.errors import R3LabError
+from r3lab.importers.common import IMPORT_KIND
 from r3lab.runs import Run, load
 
-__all__ = ["NotAvailable", "health_figure", "run_figures", "drawn"]
+__all__ = ["NotAvailable", "health_figure", "run_figures", "drawn", "in_place", "routes_or_note", "of_kind",
+           "token_logprobs", "noise_floors", "column_or_note", "rl_token_logprobs"]
 
 
 class NotAvailable:
@@ -106,7 +109,99 @@ def run_figures(run: Run | str | os.PathLike, *, step: int | None = None) -> dic
 
 
 
-
-def drawn(figures: dict[str, Any]) -> dict[str, Any]:
-    """The figures of :func:`run_figures` that were drawn (for ``viz.export_figures``)."""
+def drawn(figures: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries that are not :class:`NotAvailable`: the figures of :func:`run_figures` that were drawn (for
+    ``viz.export_figures``), or the routes a run has of ``{"engine": ..., "trainer": ...}``."""
     return {k: v for k, v in figures.items() if not isinstance(v, NotAvailable)}
+
+
+# Notebooks 02-04 on imported runs: the cells stay logic-free; a field an imported run lacks comes back as a
+# NotAvailable, and in_place passes it on instead of the figure. Runs made by r3lab still raise as before.
+
+def _first_missing(values: Any) -> NotAvailable | None:
+    for v in values:
+        if isinstance(v, NotAvailable):
+            return v
+        if isinstance(v, Mapping):
+            inner = _first_missing(v.values())
+            if inner is not None:
+                return inner
+    return None
+
+
+def in_place(build: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``build(*args, **kwargs)``, or the first :class:`NotAvailable` among the arguments (also as a mapping's
+    value): the note of the field the run lacks, shown where the figure would be."""
+    missing = _first_missing([*args, *kwargs.values()])
+    return missing if missing is not None else build(*args, **kwargs)
+
+
+def routes_or_note(run: Run, step: int, what: str) -> Any:
+    """The run's ``what`` routes (``"engine"``, ``"trainer"``) at ``step``; for an imported run without them, a
+    :class:`NotAvailable` naming them (a run made by r3lab that lacks them raises, as :meth:`Run.routes` does)."""
+    if run.kind == IMPORT_KIND and step not in run.route_steps(what):
+        return NotAvailable(f"imported run {run.name!r} has no {what} routes at step {step} (stored: "
+                            f"{run.route_steps(what)}): the figures comparing {what} routes need them")
+    return run.routes(step, what)
+
+
+_KIND_NEEDS = {"drift": "the drift experiment's per-cell k3 of none and R3 (r3lab drift)",
+               "rl": "a replay mode per run (r3lab RL runs); the imported run's mismatch per step is in notebook 06"}
+
+
+def of_kind(runs: Run | Sequence[Run], kind: str) -> Any:
+    """``runs`` (one run or several) when none is imported; else a :class:`NotAvailable` saying what the
+    ``kind`` figure needs that an imported run lacks. A run of another kind made by r3lab passes through, so the
+    figure raises on it as before."""
+    some = [runs] if isinstance(runs, Run) else list(runs)
+    imported = [r.name for r in some if r.kind == IMPORT_KIND]
+    if imported:
+        return NotAvailable(f"imported run(s) {imported} are not {kind} runs: this figure needs {_KIND_NEEDS[kind]}")
+    return runs
+
+
+_TRAIN_LABELS = {"logp_none": "none", "logp_r3": "R3"}
+
+
+def token_logprobs(tokens: Any) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """``(logp_infer, {label: trainer log-probs})`` of a token table: a drift run's ``none`` and ``R3`` scores,
+    else an imported run's trainer scores (``logp_train``, label ``trainer``)."""
+    if "logp_infer" not in tokens:
+        raise R3LabError(f"the token table has no engine log-probs (logp_infer); columns: {list(tokens.columns)}")
+    if all(c in tokens for c in _TRAIN_LABELS):
+        return tokens["logp_infer"].to_numpy(), {lab: tokens[c].to_numpy() for c, lab in _TRAIN_LABELS.items()}
+    col = next((c for c in LOGP_TRAIN_COLUMNS if c in tokens), None)
+    if col is None:
+        raise R3LabError(f"the token table has no trainer log-probs {LOGP_TRAIN_COLUMNS}; columns: "
+                         f"{list(tokens.columns)}")
+    return tokens["logp_infer"].to_numpy(), {"trainer": tokens[col].to_numpy()}
+
+
+_FLOORS = {"engine vs engine": ("logp_engine_again", "logp_infer"),
+           "trainer vs trainer": ("logp_none_batched", "logp_none")}
+
+
+def noise_floors(tokens: Any) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The noise floors a token table holds (a drift run's: the engine and the trainer each against itself); none
+    for an imported run, whose F(τ) is then drawn without them."""
+    return {name: (tokens[a].to_numpy(), tokens[b].to_numpy()) for name, (a, b) in _FLOORS.items()
+            if a in tokens and b in tokens}
+
+
+def column_or_note(tokens: Any, name: str, needs: str) -> Any:
+    """The token table's column ``name``, or a :class:`NotAvailable` saying that the run lacks it and ``needs``
+    it (e.g. ``flipped``: an imported run without trainer routes marks no route-flipped tokens)."""
+    if name in tokens:
+        return tokens[name].to_numpy()
+    return NotAvailable(f"this run's tokens have no {name!r} column: {needs}")
+
+
+def rl_token_logprobs(runs: Sequence[Run], step: int | None = None) -> Any:
+    """``viz.rl_token_logprobs`` of r3lab RL runs, ``(logps, flipped)``; for imported runs a pair of
+    :class:`NotAvailable` (they carry no replay mode to pool by)."""
+    from r3lab import viz
+
+    checked = of_kind(runs, "rl")
+    if isinstance(checked, NotAvailable):
+        return checked, checked
+    return viz.rl_token_logprobs(checked, step)
