@@ -110,7 +110,7 @@ def test_notebook_takes_an_imported_run(name, tmp_path, monkeypatch):
     import papermill
 
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    run = _imported_run(tmp_path / "fixture")
+    run = make_dumps.imported_run(tmp_path / "fixture")
     nb = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4)
     if name == "04_rl_ablation":
         nb.cells = [c for c in nb.cells if "live" not in c.metadata.get("tags", [])]
@@ -142,7 +142,7 @@ def test_imported_run_helpers_note_what_is_missing_and_pass_r3lab_runs_through(t
     from r3lab import importers
     from r3lab.runs import load, load_runs, reference_runs_dir
 
-    run = load(_imported_run(tmp_path))
+    run = load(make_dumps.imported_run(tmp_path))
     trainer = importers.routes_or_note(run, 0, "trainer")
     assert isinstance(trainer, importers.NotAvailable) and "trainer routes" in trainer.message
     engine = importers.routes_or_note(run, 0, "engine")
