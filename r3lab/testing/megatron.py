@@ -30,17 +30,21 @@ shape, so a model split by TP/PP/VPP/EP computes the same function as the unspli
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import zlib
 from collections.abc import Sequence
 
 import torch
 
-from r3lab._process import free_port
 from r3lab.errors import R3LabError
 from r3lab.slicing import ParallelLayout
-from r3lab.trainers.megatron.cpu import CPURMSNorm, local_block_spec, patch_megatron_for_cpu
+from r3lab.trainers.megatron.cpu import (
+    CPURMSNorm,
+    destroy_parallel,
+    init_parallel,
+    local_block_spec,
+    patch_megatron_for_cpu,
+)
 from r3lab.trainers.megatron.forward import causal_mask, forward_tokens, pipeline_forward
 from r3lab.trainers.megatron.launch import launch
 
@@ -64,47 +68,22 @@ def init_cpu_parallel(layout: ParallelLayout | None = None, *, etp: int | None =
 
     ``layout`` (default: one rank) gives tp, pp, vpp, cp and ep; ``etp`` is the expert tensor-parallel
     size (Megatron's default when None). The world size must equal ``layout.world_size``. Re-initializing
-    destroys the previous groups first, so one process can run several layouts in turn.
+    destroys the previous groups first, so one process can run several layouts in turn
+    (:func:`r3lab.trainers.megatron.cpu.init_parallel` does the work).
     """
-    patch_megatron_for_cpu()
     import torch.distributed as dist
-    from megatron.core import parallel_state, tensor_parallel
 
     layout = layout if layout is not None else ParallelLayout(num_layers=1)
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    if dist.get_world_size() != layout.world_size:
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world != layout.world_size:
         raise R3LabError(
             f"the layout needs {layout.world_size} ranks (tp*pp*cp*dp = {layout.tp}*{layout.pp}*{layout.cp}*"
-            f"{layout.dp}), torch.distributed has {dist.get_world_size()}: set the layout's dp to "
-            "world_size // (tp*pp*cp)"
+            f"{layout.dp}), torch.distributed has {world}: set the layout's dp to world_size // (tp*pp*cp)"
         )
-    if parallel_state.model_parallel_is_initialized():
-        destroy_cpu_parallel(keep_process_group=True)
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
-        context_parallel_size=layout.cp,
-        expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=etp,
-    )
-    torch.manual_seed(seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    init_parallel(tp=layout.tp, pp=layout.pp, vpp=layout.vpp, cp=layout.cp, ep=layout.ep, etp=etp, seed=seed)
 
 
-def destroy_cpu_parallel(*, keep_process_group: bool = True) -> None:
-    """Tear down the model-parallel groups and the router-replay registry (and the gloo group if asked)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.transformer.moe.router_replay import RouterReplay
-
-    RouterReplay.clear_global_router_replay_instances()
-    parallel_state.destroy_model_parallel()
-    if not keep_process_group and dist.is_initialized():
-        dist.destroy_process_group()
+destroy_cpu_parallel = destroy_parallel  # the testing name of the product's teardown
 
 
 @dataclasses.dataclass
