@@ -12,17 +12,18 @@ and routes go to a temporary folder and are not committed. ``r3lab rl`` runs the
 from __future__ import annotations
 
 import argparse
-import json
 import platform
-import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
+from reference import finished_runs, keep_reference, reference_seconds  # noqa: E402
+
 from r3lab.experiments.rl import MODES, RLConfig, comparison_rows, comparison_table, run_comparison
 from r3lab.paths import results_dir
-from r3lab.runs import Run, list_runs
+from r3lab.runs import Run
 
 RESULTS = results_dir()
 REFERENCE = RESULTS / "rl"
@@ -131,28 +132,16 @@ def main(argv: list[str] | None = None) -> None:
     seconds = None
     if args.render:
         root = REFERENCE
-        timing = REFERENCE / "bench.json"
-        seconds = json.loads(timing.read_text())["seconds"] if timing.is_file() else None
+        seconds = reference_seconds(REFERENCE)
     else:
         root = Path(tempfile.mkdtemp(prefix="r3lab-bench-rl-"))
         seconds = run_all(args.quick, root)
-    runs = []
-    for path, run in list_runs(root):
-        if not isinstance(run, Run) or not run.finished:
-            raise SystemExit(f"bench_rl: run {path} is unreadable or unfinished: {run}")
-        runs.append(run)
+    runs = finished_runs(root, "bench_rl")
     table = render(runs, seconds)
     print(table)
     if not args.quick:
         if not args.render:
-            if REFERENCE.exists():
-                shutil.rmtree(REFERENCE)  # the reference is regenerated whole, never merged with an older one
-            for r in runs:
-                (REFERENCE / r.name).mkdir(parents=True)
-                for f in ("config.json", "steps.jsonl", "summary.json"):
-                    shutil.copy(r.path / f, REFERENCE / r.name / f)
-            (REFERENCE / "bench.json").write_text(json.dumps({"seconds": round(seconds, 1)}) + "\n")
-            shutil.rmtree(root, ignore_errors=True)
+            keep_reference(runs, root, REFERENCE, seconds)
         (RESULTS / "rl.md").write_text(table)
         print(f"wrote {RESULTS / 'rl.md'} ({len(runs)} runs under {REFERENCE})", file=sys.stderr)
 

@@ -16,9 +16,7 @@ bench/results/staleness.md from them.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
-import shutil
 import sys
 import tempfile
 import time
@@ -26,9 +24,12 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).parent))
+from reference import finished_runs, keep_reference, reference_seconds  # noqa: E402
+
 from r3lab.config import RLConfig, RLMetric
 from r3lab.paths import model_dir, results_dir
-from r3lab.runs import Run, list_runs
+from r3lab.runs import Run
 
 RESULTS = results_dir()
 REFERENCE = RESULTS / "staleness"
@@ -159,27 +160,15 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.render:
         root = REFERENCE
-        timing = REFERENCE / "bench.json"
-        seconds = json.loads(timing.read_text())["seconds"] if timing.is_file() else None
+        seconds = reference_seconds(REFERENCE)
     else:
         root = Path(tempfile.mkdtemp(prefix="r3lab-bench-staleness-"))
         seconds = run_all(root)
-    runs: dict[str, Run] = {}
-    for path, run in list_runs(root):
-        if not isinstance(run, Run) or not run.finished:
-            raise SystemExit(f"bench_staleness: run {path} is unreadable or unfinished: {run}")
-        runs[run.name] = run
+    runs = {run.name: run for run in finished_runs(root, "bench_staleness")}
     table = render(runs, seconds)
     print(table)
     if not args.render:
-        if REFERENCE.exists():
-            shutil.rmtree(REFERENCE)  # regenerated whole, never merged with an older one
-        for r in runs.values():
-            (REFERENCE / r.name).mkdir(parents=True)
-            for f in ("config.json", "steps.jsonl", "summary.json"):
-                shutil.copy(r.path / f, REFERENCE / r.name / f)
-        (REFERENCE / "bench.json").write_text(json.dumps({"seconds": round(seconds, 1)}) + "\n")
-        shutil.rmtree(root, ignore_errors=True)
+        keep_reference(list(runs.values()), root, REFERENCE, seconds)
     (RESULTS / "staleness.md").write_text(table)
     print(f"wrote {RESULTS / 'staleness.md'} ({len(runs)} runs under {REFERENCE})", file=sys.stderr)
 

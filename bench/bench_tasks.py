@@ -16,9 +16,7 @@ bench/results/tasks.md from them:
 from __future__ import annotations
 
 import argparse
-import json
 import platform
-import shutil
 import sys
 import tempfile
 import time
@@ -26,10 +24,13 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).parent))
+from reference import finished_runs, keep_reference, reference_seconds  # noqa: E402
+
 from r3lab.experiments.rl import RLConfig, run_rl
 from r3lab.paths import model_dir, results_dir
 from r3lab.rollout import RolloutEngine
-from r3lab.runs import Run, list_runs
+from r3lab.runs import Run
 
 RESULTS = results_dir()
 REFERENCE = RESULTS / "tasks"
@@ -101,28 +102,16 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.render:
         root = REFERENCE
-        timing = REFERENCE / "bench.json"
-        seconds = json.loads(timing.read_text())["seconds"] if timing.is_file() else None
+        seconds = reference_seconds(REFERENCE)
     else:
         root = Path(tempfile.mkdtemp(prefix="r3lab-bench-tasks-"))
         seconds = run_all(args.quick, root)
-    runs = []
-    for path, run in list_runs(root):
-        if not isinstance(run, Run) or not run.finished:
-            raise SystemExit(f"bench_tasks: run {path} is unreadable or unfinished: {run}")
-        runs.append(run)
+    runs = finished_runs(root, "bench_tasks")
     table = render(runs, seconds)
     print(table)
     if not args.quick:
         if not args.render:
-            if REFERENCE.exists():
-                shutil.rmtree(REFERENCE)  # regenerated whole, never merged with an older one
-            for r in runs:
-                (REFERENCE / r.name).mkdir(parents=True)
-                for f in ("config.json", "steps.jsonl", "summary.json"):
-                    shutil.copy(r.path / f, REFERENCE / r.name / f)
-            (REFERENCE / "bench.json").write_text(json.dumps({"seconds": round(seconds, 1)}) + "\n")
-            shutil.rmtree(root, ignore_errors=True)
+            keep_reference(runs, root, REFERENCE, seconds)
         (RESULTS / "tasks.md").write_text(table)
         print(f"wrote {RESULTS / 'tasks.md'} ({len(runs)} runs under {REFERENCE})", file=sys.stderr)
 

@@ -580,7 +580,8 @@ def comparison_rows(steps_by_run: Sequence[tuple[RLConfig | dict, Sequence[dict[
 def comparison_table(rows: Sequence[dict[str, Any]]) -> str:
     """Markdown: one line per (model, mode), every cell min / median / max over seeds of the run's mean (one
     seed: its value alone, no range)."""
-    head = ["model", "mode", "seeds x steps", *[title for _, title, _ in COMPARISON_METRICS], label("reward_rise")]
+    titles = [*[title for _, title, _ in COMPARISON_METRICS], label("reward_rise")]
+    head = ["model", "mode", "seeds x steps", *[t.replace("|", "\\|") for t in titles]]  # a "|" would end the cell
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["model"], r["mode"], f"{r['seeds']} x {r['steps']}"]

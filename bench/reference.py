@@ -1,0 +1,45 @@
+"""What the benchmarks that keep reference runs share: read the runs they made, and keep them as the reference.
+
+A benchmark that commits the runs its table is rendered from (``bench_rl``, ``bench_tasks``, ``bench_staleness``)
+runs into a scratch folder, checks every run finished, renders its table, and then replaces its reference folder
+under ``bench/results/`` whole (never merged with an older one) with each run's config, steps and summary, plus
+``bench.json`` (the wall time). ``--render`` renders the table again from the committed reference.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from r3lab.runs import Run, list_runs
+
+KEPT_FILES = ("config.json", "steps.jsonl", "summary.json")
+
+
+def finished_runs(root: Path, bench: str) -> list[Run]:
+    """Every run under ``root``; a run that is unreadable or unfinished stops the benchmark, naming it."""
+    runs = []
+    for path, run in list_runs(root):
+        if not isinstance(run, Run) or not run.finished:
+            raise SystemExit(f"{bench}: run {path} is unreadable or unfinished: {run}")
+        runs.append(run)
+    return runs
+
+
+def reference_seconds(reference: Path) -> float | None:
+    """The wall time the committed reference took (``bench.json``), if it says."""
+    timing = reference / "bench.json"
+    return json.loads(timing.read_text())["seconds"] if timing.is_file() else None
+
+
+def keep_reference(runs: list[Run], scratch: Path, reference: Path, seconds: float) -> None:
+    """Replace ``reference`` with these runs' kept files and the wall time; remove the scratch folder."""
+    if reference.exists():
+        shutil.rmtree(reference)  # regenerated whole, never merged with an older one
+    for r in runs:
+        (reference / r.name).mkdir(parents=True)
+        for f in KEPT_FILES:
+            shutil.copy(r.path / f, reference / r.name / f)
+    (reference / "bench.json").write_text(json.dumps({"seconds": round(seconds, 1)}) + "\n")
+    shutil.rmtree(scratch, ignore_errors=True)
