@@ -35,6 +35,8 @@ def health_figure(run: Run | str | os.PathLike):
     """The doctor's mismatch health per step: k3, F(2), IS ESS and TIS clip fraction (one panel each)."""
     from plotly.subplots import make_subplots
 
+    from r3lab.viz import finish
+
     r = run if isinstance(run, Run) else load(run)
     steps, ser, n = health_series(r)
     if not steps:
@@ -44,9 +46,8 @@ def health_figure(run: Run | str | os.PathLike):
     for i, k in enumerate(keys, 1):
         fig.add_scatter(x=steps, y=ser[k], mode="lines+markers", name=HEALTH_NAMES[k], row=1, col=i, showlegend=False)
     fig.update_yaxes(type="log", row=1, col=1)
-    fig.update_layout(template="r3lab", title=f"{r.name}: mismatch health per step ({n} tokens)", width=1100,
-                      height=360)
-    return fig
+    # in the paper template at a paper size; a notebook shows it at the output's width (viz.LabFigure)
+    return finish(fig, {"width": 1100, "height": 380}, title=f"{r.name}: mismatch health per step ({n} tokens)")
 
 
 def run_figures(run: Run | str | os.PathLike, *, step: int | None = None) -> dict[str, Any]:
