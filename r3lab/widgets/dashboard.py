@@ -21,6 +21,7 @@ from r3lab.moe_layout import MoELayout
 from r3lab.paths import MODELS, model_dir, runs_dir
 from r3lab.runs import RunFollower, mark_stopped
 from r3lab.viz import ONE_COLUMN, export
+from r3lab.viz.style import wrap
 from r3lab.widgets.jobs import RLJob, rl_config, start_rl
 from r3lab.widgets.live import (
     DEFAULT_METRICS,
@@ -283,7 +284,7 @@ class AblationDashboard(widgets.VBox):
 
     def _draw(self, snap: Sequence[Any]) -> None:
         metric, layer = self.metric.value, self.layer.value
-        self.curve_fig.update_layout(title=label(metric), yaxis_title=axis_title(metric),
+        self.curve_fig.update_layout(title=label(metric), yaxis_title=wrap(axis_title(metric), 28),
                                      yaxis_type="log" if metric.startswith(LOG_METRICS) else "linear")
         self.layer_fig.update_layout(title=f"engine-trainer routing disagreement, layer {layer}")
         for name, fig, key, lay in (("curves", self.curve_fig, metric, None),

@@ -28,6 +28,7 @@ import plotly.io as pio
 from r3lab.labels import axis_title
 from r3lab.runs import FollowedRun, RunFollower
 from r3lab.viz import TEMPLATE, axis_ticks, mode_color
+from r3lab.viz.style import wrap
 
 __all__ = ["DEFAULT_METRICS", "LAYER_METRIC", "PLOTLY_MIME", "LiveFigure"]
 
@@ -57,10 +58,15 @@ class LiveFigure:
 
     def __init__(self, title: str, metric: str, height: int = 380):
         self.figure = go.Figure()
-        self.figure.update_layout(template=TEMPLATE, title=title, xaxis_title="RL step", yaxis_title=axis_title(metric),
+        log = metric.startswith(LOG_METRICS)
+        # the y title wrapped to the plot's height (a long one ran into the figure's title); before any point, a
+        # log axis labels whole decades only (plotly's own log ticks repeat "2", "5" in every decade)
+        self.figure.update_layout(template=TEMPLATE, title=title, xaxis_title="RL step",
+                                  yaxis_title=wrap(axis_title(metric), max(20, (height - 150) // 8)),
                                   height=height, autosize=True, showlegend=True,
-                                  yaxis_type="log" if metric.startswith(LOG_METRICS) else "linear",
-                                  margin=MARGIN, legend=LEGEND)
+                                  yaxis_type="log" if log else "linear", margin=MARGIN, legend=LEGEND)
+        if log:
+            self.figure.update_layout(yaxis_tickmode="linear", yaxis_tick0=0, yaxis_dtick=1)
         self.widget = widgets.Output(layout=widgets.Layout(min_width="0", overflow="hidden"))
         self._lock = threading.Lock()
         self._shown: str | None = None
@@ -107,7 +113,11 @@ def fit_y(fig: go.Figure) -> None:
     if log:
         ys = [v for v in ys if v > 0]
     if not ys:
-        fig.update_layout(yaxis_autorange=True, yaxis_range=None, yaxis_tickmode="auto")
+        fig.update_layout(yaxis_autorange=True, yaxis_range=None)
+        if log:
+            fig.update_layout(yaxis_tickmode="linear", yaxis_tick0=0, yaxis_dtick=1)  # whole decades, no repeats
+        else:
+            fig.update_layout(yaxis_tickmode="auto")
         return
     if max(ys) == min(ys):
         v = ys[0]
