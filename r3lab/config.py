@@ -21,6 +21,8 @@ from r3lab.paths import MODELS
 
 __all__ = [
     "MODES",
+    "PHASE_OBJECTIVES",
+    "STALENESS_LEVELS",
     "DTYPES",
     "ENGINE_QUANTS",
     "OLD_LOGPROBS",
@@ -50,6 +52,16 @@ _QUANT_HELP = ("the mismatch dial: simulated weight quantization of the engine's
 # (verl's fully-async recompute, slime's --keep-old-actor) and the decoupled objective weights behaviour -> proximal
 OLD_LOGPROBS = ("current", "behaviour")
 LOSSES = ("grpo", "gspo")  # the policy objective (r3lab.trainers.loss): token-level or sequence-level ratios
+# the phase diagram's objectives (bench/bench_phase.py, notebook 05's dial): name -> the RLConfig fields it sets
+PHASE_OBJECTIVES: dict[str, dict[str, Any]] = {
+    "none": {"mode": "none", "loss": "grpo"},
+    "R2": {"mode": "R2", "loss": "grpo"},
+    "R3": {"mode": "R3", "loss": "grpo"},
+    "none+TIS": {"mode": "none", "loss": "grpo", "tis_cap": 2.0},  # FlashRL / TIS's truncation cap
+    "R3+TIS": {"mode": "R3", "loss": "grpo", "tis_cap": 2.0},
+    "GSPO": {"mode": "none", "loss": "gspo"},  # GSPO's claim: sequence ratios need no routing replay
+}
+STALENESS_LEVELS = (0, 1, 2, 4)  # the phase diagram's staleness figure, at matched weights
 # the RL tasks (r3lab.experiments.tasks, its registry): their names and what the reward counts
 TASKS = {"letter": "distinct words starting with --target-letter, per response word",
          "edges": "distinct uncommon corpus transitions (not a word's most frequent successor), per transition"}

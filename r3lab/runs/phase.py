@@ -1,0 +1,165 @@
+"""The phase diagram's runs read back: one record per run (where it sits in the grid, and what it measured), and
+the table ``bench/results/phase.md`` is rendered from.
+
+A run's place in the grid comes from its config (model, ``engine_quant``, the objective its mode / loss / TIS cap
+make, staleness, seed), never from its folder name, so runs a user starts from the dial widget sit in the same
+diagram as the committed ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from r3lab.config import ENGINE_QUANTS, MODES, PHASE_OBJECTIVES, RLMetric
+from r3lab.errors import R3LabError
+from r3lab.runs.reader import Run
+
+__all__ = ["phase_objective", "phase_run_name", "staleness_run_name", "phase_record", "phase_records",
+           "phase_table", "PRECISION_ORDER", "LAST_STEPS"]
+
+PRECISION_ORDER = ENGINE_QUANTS  # the dial from full engine precision down to int4
+LAST_STEPS = 3  # "final reward": the mean over the run's last 3 steps (one step's 32 samples are noisy)
+
+
+def phase_objective(config: Mapping[str, Any]) -> str:
+    """The phase diagram's objective (a key of ``PHASE_OBJECTIVES``) an RL run's config makes."""
+    for name, fields in PHASE_OBJECTIVES.items():
+        if all(config.get(k, None if k == "tis_cap" else "") == v for k, v in fields.items()) and (
+                "tis_cap" in fields or config.get("tis_cap") is None):
+            return name
+    raise R3LabError(f"an RL run with mode={config.get('mode')!r}, loss={config.get('loss')!r}, "
+                     f"tis_cap={config.get('tis_cap')!r} is none of the phase diagram's objectives "
+                     f"{list(PHASE_OBJECTIVES)}")
+
+
+def _short(model: str) -> str:
+    return model.removeprefix("tiny-").removesuffix("-moe").replace("-moe-", "-")
+
+
+def phase_run_name(model: str, engine_quant: str, objective: str, seed: int) -> str:
+    """``qwen3-fp8-R3_TIS-s0`` (objective R3+TIS): the folder name of one run of the grid."""
+    return f"{_short(model)}-{engine_quant}-{objective.replace('+', '_')}-s{int(seed)}"
+
+
+def staleness_run_name(model: str, engine_quant: str, staleness: int, mode: str, seed: int) -> str:
+    """``qwen3-fp8-stale2-R3-s0``: one run of the staleness figure (matched weights)."""
+    return f"{_short(model)}-{engine_quant}-stale{int(staleness)}-{mode}-s{int(seed)}"
+
+
+def _series(run: Run, key: str) -> np.ndarray:
+    return np.array([s[key] for s in run.step_records if s.get(key) is not None], dtype=float)
+
+
+def _mean(x: np.ndarray) -> float | None:
+    return float(x.mean()) if x.size else None
+
+
+def phase_record(run: Run) -> dict[str, Any]:
+    """Where a finished RL run sits in the diagram and what it measured (``None`` where the run did not log it)."""
+    run.require_kind("rl")
+    if not run.finished:
+        raise R3LabError(f"run {run.name!r} is {run.state}: the phase diagram reads finished runs only")
+    cfg = run.config
+    stale = int(cfg.get("staleness", 0))
+    start = stale  # from step `staleness` on, the rollouts are `staleness` updates behind
+    def tail(key: str, start: int = start) -> np.ndarray:
+        return _series(run, key)[start:]
+    reward = _series(run, RLMetric.REWARD)
+    summary = run.summary or {}
+    rec: dict[str, Any] = {
+        "run": run.name, "model": cfg["model"], "engine_quant": cfg.get("engine_quant", "none"),
+        "objective": phase_objective(cfg), "mode": cfg["mode"], "seed": int(cfg["seed"]), "staleness": stale,
+        "old_logprobs": cfg.get("old_logprobs", "current"), "steps": len(run.step_records),
+        "reward_final": _mean(reward[-LAST_STEPS:]), "reward_first": _mean(reward[:LAST_STEPS]),
+        "reward_peak": float(reward.max()) if reward.size else None,
+        "collapse_step": summary.get(RLMetric.COLLAPSE_STEP),
+        "k3": _mean(tail(RLMetric.K3_KL)), "k3_max": float(tail(RLMetric.K3_KL).max(initial=0.0)),
+        "f2": _mean(tail(RLMetric.F_2)),
+        "abs_dlogp_max": float(tail(RLMetric.ABS_DIFF_MAX).max(initial=0.0)),
+        "routing_disagreement": _mean(tail(RLMetric.ENGINE_TRAINER_DISAGREEMENT)),
+        "clip_frac_max": float(tail(RLMetric.CLIP_FRAC_MAX).max(initial=0.0)),
+        "is_ess_min": float(tail(RLMetric.IS_ESS).min(initial=1.0)) if tail(RLMetric.IS_ESS).size else None,
+        "policy_ess_min": (float(tail(RLMetric.POLICY_IS_ESS).min()) if tail(RLMetric.POLICY_IS_ESS).size
+                           else None),
+        "k3_policy_lag": _mean(tail(RLMetric.K3_POLICY_LAG)),
+        "k3_engine_vs_current": _mean(tail(RLMetric.K3_ENGINE_CURRENT)),
+    }
+    return rec
+
+
+def phase_records(runs: Iterable[Run]) -> list[dict[str, Any]]:
+    """:func:`phase_record` of every finished RL run whose config is one of the diagram's objectives."""
+    return [phase_record(r) for r in runs]
+
+
+def _cell(vals: Sequence[float | None], fmt: str) -> str:
+    v = [x for x in vals if x is not None]
+    if not v:
+        return "-"
+    mid = f"{float(np.median(v)):{fmt}}"
+    return f"{mid} ({min(v):{fmt}} - {max(v):{fmt}})" if len(v) > 1 else mid
+
+
+def _group(records: Sequence[Mapping[str, Any]], *keys: str) -> dict[tuple, list[Mapping[str, Any]]]:
+    out: dict[tuple, list[Mapping[str, Any]]] = {}
+    for r in records:
+        out.setdefault(tuple(r[k] for k in keys), []).append(r)
+    return out
+
+
+def phase_table(runs: Iterable[Run], *, header: str = "") -> str:
+    """The phase diagram as markdown: one row per (model, engine precision, objective), cells median (min - max)
+    over seeds; then the staleness runs (matched weights)."""
+    records = phase_records(runs)
+    if not records:
+        raise R3LabError("no finished RL runs to tabulate")
+    grid = [r for r in records if r["staleness"] == 0 and r["old_logprobs"] == "current"]
+    stale = [r for r in records if r["old_logprobs"] == "behaviour"]
+    objectives = list(PHASE_OBJECTIVES)
+    models = list(dict.fromkeys(r["model"] for r in grid))
+    lines = ["# The phase diagram: none, R2, R3, TIS and GSPO as the engine's precision falls", "", header, "",
+             "Cells: median (min - max) over seeds. Reward: the mean of the last "
+             f"{LAST_STEPS} steps (first: of the first {LAST_STEPS}). Collapse: seeds whose reward fell below half "
+             "its running peak for 5 steps after a 10-step warm-up (r3lab.metrics.reward_collapse), of all seeds. "
+             "k3, F(2) (share of tokens with pi_old/pi_engine outside [1/2, 2]) and routing disagreement: means over "
+             "steps; max |dlogp| and clip fraction: the largest over steps; ESS: the smallest per-step IS effective "
+             "sample size of pi_old / pi_engine, as a share of tokens.", "",
+             "| model | engine | objective | reward first | reward final | collapsed | k3 | F(2) | max \\|dlogp\\| "
+             "| routing differs | clip frac max | IS ESS min |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    by = _group(grid, "model", "engine_quant", "objective")
+    for model in models:
+        for quant in PRECISION_ORDER:
+            for obj in objectives:
+                sel = by.get((model, quant, obj))
+                if not sel:
+                    continue
+                collapsed = sum(r["collapse_step"] is not None for r in sel)
+                cells = [_short(model), quant, obj, _cell([r["reward_first"] for r in sel], ".3f"),
+                         _cell([r["reward_final"] for r in sel], ".3f"), f"{collapsed} / {len(sel)}",
+                         _cell([r["k3"] for r in sel], ".2e"), _cell([r["f2"] for r in sel], ".4f"),
+                         _cell([r["abs_dlogp_max"] for r in sel], ".2f"),
+                         _cell([r["routing_disagreement"] for r in sel], ".4f"),
+                         _cell([r["clip_frac_max"] for r in sel], ".3f"), _cell([r["is_ess_min"] for r in sel], ".3f")]
+                lines.append("| " + " | ".join(cells) + " |")
+    if stale:
+        lines += ["", "## Staleness at matched weights", "",
+                  "old_logprobs=behaviour: the trainer's copy of the weights the engine sampled with scores the batch "
+                  "(decoupled objective). k3 engine-trainer: at the behaviour weights (what replay addresses); policy "
+                  "lag: current against behaviour weights. Means over the steps from `staleness` on.", "",
+                  "| model | engine | staleness | mode | k3 engine-trainer | k3 policy lag | reward final "
+                  "| collapsed |",
+                  "|---|---|---|---|---|---|---|---|"]
+        by_s = _group(stale, "model", "engine_quant", "staleness", "mode")
+        for key in sorted(by_s, key=lambda k: (k[0], PRECISION_ORDER.index(k[1]), k[2], MODES.index(k[3]))):
+            sel = by_s[key]
+            collapsed = sum(r["collapse_step"] is not None for r in sel)
+            lines.append("| " + " | ".join([_short(key[0]), key[1], str(key[2]), key[3],
+                                            _cell([r["k3"] for r in sel], ".2e"),
+                                            _cell([r["k3_policy_lag"] for r in sel], ".2e"),
+                                            _cell([r["reward_final"] for r in sel], ".3f"),
+                                            f"{collapsed} / {len(sel)}"]) + " |")
+    return "\n".join(lines) + "\n"
