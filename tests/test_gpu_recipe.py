@@ -20,6 +20,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+import gpu_dry_run
 import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
@@ -28,8 +29,8 @@ from packaging.version import Version
 ROOT = Path(__file__).resolve().parents[1]
 # every shipped model (data/models/*)
 SHIPPED = sorted(p.name for p in (ROOT / "data/models").iterdir() if (p / "config.json").is_file())
-REQ = ROOT / "requirements-gpu.txt"
-DRY_RUN_TIMEOUT = 600  # s; measured 41 s on a quiet machine, 3.7 min before the metadata-only switches
+REQ = gpu_dry_run.REQ
+DRY_RUN_TIMEOUT = gpu_dry_run.TIMEOUT
 
 # what the recipe promises (README "On GPU nodes", docs/gpu.md); a change here is a change of the recipe
 EXPECTED = {"vllm": "0.23.0", "torch": "2.11.0", "megatron-core": "0.16.1", "transformer-engine": "2.11.0",
@@ -40,8 +41,7 @@ LEFT_OUT = {"mamba-ssm", "causal-conv1d"}
 
 def _pip_dry_run(tmp_path: Path, *args: str) -> tuple[dict, str]:
     report = tmp_path / f"report-{len(list(tmp_path.iterdir()))}.json"
-    cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--isolated",
-           "--use-feature=fast-deps", "--progress-bar=off", "-v", "--report", str(report), *args]
+    cmd = gpu_dry_run.command(report, *args)
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=DRY_RUN_TIMEOUT, cwd=tmp_path)
     except subprocess.TimeoutExpired as e:
@@ -57,8 +57,8 @@ def _downloaded_mb(log: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def resolved(tmp_path_factory):
-    report, log = _pip_dry_run(tmp_path_factory.mktemp("gpu-dry-run"), "-r", str(REQ))
+def resolved():
+    report, log = gpu_dry_run.result(*gpu_dry_run.requirements_args())  # started in the background at collection
     versions = {canonicalize_name(i["metadata"]["name"]): i["metadata"]["version"] for i in report["install"]}
     urls = {canonicalize_name(i["metadata"]["name"]): i["download_info"]["url"] for i in report["install"]}
     return versions, log, urls
