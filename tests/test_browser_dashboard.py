@@ -6,7 +6,7 @@ cause was anywidget's 2 s limit on loading a widget's front-end module: past it,
 model is dropped, and plotly's FigureWidget module is ~5 MB. So each round here starts a fresh kernel in a
 fresh page (nothing loaded yet), runs every cell, checks that both figures show their titles, clicks Run and
 waits until the DOM holds the run's points in both figures. One such round by default (``R3LAB_DASHBOARD_ROUNDS``
-for more; 9 were run when the fix landed), then the forced-loss round below; a screenshot per round is
+for more), then the forced-loss round below; a screenshot per round is
 saved under the test's temporary folder. JupyterLab, the small notebook and Chromium come from test_browser.
 
 While the cells run, Chromium's CPU is throttled ``THROTTLE`` times (DevTools' ``Emulation.setCPUThrottlingRate``),
