@@ -12,7 +12,10 @@ One :class:`Report` with one :class:`Check` per line: what was checked, on how m
   NeMo-RL #3903); routes the trainer replayed that differ from the engine's;
 * mismatch health (WARN): k3, F(2), the largest |Δlogp|, IS effective sample size and TIS clip fraction per
   step, steps where k3 jumps, per-layer load imbalance (verl's ``max_vio``), layers whose engine-vs-trainer
-  disagreement stands out.
+  disagreement stands out;
+* policy lag (WARN): stale rollouts scored with the trainer's current weights, so the reported mismatch is policy
+  lag plus engine-trainer mismatch and replay (which addresses only the second) looks useless by construction
+  (verl's fully-async trainer and slime's ``--keep-old-actor`` score at the rollout's weights).
 
 Health checks warn rather than fail: a run may mean to be off-policy (staleness, a high learning rate), and the
 report says so instead of stopping it. :func:`diagnose` is what the RL loop calls at the end of a run (the doctor
@@ -524,13 +527,42 @@ def _layer_outliers(f: _Facts, th: Thresholds) -> Check:
                  else f"largest {mean[j]:.3f} at layer {lids[j]} (median {np.median(mean):.3f})")
 
 
+def _policy_lag(f: _Facts) -> Check:
+    name, what = "policy lag", "stale rollouts scored at the weights that sampled them"
+    cfg = f.run.config
+    if f.run.kind != "rl" or "staleness" not in cfg:
+        return Check(name, SKIP, what, detail="the run does not say how stale its rollouts were")
+    stale, old = int(cfg["staleness"]), cfg.get("old_logprobs", "current")
+    steps = [r for r in f.run.step_records if int(r.get("step", 0)) >= stale]
+    if stale == 0:
+        return Check(name, OK, what, len(steps), detail="on-policy rollouts (staleness 0): no lag to separate")
+
+    def mean(key: str) -> float | None:
+        v = [r[key] for r in steps if r.get(key) is not None]
+        return float(np.mean(v)) if v else None
+
+    if old == "behaviour":
+        lag, match = mean("async/k3_kl_policy_lag"), mean("mismatch/k3_kl")
+        parts = (f": policy lag k3 {lag:.2e}, engine-trainer k3 at matched weights {match:.2e}"
+                 if lag is not None and match is not None else "")
+        return Check(name, OK, what, len(steps), detail=f"staleness {stale}, old log-probs at the behaviour "
+                     f"weights{parts}")
+    total = mean("mismatch/k3_kl")
+    return Check(name, WARN, what, len(steps), f"staleness {stale}, mean k3 {total:.2e}" if total is not None else
+                 f"staleness {stale}", "score at the rollout's weights (--old-logprobs behaviour, as verl's "
+                 "fully-async trainer and slime's --keep-old-actor do): then the engine-trainer mismatch that replay "
+                 "addresses and the policy lag are measured apart",
+                 f"staleness {stale} with old log-probs from the current weights: the k3 reported is policy lag plus "
+                 "engine-trainer mismatch, and replay can cut only the second")
+
+
 def diagnose(run: Run | str | os.PathLike, *, thresholds: Thresholds | None = None) -> Report:
     """Every check on one run (own or imported); read the result with ``report.ok`` / ``print(report)``."""
     r = run if isinstance(run, Run) else load(run)
     th = thresholds or Thresholds()
     f = facts(r)
     checks = [_constant(f), _ids(f), _row_count(f), _layers(f), _speculative(f), _replay_effect(f),
-              _replayed_routes(f), *_health(f, th), _imbalance(f, th), _layer_outliers(f, th)]
+              _replayed_routes(f), *_health(f, th), _imbalance(f, th), _layer_outliers(f, th), _policy_lag(f)]
     return Report(str(r.path), checks)
 
 

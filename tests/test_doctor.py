@@ -3,6 +3,8 @@ and on r3lab's committed reference runs; the statistics it adds to r3lab.metrics
 
 from __future__ import annotations
 
+import re
+
 import make_dumps as md
 import numpy as np
 import pytest
@@ -73,6 +75,24 @@ def test_committed_reference_runs_fail_no_check(path):
         assert not report.warned, [c.line() for c in report.warned]
     if "staleness2" in path.name:
         assert report.check("k3").status == doctor.WARN and report.check("IS ESS").status == doctor.WARN
+
+
+STALENESS = RESULTS / "staleness"  # bench_staleness's committed runs: matched weights and today's recompute
+
+
+@pytest.mark.parametrize("name", ["matched-s2-R3-seed0", "current-s2-R3-seed0", "matched-s0-none-seed0"])
+def test_policy_lag_check_tells_stale_rollouts_scored_at_current_weights(name):
+    """Staleness with old log-probs from the current weights warns (the k3 mixes lag and mismatch); matched weights
+    (bench_staleness's runs) and on-policy runs pass, the former naming both parts."""
+    c = doctor.diagnose(STALENESS / name).check("policy lag")
+    if name.startswith("current"):
+        assert c.status == doctor.WARN and "--old-logprobs behaviour" in c.fix and c.rows > 0, c.line()
+    else:
+        assert c.status == doctor.OK, c.line()
+    if name.startswith("matched-s2"):
+        assert "policy lag k3" in c.detail and "matched weights" in c.detail, c.line()
+        lag, match = (float(x) for x in re.findall(r"\d\.\d\de[+-]\d\d", c.detail))
+        assert lag > 100 * match, c.line()  # bench_staleness.md: the lag is ~1000x the engine-trainer mismatch
 
 
 def test_the_drift_run_s_replay_and_layer_checks_ran():
