@@ -97,6 +97,48 @@ def test_megatron_tp2_agrees_with_the_transformers_trainer_under_r3(drift_run, c
     assert "megatron tp=2 pp=1 ep=1 dp=1" in printed and "| 1 | tiny-qwen3-moe |" in printed
 
 
+# ---- RL runs: every step stored, step 0 scored again --------------------------------------------------------------
+@pytest.fixture(scope="module")
+def rl_root(tmp_path_factory):
+    import dataclasses
+
+    from r3lab.config import RLConfig
+    from r3lab.experiments.rl import run_rl
+    from r3lab.paths import model_dir
+    from r3lab.rollout import RolloutEngine
+
+    root = tmp_path_factory.mktemp("rl")
+    base = RLConfig.quick(steps=2, prompts_per_step=2, samples_per_prompt=2, max_tokens=6, mini_batches=1,
+                          mode="R3", noise_every=0)
+    with RolloutEngine(model_dir(base.model), seed=0) as engine:
+        run_rl(base, engine=engine, runs_root=root, run_name="rl", progress=False)
+        run_rl(dataclasses.replace(base, turns=2, observation_words=2), engine=engine, runs_root=root,
+               run_name="rl-turns", progress=False)
+    return root
+
+
+@pytest.mark.parametrize("name", ["rl", "rl-turns"])
+def test_an_rl_run_stores_every_step_and_its_step_0_scores_again(rl_root, name):
+    src = load(rl_root / name)
+    assert src.sample_steps() == src.route_steps("engine") == [0, 1]
+    s0 = src.samples(0)
+    assert len(s0) == 4 and (s0.sampled is not None) == (name == "rl-turns")
+    out = rescore_run(rl_root / name, trainer_dtype="float32")
+    new = load(out)
+    (rec,) = new.step_records
+    assert rec["source_step"] == 0 and "starting checkpoint" in new.config["weights"]
+    assert new.config["source_steps"] == [0] and "only step 0" in new.config["weights"]
+    tok = src.tokens([0])
+    keep = tok["loss_mask"].to_numpy(bool) if "loss_mask" in tok else np.ones(len(tok), bool)
+    assert rec["tokens"] == int(keep.sum()) == len(new.tokens([0]))  # multi-turn: the sampled tokens only
+    # the RL loop scores the batch in one padded forward on the default threads; rescore scores each sample alone
+    # on one thread, as the drift experiment does: fp32 rounding of other shapes and sums, nothing more
+    assert rec["vs_source/max_abs_dlogp_r3"] < 1e-4 and rec["vs_source/max_abs_dlogp_none"] < 1e-4
+    flips = new.tokens([0])["flipped"].to_numpy() != tok["flipped"].to_numpy()[keep]
+    assert flips.sum() <= 1  # a near-tie router may go the other way under other shapes
+    assert rec["source/routing/engine_trainer_disagreement"] is None  # the RL loop counts other rows: not compared
+
+
 # ---- bad input: each names the problem -----------------------------------------------------------------------------
 def _copy(drift_run, tmp_path, name):
     dst = tmp_path / name
