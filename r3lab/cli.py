@@ -12,7 +12,7 @@ import runpy
 import sys
 from pathlib import Path
 
-from r3lab.config import MODES, DriftConfig, RLConfig, add_config_flags, config_overrides, quick_help
+from r3lab.config import MODES, TRAINER_DTYPES, DriftConfig, RLConfig, add_config_flags, config_overrides, quick_help
 from r3lab.errors import R3LabError
 
 __all__ = ["main", "BENCHMARKS"]
@@ -69,6 +69,18 @@ def _parser() -> argparse.ArgumentParser:
     dr.add_argument("run", help="the run folder")
     dr.add_argument("--strict", action="store_true", help="exit non-zero on warnings too (mismatch health)")
     dr.add_argument("--json", action="store_true", help="print the report as JSON")
+    rs = sub.add_parser("rescore", help="score a finished drift or RL run's samples again with another trainer, "
+                        "layout or dtype (none and R3); writes a new run beside it")
+    rs.add_argument("run", help="the run folder (a drift run, or an RL run: its step 0)")
+    _add_field_flags(rs, DriftConfig, ("trainer", "tp", "pp", "ep"))
+    rs.add_argument("--trainer-dtype", choices=tuple(TRAINER_DTYPES),
+                    help="the trainer's dtype (default: each cell's own; an RL run's trainer_dtype)")
+    rs.add_argument("--out", help="the new run's name, beside RUN (default: RUN-rescore-<trainer>[-<layout>][-<dtype>];"
+                    " an existing name is an error)")
+    rs.add_argument("--steps", type=int, nargs="+", help="source steps to score (default: every drift cell; an RL "
+                    "run: step 0, the only one at known weights)")
+    rs.add_argument("--data", help="the data folder holding the run's model (default: the run's own)")
+    rs.add_argument("--no-progress", action="store_true", help="no progress bars")
     b = sub.add_parser("bench", help="run a benchmark from a source checkout's bench/ folder")
     b.add_argument("name", choices=sorted(BENCHMARKS), help="; ".join(f"{k}: {v}" for k, v in BENCHMARKS.items()))
     b.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark (e.g. --quick)")
@@ -77,6 +89,27 @@ def _parser() -> argparse.ArgumentParser:
             s = sub.add_parser(name, help=f"= r3lab bench {name}: {BENCHMARKS[name]}")
             s.add_argument("args", nargs=argparse.REMAINDER)
     return ap
+
+
+def _add_field_flags(parser: argparse.ArgumentParser, cls: type, names: tuple[str, ...]) -> None:
+    """Flags for some fields of a config dataclass, with the field's default, type, choices and help."""
+    import dataclasses
+
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for n in names:
+        f = fields[n]
+        parser.add_argument("--" + n.replace("_", "-"), type=type(f.default), default=f.default,
+                            choices=f.metadata.get("choices"), help=f"{f.metadata['help']} (default: {f.default})")
+
+
+def _rescore(args: argparse.Namespace) -> None:
+    from r3lab.experiments.rescore import rescore_run, rescore_table
+
+    path = rescore_run(args.run, trainer=args.trainer, tp=args.tp, pp=args.pp, ep=args.ep,
+                       trainer_dtype=args.trainer_dtype, out=args.out, steps=args.steps, data=args.data,
+                       progress=not args.no_progress)
+    print(rescore_table(path))
+    print(f"run: {path}", file=sys.stderr)
 
 
 def _drift(args: argparse.Namespace) -> None:
@@ -216,6 +249,8 @@ def main(argv: list[str] | None = None) -> None:
             _import(args)
         elif args.command == "doctor":
             _doctor(args)
+        elif args.command == "rescore":
+            _rescore(args)
         elif args.command == "bench":
             _bench(args.name, args.args)
         else:

@@ -191,3 +191,61 @@ def test_the_comparison_table_shows_no_range_for_one_seed():
     assert " - " not in line and "(" not in line and "+0.200" in line
     three = comparison_table([{**row, "seeds": 3, "reward_rise": (0.1, 0.2, 0.3)}]).splitlines()[2]
     assert "+0.200 (+0.100 - +0.300)" in three  # several seeds: median (min - max), as the committed tables
+
+
+# ---- the per-sample table (format 3) -------------------------------------------------------------------------------
+def test_samples_round_trip_in_compact_dtypes(tmp_path):
+    import pyarrow.parquet as pq
+
+    from r3lab.runs import Samples
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 2**31 - 1, size=n) for n in (3, 1, 7)]
+    responses = [rng.integers(0, 400, size=n) for n in (5, 2, 1)]
+    logps = [-rng.random(len(r)).astype(np.float32).astype(np.float64) for r in responses]  # float32 values
+    logps[1][0] = np.nan  # a token the engine did not sample (a multi-turn observation)
+    sampled = [np.ones(len(r), bool) for r in responses]
+    sampled[1][0] = False
+    w = RunWriter(tmp_path, "s", "rl", {})
+    f = w.write_samples(4, Samples.from_ids(prompts, responses, logps, sampled))
+    w.write_samples(5, Samples.from_ids(prompts[:1], responses[:1], logps[:1]))
+    w.finish({})
+    run = load(tmp_path / "s")
+    assert run.sample_steps() == [4, 5] and f.name == "step-000004.parquet"
+    got = run.samples(4)
+    for a, b in zip(prompts + responses, got.prompt_ids + got.response_ids, strict=True):
+        assert b.dtype == np.int32 and np.array_equal(a, b)
+    for a, b in zip(logps, got.logp_infer, strict=True):
+        assert b.dtype == np.float32 and np.array_equal(a, b.astype(np.float64), equal_nan=True)
+    assert [m.tolist() for m in got.sampled] == [m.tolist() for m in sampled] and run.samples(5).sampled is None
+    table = pq.read_table(f)
+    assert table.column("step").to_pylist() == [4, 4, 4]
+    assert str(table.schema.field("prompt_ids").type.value_type) == "int32"
+
+
+def test_bad_samples_are_refused_with_the_reason(tmp_path):
+    from r3lab.runs import Samples
+
+    with pytest.raises(RunFormatError, match=r"sample 0 prompt: token ids must be in \[0, 2147483647\]"):
+        Samples.from_ids([[2**31]], [[1]], [np.zeros(1, np.float32)])
+    with pytest.raises(RunFormatError, match="sample 0 response: token ids must be a 1-D integer"):
+        Samples.from_ids([[1]], [[1.5]], [np.zeros(1, np.float32)])
+    with pytest.raises(RunFormatError, match="not float32 values; storing them would round them"):
+        Samples.from_ids([[1]], [[2]], [np.array([0.1])])
+    with pytest.raises(RunFormatError, match="sample 0: 2 response tokens but 1 log-probs"):
+        Samples.from_ids([[1]], [[2, 3]], [np.zeros(1, np.float32)])
+    with pytest.raises(RunFormatError, match="needs a prompt and a response"):
+        Samples.from_ids([[]], [[2]], [np.zeros(1, np.float32)])
+    with pytest.raises(RunFormatError, match="2 response_ids for 1 samples"):
+        Samples.from_ids([[1]], [[2], [3]], [np.zeros(1, np.float32)])
+    w = RunWriter(tmp_path, "s", "rl", {})
+    with pytest.raises(RunFormatError, match="takes r3lab.runs.Samples"):
+        w.write_samples(0, {"prompt_ids": [[1]]})
+    w.write_samples(0, Samples.from_ids([[1]], [[2]], [np.zeros(1, np.float32)]))
+    w.finish({})
+    run = load(tmp_path / "s")
+    with pytest.raises(RunFormatError, match=r"no per-sample table for step 3 .*at steps \[0\]"):
+        run.samples(3)
+    (tmp_path / "s" / "samples" / "step-000000.parquet").write_bytes(b"garbage")
+    with pytest.raises(RunFormatError, match="not a readable parquet file"):
+        run.samples(0)

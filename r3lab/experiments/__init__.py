@@ -3,6 +3,7 @@
 ``drift``: the main job, trainer vs engine log-probability drift without replay and with R3, over seeds, for any
 trainer (``DriftConfig.trainer``: transformers on CPU, a megatron-bridge GPTModel on a GPU node).
 ``rl``: a GRPO loop comparing no replay, R2 and R3, written as runs (``r3lab.runs``), over the trainer interface.
+``rescore``: a finished run's stored samples scored again with another trainer, layout or dtype (``r3lab rescore``).
 ``notebook``: what the notebooks share (load finished runs, else run the experiment small).
 """
 
@@ -19,6 +20,7 @@ from r3lab.experiments.drift import (
     seed_inputs,
 )
 from r3lab.experiments.notebook import load_or_run
+from r3lab.experiments.rescore import rescore_run, rescore_table
 
 __all__ = [
     "DriftConfig",
@@ -32,4 +34,6 @@ __all__ = [
     "run_drift",
     "seed_inputs",
     "load_or_run",
+    "rescore_run",
+    "rescore_table",
 ]

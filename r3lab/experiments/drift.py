@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import platform
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +26,7 @@ from r3lab.errors import ConfigError
 from r3lab.paths import model_dir
 from r3lab.rollout import RolloutEngine, RolloutResult, SamplingConfig, append_last_row
 from r3lab.routes import Routes
-from r3lab.runs import RunWriter
+from r3lab.runs import RunWriter, Samples
 from r3lab.trainers import Scorer, TokenBatch
 
 __all__ = [
@@ -40,6 +40,7 @@ __all__ = [
     "drift_table",
     "load_scorer",
     "seed_inputs",
+    "write_drift_cell",
 ]
 
 
@@ -177,8 +178,9 @@ def run_drift(
     """Run the drift experiment: per model, one engine sampling pass, then one scoring pass per trainer dtype.
 
     With ``runs_root`` the experiment is written as a run (``r3lab.runs``): one step line per (model,
-    trainer dtype, seed) cell, its per-token table, and the engine's and the trainer's routes. ``on_trainer(model
-    label, trainer, samples of the first seed)`` runs once per loaded trainer (extra checks of a GPU script).
+    trainer dtype, seed) cell, its per-token and per-sample tables, and the engine's and the trainer's routes.
+    ``on_trainer(model label, trainer, samples of the first seed)`` runs once per loaded trainer (extra checks of a
+    GPU script).
     """
     import torch
     from tqdm.auto import tqdm
@@ -209,7 +211,7 @@ def run_drift(
                     row = DriftRow(label, dtype, s, drift_summary(samples), writer.path if writer else None)
                     rows.append(row)
                     if writer is not None:
-                        _write_cell(writer, len(rows) - 1, row, samples, results[s])
+                        write_drift_cell(writer, len(rows) - 1, row, samples, results[s])
                     if on_row is not None:
                         on_row(row)
                 close = getattr(trainer, "close", None)  # a multi-process trainer (Megatron's ranks) ends them
@@ -226,10 +228,15 @@ def run_drift(
     return rows
 
 
-def _write_cell(writer: RunWriter, step: int, row: DriftRow, samples: Sequence[DriftSample],
-                results: Sequence[RolloutResult]) -> None:
+def write_drift_cell(writer: RunWriter, step: int, row: DriftRow, samples: Sequence[DriftSample],
+                     results: Sequence[RolloutResult], *, extra: Mapping[str, Any] | None = None,
+                     sampled: Sequence[np.ndarray] | None = None) -> None:
+    """One drift cell as a run step: its step line (``extra`` fields too), per-token table, per-sample table (the
+    samples' token ids and engine log-probs) and the engine's and the trainer's routes, so the cell can be scored
+    again from its files (``r3lab rescore``). ``sampled``: per sample, the response tokens the engine sampled
+    (multi-turn samples; ``samples`` then hold only those)."""
     writer.log_step({"step": step, "model": row.model, "trainer_dtype": row.trainer_dtype, "seed": row.seed,
-                     **row.summary})
+                     **(extra or {}), **row.summary})
     n = [s.logp_infer.size for s in samples]
     columns = {
         "sample": np.repeat(np.arange(len(samples)), n),
@@ -243,8 +250,9 @@ def _write_cell(writer: RunWriter, step: int, row: DriftRow, samples: Sequence[D
         if all(getattr(s, col) is not None for s in samples):
             columns[col] = np.concatenate([getattr(s, col) for s in samples])
     writer.write_tokens(step, columns)
-    if row.trainer_dtype == "bfloat16" or step == 0:
-        writer.write_routes(step, "engine", RolloutEngine.stack_routes(results))
+    writer.write_samples(step, Samples.from_ids([r.prompt_ids for r in results], [r.response_ids for r in results],
+                                                [r.logprobs for r in results], sampled))
+    writer.write_routes(step, "engine", RolloutEngine.stack_routes(results))  # every cell: each scores again alone
     if all(s.trainer_routes is not None for s in samples):  # the trainer's own routes, row for row, every cell
         writer.write_routes(step, "trainer", Routes.concat([s.trainer_routes for s in samples]))
 

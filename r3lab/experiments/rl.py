@@ -73,7 +73,7 @@ from r3lab.labels import label
 from r3lab.paths import model_dir
 from r3lab.rollout import RolloutEngine, RolloutResult, SamplingConfig, append_last_row
 from r3lab.routes import Routes
-from r3lab.runs import RunWriter
+from r3lab.runs import RunWriter, Samples
 from r3lab.trainers import PolicyUpdate, Scorer, TokenBatch, Trainer
 from r3lab.trainers.base import LoadsWeights
 
@@ -355,6 +355,13 @@ def train_step(trainer: Trainer, batch: RolloutBatch, config: RLConfig, rng: np.
     return StepResult({**old.metrics, **update}, tokens)
 
 
+def step_samples(results: Sequence[Any], *, multiturn: bool = False) -> Samples:
+    """A step's samples (engine results, or multi-turn trajectories) as the run's per-sample table: token ids, the
+    engine's log-probs and, multi-turn, which response tokens the engine sampled."""
+    return Samples.from_ids([r.prompt_ids for r in results], [r.token_ids[len(r.prompt_ids):] for r in results],
+                            [r.logprobs for r in results], [r.sampled for r in results] if multiturn else None)
+
+
 @dataclass
 class RLRun:
     """What ``run_rl`` returns: the per-step records (also in the run folder) and the folder, if written."""
@@ -449,7 +456,8 @@ def run_rl(config: RLConfig, *, engine: RolloutEngine | None = None, runs_root: 
             if writer is not None:
                 if step in (0, config.steps - 1) or (config.token_steps and step % config.token_steps == 0):
                     writer.write_tokens(step, result.tokens)
-                    writer.write_routes(step, "engine", batch.engine_routes)
+                writer.write_samples(step, step_samples(results, multiturn=config.turns > 1))  # every step, with
+                writer.write_routes(step, "engine", batch.engine_routes)  # its engine routes: it can be scored again
                 writer.log_step(rec)
             if on_step is not None:
                 on_step(rec)

@@ -7,12 +7,16 @@ from pathlib import Path
 
 from r3lab.errors import RunFormatError
 
-__all__ = ["RUN_FORMAT", "RUN_FORMAT_VERSION", "READABLE_VERSIONS", "STOPPED_FILE", "RunFormatError", "check_run_name",
-           "check_routes_name", "tokens_file", "routes_file", "step_of"]
+__all__ = ["RUN_FORMAT", "RUN_FORMAT_VERSION", "READABLE_VERSIONS", "SAMPLES_VERSION", "STOPPED_FILE", "RunFormatError",
+           "check_run_name", "check_routes_name", "tokens_file", "samples_file", "routes_file", "step_of"]
 
 RUN_FORMAT = "r3lab-run"
-RUN_FORMAT_VERSION = 2  # 2: stopped.json marks a run stopped before its end; config.json's versions name r3lab's path
-READABLE_VERSIONS = (1, 2)  # a version-1 run has no stopped.json: unfinished means running, stopped or killed
+# 2: stopped.json marks a run stopped before its end; config.json's versions name r3lab's path
+# 3: samples/step-<step>.parquet holds every sample's token ids and engine log-probs, and the experiments store the
+#    engine's routes of every step beside it, so any finished run can be scored again (``r3lab rescore``)
+RUN_FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)  # a version-1 run has no stopped.json: unfinished means running, stopped or killed
+SAMPLES_VERSION = 3  # the first version with per-sample tables (older runs cannot be scored again)
 STOPPED_FILE = "stopped.json"  # {"state": "stopped", "at": ISO time, "steps": complete steps, "reason": str}
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _WHAT = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
@@ -31,6 +35,11 @@ def check_routes_name(what: str) -> None:
 def tokens_file(run: Path, step: int) -> Path:
     """``tokens/step-<step:06d>.parquet``: the per-token table of one step."""
     return run / "tokens" / f"step-{int(step):06d}.parquet"
+
+
+def samples_file(run: Path, step: int) -> Path:
+    """``samples/step-<step:06d>.parquet``: the per-sample table of one step (format version 3)."""
+    return run / "samples" / f"step-{int(step):06d}.parquet"
 
 
 def routes_file(run: Path, step: int, what: str) -> Path:

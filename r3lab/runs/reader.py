@@ -17,12 +17,15 @@ from r3lab.runs.format import (
     READABLE_VERSIONS,
     RUN_FORMAT,
     RUN_FORMAT_VERSION,
+    SAMPLES_VERSION,
     STOPPED_FILE,
     RunFormatError,
     routes_file,
+    samples_file,
     step_of,
     tokens_file,
 )
+from r3lab.runs.samples import Samples
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -129,6 +132,27 @@ class Run:
             except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a damaged file
                 raise RunFormatError(f"{str(p)!r} is not a readable parquet file: {e}") from e
         return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+    def sample_steps(self) -> list[int]:
+        """Steps with a per-sample table (format version 3), ascending."""
+        return sorted(step_of(p) for p in (self.path / "samples").glob("step-*.parquet"))
+
+    def samples(self, step: int) -> Samples:
+        """Every sample of ``step``: token ids and the engine's log-probs (:class:`r3lab.runs.samples.Samples`)."""
+        import pyarrow.parquet as pq
+
+        p = samples_file(self.path, step)
+        if not p.is_file():
+            version = self.meta.get("version")
+            why = (f"it was written in format version {version}, before per-sample tables (version "
+                   f"{SAMPLES_VERSION})" if isinstance(version, int) and version < SAMPLES_VERSION
+                   else f"its per-sample tables are at steps {self.sample_steps()[:10]}")
+            raise RunFormatError(f"run {self.name!r} has no per-sample table for step {int(step)} ({p}): {why}")
+        try:
+            table = pq.read_table(p)
+        except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a damaged file
+            raise RunFormatError(f"{str(p)!r} is not a readable parquet file: {e}") from e
+        return Samples.from_table(table, str(p))
 
     def routes(self, step: int, what: str) -> Routes:
         """Routes stored for ``step`` under ``what`` (decoded and validated by r3lab.compaction)."""

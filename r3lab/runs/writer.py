@@ -22,8 +22,10 @@ from r3lab.runs.format import (
     check_routes_name,
     check_run_name,
     routes_file,
+    samples_file,
     tokens_file,
 )
+from r3lab.runs.samples import Samples
 
 __all__ = ["RunWriter", "versions", "r3lab_source", "mark_stopped"]
 
@@ -133,6 +135,18 @@ class RunWriter:
         out = tokens_file(self.path, step)
         out.parent.mkdir(exist_ok=True)
         pq.write_table(table, out)
+        return out
+
+    def write_samples(self, step: int, samples: Samples) -> Path:
+        """Every sample of one step: token ids and the engine's log-probs (:mod:`r3lab.runs.samples`), what scoring
+        the run again needs with the step's engine routes."""
+        import pyarrow.parquet as pq
+
+        if not isinstance(samples, Samples):
+            raise RunFormatError(f"write_samples takes r3lab.runs.Samples, got {type(samples).__name__}")
+        out = samples_file(self.path, step)
+        out.parent.mkdir(exist_ok=True)
+        pq.write_table(samples.to_table(step), out)
         return out
 
     def write_routes(self, step: int, what: str, routes: Routes, codec: str = "bitpack+zstd") -> Path:
