@@ -100,6 +100,7 @@ def phase_figure(records: Iterable[Record], *, highlight: Iterable[Record] = (),
     fig = make_subplots(rows=2, cols=len(models), shared_xaxes=True, vertical_spacing=0.07,
                         horizontal_spacing=0.05 if len(models) > 1 else 0.0,
                         subplot_titles=[_short_model(m) for m in models])
+    fig.update_annotations(font_size=14)
     panels = (("reward_final", False, 1), ("k3", True, 2))
     shown: dict[int, list[float]] = {1: [], 2: []}
     in_legend: set[str] = set()
@@ -192,10 +193,11 @@ def staleness_figure(records: Iterable[Record], *, title: str | None = None) -> 
     ((model, quant),) = settings
     levels = sorted({int(r["staleness"]) for r in stale})
     modes = [m for m in MODES if m in {r["mode"] for r in stale}]
-    panels = (("k3", True, 1, "engine vs trainer, behaviour weights"),  # labels: RLMetric.K3_ENGINE_TRAINER_MATCHED
-              ("k3_policy_lag", True, 2, "policy lag: current vs behaviour weights"),  # RLMetric.K3_POLICY_LAG
+    panels = (("k3", True, 1, "mismatch: engine vs trainer"),  # RLMetric.K3_ENGINE_TRAINER_MATCHED
+              ("k3_policy_lag", True, 2, "policy lag: current vs behaviour"),  # RLMetric.K3_POLICY_LAG
               ("reward_final", False, 3, f"final reward (last {LAST_STEPS} steps)"))
     fig = make_subplots(rows=1, cols=3, horizontal_spacing=0.08, subplot_titles=[p[3] for p in panels])
+    fig.update_annotations(font_size=13)
     shown: dict[int, list[float]] = {1: [], 2: [], 3: []}
     undrawn: list[tuple[str, int]] = []  # (mode, staleness) without a policy lag to draw
     seeds = 0
@@ -231,7 +233,9 @@ def staleness_figure(records: Iterable[Record], *, title: str | None = None) -> 
         notes.append("no policy lag measured for " + ", ".join(late))
     spread_words = (f"median over {plural(seeds, 'seed')}, min - max as error bars" if seeds > 1
                     else "one seed per point: no spread shown")
-    sub = "; ".join([f"{_short_model(model)}, engine {quant}, matched weights", spread_words, *notes])
+    sub = "; ".join([f"{_short_model(model)}, engine {quant}; k3 at the behaviour weights the engine sampled with "
+                     "(dotted: against the current weights), policy lag: current vs behaviour weights", spread_words,
+                     *notes])
     out = finish(fig, STALENESS_SIZE, title=title or "Staleness at matched weights: engine-trainer mismatch, "
                  "policy lag and reward", subtitle=sub, scattermode="group", scattergap=0.5,
                  legend={**_LEGEND, "y": -0.2}, margin={"b": 120})
