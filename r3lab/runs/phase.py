@@ -119,8 +119,8 @@ def _cell(vals: Sequence[float | None], fmt: str) -> str:
     return f"{mid} ({min(v):{fmt}} - {max(v):{fmt}})" if len(v) > 1 else mid
 
 
-def _group(records: Sequence[Mapping[str, Any]], *keys: str) -> dict[tuple, list[Mapping[str, Any]]]:
-    out: dict[tuple, list[Mapping[str, Any]]] = {}
+def _group(records: Sequence[Mapping[str, Any]], *keys: str) -> dict[tuple[Any, ...], list[Mapping[str, Any]]]:
+    out: dict[tuple[Any, ...], list[Mapping[str, Any]]] = {}
     for r in records:
         out.setdefault(tuple(r[k] for k in keys), []).append(r)
     return out
