@@ -188,20 +188,21 @@ class DialWidget(widgets.VBox):
         extra = ""
         if follower.state in ("failed", "error") and self.job is not None:
             extra = f"<pre class='r3lab-log'>{html.escape(self.job.tail())}</pre>"
-        if follower.state == "finished":
-            extra = self._place(follower)
+        self._place(follower, [r.name for r in snap if r.finished])
+        placed = [r.name for r in snap if r.name in self._placed]
+        if placed:
+            extra += f"<br>placed on the diagram (a star): {html.escape(', '.join(placed))}"
         self.status.value = status_html(follower, extra, snap)
 
-    def _place(self, follower: RunFollower) -> str:
-        """Put the finished runs on the diagram (once each); the status line's words about it."""
-        placed = []
-        for name in sorted(follower.runs):
-            if name not in self._placed:
-                self.own.append(phase_record(load(follower.root / name)))
-                self._placed.add(name)
-                placed.append(name)
-        self._draw_diagram()
-        return f"<br>placed on the diagram: {html.escape(', '.join(placed))}" if placed else ""
+    def _place(self, follower: RunFollower, finished: list[str]) -> list[str]:
+        """Put the finished runs not placed yet on the diagram; their names."""
+        new = [n for n in finished if n not in self._placed]
+        for name in new:
+            self.own.append(phase_record(load(follower.root / name)))
+            self._placed.add(name)
+        if new:
+            self._draw_diagram()
+        return new
 
     def _draw_diagram(self) -> None:
         with self._lock:
