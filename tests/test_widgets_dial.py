@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from r3lab.config import ENGINE_QUANTS, PHASE_OBJECTIVES, RLConfig, config_overrides
-from r3lab.errors import ConfigError
+from r3lab.errors import ConfigError, R3LabError
 from r3lab.runs.phase import phase_objective
 from r3lab.widgets import DialWidget, objective_config
 
@@ -111,5 +111,24 @@ def test_start_runs_r3lab_rl_with_the_choice_and_places_the_finished_run_on_the_
         assert any(t.get("marker", {}).get("symbol") == "star" for t in shown["data"])  # the page has it too
         assert "width" not in shown["layout"]  # it fills the output area
         assert "placed on the diagram" in dial.status.value
+    finally:
+        dial.close()
+
+
+def test_a_failed_run_is_an_error_with_the_jobs_output(tmp_path, monkeypatch):
+    import r3lab.widgets.jobs as jobs
+
+    real_popen = subprocess.Popen
+
+    def failing(command, **kwargs):  # `r3lab rl` dying before its first step, saying why
+        return real_popen([sys.executable, "-c", "import sys; print('no engine today'); sys.exit(3)"], **kwargs)
+
+    monkeypatch.setattr(jobs.subprocess, "Popen", failing)
+    dial = DialWidget([], tmp_path / "runs", steps=2, interval=0.05)
+    try:
+        dial.start()
+        with pytest.raises(R3LabError, match=r"(?s)the dial's run failed.*no engine today"):
+            dial.wait(60)
+        assert dial.own == [] and "no engine today" in dial.status.value
     finally:
         dial.close()

@@ -166,10 +166,16 @@ class DialWidget(widgets.VBox):
                         mark_stopped(job.runs_root / name, "stopped from the dial")
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until the run is done and placed on the diagram (True) or ``timeout`` passes (False)."""
+        """Block until the run is done and placed on the diagram (True) or ``timeout`` passes (False); a run that
+        failed (or could not be read) raises, with the job's output tail."""
         if self.follower is None:
             raise R3LabError("nothing is running: call start() first")
-        return self.follower.wait(timeout)
+        done = self.follower.wait(timeout)
+        if done and self.follower.state in ("failed", "error"):
+            tail = self.job.tail() if self.job is not None else ""
+            raise R3LabError(f"the dial's run {self.follower.state}"
+                             + (f": {self.follower.error!r}" if self.follower.error else "") + f"\n{tail}")
+        return done
 
     @property
     def diagram(self) -> go.Figure:
