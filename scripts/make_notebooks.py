@@ -442,6 +442,107 @@ viz.export_figures(importers.drawn(figures), out_dir) if export else []
     ]
 
 
+def nb05_regimes() -> list:
+    """Notebook 05: the phase diagram from the committed runs, its key numbers, and the dial widget."""
+    return [
+        md("""
+# 05 · Regimes: the phase diagram and the mismatch dial
+
+Where no replay, R2 and R3 part ways as the engine's precision falls. The committed runs of
+`python bench/bench_phase.py` (in `bench/results/phase/`): every model and engine precision of the dial
+(`--engine-quant`: none, fp8, int8, int6, int4, a *simulation* of weight quantization on the engine side) with the
+objectives none, R2, R3, none+TIS, R3+TIS and GSPO (no replay), three seeds each; then staleness 0/1/2/4 at matched
+weights. First the key numbers, then the two figures, then the **dial**: pick a model, a precision, an objective, a
+seed and the steps; **Start** runs `r3lab rl` in a child process, its curves grow in place, and the finished run
+lands on the diagram as a star beside the committed ones.
+
+Read the diagram for what it shows, whichever way it falls: where no seed collapsed, the precursors (F(2), the
+largest |Δlog p|, the clip fraction, the IS effective sample size) say how close each objective came.
+"""),
+        params("""
+phase_runs = None  # a folder of finished phase-diagram runs; None: the committed ones (bench/results/phase)
+model = "tiny-qwen3-moe"  # the dial's starting point: model, engine precision, objective, seed
+engine_quant = "fp8"
+objective = "R3"
+seed = 0
+dial_steps = 16  # the dial's run: RL steps (the committed runs take 16) and its sizes (RLConfig.quick's)
+dial_prompts_per_step = 4
+dial_samples_per_prompt = 8
+dial_max_tokens = 16
+start_run = False  # start the dial's run from the cells below (CI does); interactively, press Start
+run_timeout_s = 1800  # how long the waiting cell waits for it
+out_dir = None  # where the dial's runs go; None: data/runs
+"""),
+        code("""
+import pandas as pd
+from IPython.display import Markdown
+
+from r3lab import viz, widgets
+from r3lab.runs.phase import PRECURSORS, phase_records, phase_runs_dir, phase_summary, phase_table
+
+pd.options.display.float_format = "{:.3g}".format
+runs = widgets.load_runs(phase_runs or phase_runs_dir())
+records = phase_records(runs)
+len(records)
+"""),
+        md("""
+## Key numbers
+
+Median over seeds per model, objective and engine precision: the final reward (the mean of the last 3 steps), the
+train-inference k3 KL, and how many seeds collapsed (reward below half its running peak for 5 steps).
+"""),
+        code("""
+phase_summary(records)
+"""),
+        md("How close each objective came to collapse: F(2), the largest |Δlog p|, the largest clip fraction and the "
+           "smallest IS effective sample size (medians over seeds)."),
+        code("""
+phase_summary(records, PRECURSORS, collapsed=False)
+"""),
+        md("## The phase diagram"),
+        code("""
+viz.phase_figure(records)
+"""),
+        md("## Staleness at matched weights"),
+        code("""
+viz.staleness_figure(records)
+"""),
+        md("""
+## The dial
+
+Pick a point and press **Start**: `r3lab rl` runs in a child process with exactly that config (every knob spelled
+out), the reward and k3 curves grow as steps land, and the finished run joins the diagram below as a star (drawn
+beside the committed runs, never pooled into their medians). **Stop** ends the job.
+"""),
+        code("""
+dial = widgets.DialWidget(records, out_dir, model=model, engine_quant=engine_quant, objective=objective,
+                          seed=seed, steps=dial_steps, prompts_per_step=dial_prompts_per_step,
+                          samples_per_prompt=dial_samples_per_prompt, max_tokens=dial_max_tokens)
+dial
+"""),
+        md("""
+For a top-to-bottom run (CI): the next cells start the dial's run and wait for it; interactively, press **Start**
+above instead.
+""", "live"),
+        code("""
+job = dial.start() if start_run else None
+job.command if job else "press Start above"
+""", "live"),
+        code("""
+done = dial.wait(run_timeout_s) if start_run else None
+(done, [r["run"] for r in dial.own])
+""", "live"),
+        md("The diagram with the runs started here (stars):"),
+        code("""
+dial.diagram
+"""),
+        md("## The whole table (`bench/results/phase.md` is rendered from the same runs)"),
+        code("""
+Markdown(phase_table(runs))
+"""),
+    ]
+
+
 CI_DRIFT = {"prompts": 4, "max_tokens": 12}
 CI_RL = {"rl_steps": 2, "rl_prompts": 2, "rl_samples": 4}
 NOTEBOOKS = {
@@ -452,8 +553,8 @@ NOTEBOOKS = {
     "03_logprob_drift": (NB03, {**CI_DRIFT, **CI_RL}, 11),
     "04_rl_ablation": (NB04, {"live_max_tokens": 8, "live_prompts_per_step": 2, "live_samples_per_prompt": 2,
                               "live_steps": 2, "live_timeout_s": 600, "modes": ["none", "R3"]}, 5),
-
-
+    "05_regimes": (nb05_regimes(), {"dial_steps": 2, "dial_prompts_per_step": 2, "dial_samples_per_prompt": 2,
+                                    "dial_max_tokens": 8, "start_run": True, "run_timeout_s": 600}, 3),
     "06_your_run": (nb06_your_run(), {"run": None}, 7),  # tests/test_notebooks.py imports a generated dump as run
 }
 

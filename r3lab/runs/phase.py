@@ -9,16 +9,22 @@ diagram as the committed ones.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from r3lab.config import ENGINE_QUANTS, MODES, PHASE_OBJECTIVES, RLMetric
 from r3lab.errors import R3LabError
+from r3lab.paths import results_dir
 from r3lab.runs.reader import Run
 
+if TYPE_CHECKING:
+    import pandas as pd
+
 __all__ = ["phase_objective", "phase_run_name", "staleness_run_name", "phase_record", "phase_records",
-           "phase_table", "PRECISION_ORDER", "LAST_STEPS"]
+           "phase_table", "phase_summary", "phase_runs_dir", "PRECISION_ORDER", "LAST_STEPS", "SUMMARY_COLUMNS",
+           "PRECURSORS"]
 
 PRECISION_ORDER = ENGINE_QUANTS  # the dial from full engine precision down to int4
 LAST_STEPS = 3  # "final reward": the mean over the run's last 3 steps (one step's 32 samples are noisy)
@@ -90,6 +96,16 @@ def phase_record(run: Run) -> dict[str, Any]:
     return rec
 
 
+def phase_runs_dir() -> Path:
+    """The committed runs of the phase diagram (``bench/results/phase``); missing: an error naming the command that
+    makes them."""
+    p = results_dir() / "phase"
+    if not p.is_dir():
+        raise R3LabError(f"no phase-diagram runs at {p}: `python bench/bench_phase.py` makes them (or pass a folder "
+                         "of your own runs)")
+    return p
+
+
 def phase_records(runs: Iterable[Run]) -> list[dict[str, Any]]:
     """:func:`phase_record` of every finished RL run whose config is one of the diagram's objectives."""
     return [phase_record(r) for r in runs]
@@ -103,8 +119,8 @@ def _cell(vals: Sequence[float | None], fmt: str) -> str:
     return f"{mid} ({min(v):{fmt}} - {max(v):{fmt}})" if len(v) > 1 else mid
 
 
-def _group(records: Sequence[Mapping[str, Any]], *keys: str) -> dict[tuple, list[Mapping[str, Any]]]:
-    out: dict[tuple, list[Mapping[str, Any]]] = {}
+def _group(records: Sequence[Mapping[str, Any]], *keys: str) -> dict[tuple[Any, ...], list[Mapping[str, Any]]]:
+    out: dict[tuple[Any, ...], list[Mapping[str, Any]]] = {}
     for r in records:
         out.setdefault(tuple(r[k] for k in keys), []).append(r)
     return out
@@ -163,3 +179,39 @@ def phase_table(runs: Iterable[Run], *, header: str = "") -> str:
                                             _cell([r["reward_final"] for r in sel], ".3f"),
                                             f"{collapsed} / {len(sel)}"]) + " |")
     return "\n".join(lines) + "\n"
+
+
+SUMMARY_COLUMNS = {"reward_final": "reward final", "k3": "k3", "f2": "F(2)", "abs_dlogp_max": "max |dlogp|",
+                   "routing_disagreement": "routing differs", "clip_frac_max": "clip frac max",
+                   "is_ess_min": "IS ESS min"}  # phase_record's keys -> the summary's column titles
+PRECURSORS = ("f2", "abs_dlogp_max", "clip_frac_max", "is_ess_min")  # what precedes collapse in the literature
+
+
+def phase_summary(records: Iterable[Mapping[str, Any]], numbers: Sequence[str] = ("reward_final", "k3"), *,
+                  collapsed: bool = True) -> pd.DataFrame:
+    """The grid's key numbers as a table: one row per (model, objective), one column per (number, engine precision)
+    holding the median over seeds of each of ``numbers`` (keys of :data:`SUMMARY_COLUMNS`; :data:`PRECURSORS` for
+    how close a run came to collapse), and (``collapsed``) the seeds that collapsed, ``"0/3"``. Staleness runs are
+    left out (:func:`phase_table` lists them)."""
+    import pandas as pd
+
+    unknown = [n for n in numbers if n not in SUMMARY_COLUMNS]
+    if unknown:
+        raise R3LabError(f"no summary number(s) {unknown}; the numbers are {list(SUMMARY_COLUMNS)}")
+    grid = [r for r in records if r["staleness"] == 0 and r["old_logprobs"] == "current"]
+    if not grid:
+        raise R3LabError("no phase-diagram records (staleness 0, old_logprobs=current) to summarize")
+    names = [SUMMARY_COLUMNS[n] for n in numbers] + (["collapsed"] if collapsed else [])
+    rows: dict[tuple[str, str], dict[tuple[str, str], Any]] = {}
+    for (model, quant, obj), sel in _group(grid, "model", "engine_quant", "objective").items():
+        row = rows.setdefault((_short(model), obj), {})
+        for key in numbers:
+            vals = [r[key] for r in sel if r[key] is not None]
+            row[(SUMMARY_COLUMNS[key], quant)] = float(np.median(vals)) if vals else None
+        row[("collapsed", quant)] = f"{sum(r['collapse_step'] is not None for r in sel)}/{len(sel)}"
+    objectives, models = list(PHASE_OBJECTIVES), list(dict.fromkeys(_short(r["model"]) for r in grid))
+    order = sorted(rows, key=lambda k: (models.index(k[0]), objectives.index(k[1])))
+    quants = [q for q in PRECISION_ORDER if any(r["engine_quant"] == q for r in grid)]
+    columns = pd.MultiIndex.from_tuples([(name, q) for name in names for q in quants], names=["", "engine"])
+    return pd.DataFrame([[rows[k].get(c) for c in columns] for k in order], columns=columns,
+                        index=pd.MultiIndex.from_tuples(order, names=["model", "objective"]))

@@ -10,7 +10,8 @@ downloaded).
 
 Modules: ``style`` (template, sizes, colours, :func:`finish`), ``ticks`` (tick values and labels from the data's
 range), ``exporting`` (files), and the figure builders ``results`` (tables and runs), ``routing`` (routes and
-expert load), ``logprobs`` (log-prob drift per token) and ``paper`` (the paper figures from committed results).
+expert load), ``logprobs`` (log-prob drift per token), ``phase`` (the phase diagram and its staleness figure, from
+``r3lab.runs.phase`` records) and ``paper`` (the paper figures from committed results).
 """
 
 from r3lab.runs import rl_token_logprobs  # re-exported: the notebooks read RL token tables through viz
@@ -23,6 +24,7 @@ from r3lab.viz.logprobs import (
     prob_density_figure,
 )
 from r3lab.viz.paper import paper_figure_set, paper_figures
+from r3lab.viz.phase import OBJECTIVE_STYLES, phase_figure, staleness_figure
 from r3lab.viz.results import codec_figure, drift_figure, load_shift_figure, rl_curves_figure, transport_figure
 from r3lab.viz.routing import (
     expert_load_comparison_figure,
@@ -55,4 +57,4 @@ __all__ = ["MODE_COLORS", "mode_color", "ONE_COLUMN", "TWO_COLUMN", "TEMPLATE", 
            "delta_histogram_figure", "flip_split_figure", "layer_drift_figure", "response_differs",
            "most_flipped_sample", "rl_token_logprobs", "export_figures", "paper_figures", "paper_figure_set",
            "SOURCE_COLORS", "NOT_DRAWN", "NOTEBOOK_CONFIG", "LabFigure", "finish", "axis_ticks", "tick_labels",
-           "tick_values"]
+           "tick_values", "phase_figure", "staleness_figure", "OBJECTIVE_STYLES"]

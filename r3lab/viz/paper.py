@@ -1,13 +1,15 @@
 """The paper figures, rebuilt from a checkout's committed results (``bench/results``; ``r3lab figures``).
 
 The list is read from the results, not written here: the transport table, the drift run (its figure, and one
-expert-load figure per model it ran), and one RL k3 figure per model of the reference RL runs (the runs with
-:class:`~r3lab.config.RLConfig`'s default knobs, every mode and seed).
+expert-load figure per model it ran), one RL k3 figure per model of the reference RL runs (the runs with
+:class:`~r3lab.config.RLConfig`'s default knobs, every mode and seed), and, once the phase-diagram runs are
+committed (``bench/results/phase/``), the phase diagram and its staleness figure.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -17,15 +19,18 @@ from r3lab.config import RLConfig
 from r3lab.errors import R3LabError
 from r3lab.routes import Routes
 from r3lab.runs import Run, RunFormatError, list_runs, load
+from r3lab.runs.phase import phase_records
 from r3lab.viz.exporting import EXPORT_FORMATS, export_figures
+from r3lab.viz.phase import phase_figure, staleness_figure
 from r3lab.viz.results import drift_figure, rl_curves_figure, transport_figure
 from r3lab.viz.routing import expert_load_comparison_figure
 
-__all__ = ["paper_figures", "paper_figure_set"]
+__all__ = ["paper_figures", "paper_figure_set", "PHASE_COMMAND"]
 
 TRANSPORT_POPULARITY = "uniform"  # the transport figure's workload: expert popularity as the benchmark draws it
 _DTYPE_SHORT = {"bfloat16": "bf16", "float32": "fp32"}
 _SWEPT = ("mode", "seed")  # what varies inside one comparison
+PHASE_COMMAND = "python bench/bench_phase.py"  # what regenerates bench/results/phase/
 
 
 def _short(model: str) -> str:
@@ -43,9 +48,10 @@ def _default_knobs(run: Run) -> bool:
 def paper_figure_set(results: str | os.PathLike) -> dict[str, go.Figure]:
     """Every paper figure by file name, built from the committed results in ``results``.
 
-    Reads only files: ``transport.json``, the reference drift run ``drift-run/`` and the reference RL runs
-    ``rl/``. A missing input is an error that names it and the command that regenerates it, never a
-    silently skipped figure.
+    Reads only files: ``transport.json``, the reference drift run ``drift-run/``, the reference RL runs ``rl/``
+    and the phase-diagram runs ``phase/``. A missing input is an error that names it and the command that
+    regenerates it, never a silently skipped figure; the one exception is ``phase/`` as a whole (its sweep takes
+    about 90 minutes and lands after the rest), whose absence is a warning naming that command.
     """
     import orjson
 
@@ -86,7 +92,26 @@ def paper_figure_set(results: str | os.PathLike) -> dict[str, go.Figure]:
             raise R3LabError(f"no reference RL runs of {model} with the default knobs in {results / 'rl'}: "
                              "`python bench/bench_rl.py`")
         figures[f"rl_k3_{_short(model)}"] = rl_curves_figure(runs, title=f"{model}: train-inference k3 KL per RL step")
+    figures.update(_phase_figures(results / "phase"))
     return figures
+
+
+def _phase_figures(folder: Path) -> dict[str, go.Figure]:
+    """The phase diagram and its staleness figure from the committed phase runs (none: a warning, no figures)."""
+    if not folder.exists():
+        warnings.warn(f"{folder} is missing: `{PHASE_COMMAND}` regenerates it (the phase figures are left out)",
+                      stacklevel=3)
+        return {}
+    found = list_runs(folder)
+    bad = [f"{p.name}: {r}" for p, r in found if isinstance(r, RunFormatError)]
+    if bad:
+        raise R3LabError(f"unreadable phase-diagram runs (`{PHASE_COMMAND}` regenerates them): " + "; ".join(bad))
+    records = phase_records(r for _, r in found if isinstance(r, Run))
+    if not any(r["staleness"] == 0 and r["old_logprobs"] == "current" for r in records):
+        raise R3LabError(f"no phase-diagram grid runs in {folder}: `{PHASE_COMMAND}`")
+    if not any(r["old_logprobs"] == "behaviour" for r in records):
+        raise R3LabError(f"no staleness runs (old_logprobs=behaviour) in {folder}: `{PHASE_COMMAND}`")
+    return {"phase": phase_figure(records), "phase_staleness": staleness_figure(records)}
 
 
 def paper_figures(results: str | os.PathLike, out: str | os.PathLike, *,

@@ -8,18 +8,20 @@ plain ``go.Figure`` objects, each shown whole in an ``Output`` widget as it chan
 ``live``'s docstring says why not plotly's ``FigureWidget``), one colour per replay mode
 (``r3lab.viz.MODE_COLORS``).
 
-Modules: ``jobs`` (child-process RL jobs), ``live`` (the live figures both widgets draw), ``monitoring``
-(:class:`RunMonitor`, :func:`monitor`) and ``dashboard`` (:class:`AblationDashboard`). The knobs and their
+Modules: ``jobs`` (child-process RL jobs), ``live`` (the live figures the widgets draw), ``monitoring``
+(:class:`RunMonitor`, :func:`monitor`), ``dashboard`` (:class:`AblationDashboard`) and ``dial``
+(:class:`DialWidget`: one point of the phase diagram run and placed on it). The knobs and their
 defaults are :class:`r3lab.config.RLConfig`'s (:meth:`~r3lab.config.RLConfig.quick` unless told otherwise).
 """
 
 from r3lab.config import MODES
 from r3lab.runs import FollowedRun, RunFollower, load_runs, reference_runs_dir
 from r3lab.widgets.dashboard import AblationDashboard
+from r3lab.widgets.dial import DialWidget, objective_config
 from r3lab.widgets.jobs import RLJob, rl_config, start_rl
 from r3lab.widgets.live import DEFAULT_METRICS, LAYER_METRIC, PLOTLY_MIME, LiveFigure
 from r3lab.widgets.monitoring import RunMonitor, monitor
 
 __all__ = ["DEFAULT_METRICS", "LAYER_METRIC", "PLOTLY_MIME", "LiveFigure", "MODES", "RLJob", "start_rl",
            "rl_config", "RunFollower", "FollowedRun", "RunMonitor", "monitor", "AblationDashboard", "load_runs",
-           "reference_runs_dir"]
+           "reference_runs_dir", "DialWidget", "objective_config"]
