@@ -251,7 +251,8 @@ def render(args, data: dict, rows: dict[str, dict], staging: list, engine_info: 
 
 Batch: {args.prompts} prompts x {args.samples} samples x {args.tokens} tokens sampled by the engine from {MODEL}
 ({len(batch)} samples, {n_tok:,} scored tokens, {routes.total_tokens:,} route rows x {routes.num_layers} MoE layers x
-top-{routes.top_k} of {routes.num_experts}); {engine_info}. Both trainers fp32, AdamW lr {LR}. Times: **median of
+top-{routes.top_k} of {routes.num_experts}); {engine_info}. Both trainers fp32, AdamW lr {LR}, one torch thread per
+process (the transformers trainer in this process, each Megatron rank in its own). Times: **median of
 {args.reps} repeats** after one untimed warm-up call of each kind (the warm-up and the repeats are policy steps too,
 the same {args.reps + 1} for every trainer, so the weights compared are after {args.reps + 1} identical steps).
 Machine: {env}, megatron-core {megatron.core.__version__}, vLLM {vllm.__version__}. **Measured under contention**: a
@@ -310,8 +311,11 @@ def main() -> None:
     if args.quick:
         args.prompts, args.samples, args.tokens, args.reps = 2, 2, 8, 1
         args.layouts, args.dp, args.codecs = ["TP1", "TP2xPP2"], [2], ["raw"]
+    import torch
+
     from r3lab.rollout import RolloutEngine
 
+    torch.set_num_threads(1)  # the transformers trainer on one thread, as each Megatron rank (worker.rank_main)
     warnings.filterwarnings("ignore", message=".*top_k // topk_group.*")
     with RolloutEngine(model_dir(MODEL), seed=0, dtype="bfloat16") as engine:
         data = sample_batch(engine, args.prompts, args.samples, args.tokens)
