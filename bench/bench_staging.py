@@ -129,8 +129,9 @@ def _per_rank_row(st, res: list[dict], driver_s: float, total_s: float) -> dict:
     )
 
 
-def _dist_rank(child: int, world: int, port: int, codecs: list[str]) -> None:
-    """A trainer rank of the torch.distributed run: warm up, then receive each codec's batch, post the result."""
+def _dist_rank(child: int, world: int, port: int, codecs: list[str], runs: int = 1) -> None:
+    """A trainer rank of the torch.distributed run: warm up, then receive each codec's batch ``runs`` times, post
+    the results."""
     import torch.distributed as dist
 
     index = child + 1  # global rank: the driver is 0
@@ -144,15 +145,20 @@ def _dist_rank(child: int, world: int, port: int, codecs: list[str]) -> None:
         worker.warm_up(c, NUM_EXPERTS, TOP_K)
     store.set(f"ready/{index}", "1")
     for c in codecs:
-        staged = backend.attach(f"bench-{c}", timeout=900)
-        res = worker.receive(staged, RankCoords(index - 1), 0, timeout=600, measure=True, return_arrays=False)
-        store.set(f"result/{c}/{index}", orjson.dumps(res))
+        for run in range(runs):
+            staged = backend.attach(f"bench-{c}-{run}", timeout=900)
+            res = worker.receive(staged, RankCoords(index - 1), 0, timeout=600, measure=True, return_arrays=False)
+            store.set(f"result/{c}/{run}/{index}", orjson.dumps(res))
     store.wait(["done"], datetime.timedelta(seconds=900))
     dist.destroy_process_group()
 
 
-def run_dist(routes: Routes, layout: ParallelLayout, codecs: list[str]) -> dict[str, dict]:
-    """Per-rank staging over torch.distributed (gloo): this process is the driver (rank 0), one process per DP rank."""
+def run_dist(routes: Routes, layout: ParallelLayout, codecs: list[str], warmup: int = 0, repeats: int = 1
+             ) -> dict[str, dict]:
+    """Per-rank staging over torch.distributed (gloo): this process is the driver (rank 0), one process per DP rank.
+
+    Each codec is staged ``warmup`` times untimed, then ``repeats`` times; its row is the median run by end to end.
+    """
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
@@ -165,7 +171,9 @@ def run_dist(routes: Routes, layout: ParallelLayout, codecs: list[str]) -> dict[
         "127.0.0.1", port, world, True, timeout=datetime.timedelta(seconds=900), wait_for_workers=False
     )
     print(f"torch.distributed: starting {world - 1} rank processes", flush=True)
-    ctx = mp.start_processes(_dist_rank, args=(world, port, codecs), nprocs=world - 1, join=False, start_method="spawn")
+    ctx = mp.start_processes(
+        _dist_rank, args=(world, port, codecs, warmup + repeats), nprocs=world - 1, join=False, start_method="spawn"
+    )
     dist.init_process_group("gloo", store=store, rank=0, world_size=world, timeout=datetime.timedelta(seconds=900))
     rows = {}
     try:
@@ -173,17 +181,21 @@ def run_dist(routes: Routes, layout: ParallelLayout, codecs: list[str]) -> dict[
         backend = TorchDistBackend(store)
         plan = StagingPlan.build(len(routes), layout)
         for c in codecs:
-            t0 = time.perf_counter()
-            staged, st = stage(routes, plan, backend, codec=c, stage_id=f"bench-{c}")
-            t1 = time.perf_counter()
-            keys = [f"result/{c}/{i}" for i in range(1, world)]
-            store.wait(keys, datetime.timedelta(seconds=900))
-            t2 = time.perf_counter()
-            res = [orjson.loads(store.get(k)) for k in keys]
-            if not all(r["ok"] for r in res):
-                raise RuntimeError(f"staging failed: {[r for r in res if not r['ok']]}")
-            staged.release()
-            rows[c] = _per_rank_row(st, res, t1 - t0, t2 - t0)
+            timed = []
+            for run in range(warmup + repeats):
+                t0 = time.perf_counter()
+                staged, st = stage(routes, plan, backend, codec=c, stage_id=f"bench-{c}-{run}")
+                t1 = time.perf_counter()
+                keys = [f"result/{c}/{run}/{i}" for i in range(1, world)]
+                store.wait(keys, datetime.timedelta(seconds=900))
+                t2 = time.perf_counter()
+                res = [orjson.loads(store.get(k)) for k in keys]
+                if not all(r["ok"] for r in res):
+                    raise RuntimeError(f"staging failed: {[r for r in res if not r['ok']]}")
+                staged.release()
+                if run >= warmup:
+                    timed.append(_per_rank_row(st, res, t1 - t0, t2 - t0))
+            rows[c] = sorted(timed, key=lambda r: r["total"])[len(timed) // 2]
             print(c, "torch.distributed", {k: round(v, 3) if isinstance(v, float) else v for k, v in rows[c].items()})
         store.set("done", "1")
         ctx.join(600)

@@ -23,6 +23,7 @@ BENCHMARKS = {
     "slicing": "shard() throughput and per-rank memory",
     "staging": "per-rank route staging on Ray vs whole-batch put (time, bytes moved, per-worker memory)",
     "replay": "forward+backward overhead of replay",
+    "megatron": "Megatron-core vs transformers trainer per layout: score, update step, weight sync, staging backends",
     "drift": "the drift experiment, writing the committed table bench/results/drift.md",
     "rl": "none vs R2 vs R3 in the GRPO loop over seeds and knobs, writing bench/results/rl.md and reference runs",
 }
