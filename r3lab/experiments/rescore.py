@@ -263,6 +263,13 @@ def rescore_run(run_path: str | os.PathLike[str], *, trainer: str = "hf", tp: in
     return dest
 
 
+def _present(routes: Routes | None, what: str) -> Routes:
+    """The routes, or an error naming which are missing (a scored sample always carries both)."""
+    if routes is None:
+        raise R3LabError(f"rescore: a scored sample has no {what}")
+    return routes
+
+
 def _score_cell(scorer: Any, source: Run, cell: _Cell, stored: tuple[list[RolloutResult], list[np.ndarray] | None],
                 writer: RunWriter, step: int, progress: bool) -> DriftRow:
     results, sampled = stored
@@ -271,9 +278,9 @@ def _score_cell(scorer: Any, source: Run, cell: _Cell, stored: tuple[list[Rollou
     if sampled is not None:
         samples = [_masked(s, m) for s, m in zip(samples, sampled, strict=True)]
     summary = drift_summary(samples)
-    engine = Routes.concat([r.routes for r in results])
-    summary[RLMetric.ENGINE_TRAINER_DISAGREEMENT] = _disagreement(engine, Routes.concat([s.trainer_routes
-                                                                                        for s in samples]))
+    engine = Routes.concat([_present(r.routes, "engine routes") for r in results])
+    summary[RLMetric.ENGINE_TRAINER_DISAGREEMENT] = _disagreement(engine, Routes.concat(
+        [_present(s.trainer_routes, "trainer routes") for s in samples]))
     extra: dict[str, Any] = {"source_step": cell.source_step}
     extra.update({f"source/{k}": v for k, v in cell.source.items()})
     for mode, logp in _source_logps(source, cell.source_step).items():
@@ -309,7 +316,7 @@ def rescore_table(run: Run | str | os.PathLike[str]) -> str:
     for s in r.step_records:
         lines.append(
             f"| {s['source_step']} | {s['model']} | {s['seed']} | {TRAINER_DTYPES.get(s['trainer_dtype'], '?')} "
-            f"({TRAINER_DTYPES.get(s.get('source/trainer_dtype'), '?')}) | {s['tokens']} | "
+            f"({TRAINER_DTYPES.get(str(s.get('source/trainer_dtype')), '?')}) | {s['tokens']} | "
             f"{pair(s, 'flipped_share', '.2%')} | {pair(s, RLMetric.ENGINE_TRAINER_DISAGREEMENT, '.2%')} | "
             f"{pair(s, 'k3_none', '.3e')} | {pair(s, 'k3_r3', '.3e')} | "
             f"{_fmt(s.get('vs_source/max_abs_dlogp_none'), '.1e')} | "
