@@ -26,6 +26,11 @@ BENCHMARKS = {
     "megatron": "Megatron-core vs transformers trainer per layout: score, update step, weight sync, staging backends",
     "drift": "the drift experiment, writing the committed table bench/results/drift.md",
     "rl": "none vs R2 vs R3 in the GRPO loop over seeds and knobs, writing bench/results/rl.md and reference runs",
+    "rl_megatron": "none vs R2 vs R3 with the Megatron trainer (TP2) next to the committed transformers runs",
+    "dial": "the mismatch dial: routing and k3 per simulated engine precision, both models and the deep one",
+    "tasks": "RL tasks and objectives (letter, edges; GRPO, GSPO; long responses) on the quick setting",
+    "staleness": "staleness at matched weights (mismatch and policy lag apart) and multi-turn prefills",
+    "phase": "the phase diagram: models x engine precision x none/R2/R3/TIS/GSPO over seeds, and staleness 0-4",
 }
 
 

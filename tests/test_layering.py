@@ -75,3 +75,12 @@ def test_ruff_is_clean():
     ruff = Path(sys.executable).parent / "ruff"
     r = subprocess.run([str(ruff), "check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+
+
+def test_every_benchmark_script_is_an_r3lab_bench_name():
+    """`r3lab bench NAME` reaches every bench/bench_NAME.py (a new benchmark cannot be left out of the command)."""
+    from r3lab.cli import BENCHMARKS
+
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    scripts = {p.stem.removeprefix("bench_") for p in bench.glob("bench_*.py")}
+    assert scripts == set(BENCHMARKS), (sorted(scripts - set(BENCHMARKS)), sorted(set(BENCHMARKS) - scripts))
