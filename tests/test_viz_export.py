@@ -14,10 +14,10 @@ from r3lab.viz import EXPORT_FORMATS, export, find_chromium, paper_figures
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-# what the committed results hold: the transport table, the drift run (of two models) and RL runs of two models;
-# and the phase diagram's two figures once its runs are committed (bench/results/phase/)
+# what the committed results hold: the transport table, the drift run (of two models), RL runs of two models and
+# the phase diagram's runs (bench/results/phase/: the diagram and its staleness figure)
 PAPER_FIGURES = ("transport", "drift", "expert_load_qwen3", "expert_load_glm4", "rl_k3_glm4", "rl_k3_qwen3",
-                 *(("phase", "phase_staleness") if (RESULTS / "phase").is_dir() else ()))
+                 "phase", "phase_staleness")
 
 
 def check_figure_file(path: Path, min_bytes: int = 4000) -> None:
@@ -91,15 +91,15 @@ def test_the_paper_figures_are_read_from_the_results_not_named_in_the_code(tmp_p
 
     assert list(paper_figure_set(RESULTS)) == list(PAPER_FIGURES)
     results = tmp_path / "results"
-    shutil.copytree(RESULTS, results, ignore=shutil.ignore_patterns("tiny-qwen3-moe-*", "routes", "tokens", "phase"))
+    shutil.copytree(RESULTS, results, ignore=shutil.ignore_patterns("tiny-qwen3-moe-*", "routes", "tokens"))
     shutil.copytree(RESULTS / "drift-run" / "routes", results / "drift-run" / "routes")
     cfg = results / "drift-run" / "config.json"
     meta = json.loads(cfg.read_text())
     meta["config"]["models"] = ["tiny-glm4-moe"]
     cfg.write_text(json.dumps(meta))
-    with pytest.warns(UserWarning, match="phase is missing"):  # the phase runs left out too
-        figures = paper_figure_set(results)
-    assert list(figures) == ["transport", "drift", "expert_load_glm4", "rl_k3_glm4"]  # one RL model left
+    figures = paper_figure_set(results)
+    assert list(figures) == ["transport", "drift", "expert_load_glm4", "rl_k3_glm4", "phase",
+                             "phase_staleness"]  # one RL model left
     assert "bf16 trainer (5 seeds)" in figures["expert_load_glm4"].layout.title.text  # the run's first setting
     for run in (results / "rl").glob("tiny-glm4-moe-default-*"):  # only runs with changed knobs are left
         shutil.rmtree(run)
@@ -109,8 +109,8 @@ def test_the_paper_figures_are_read_from_the_results_not_named_in_the_code(tmp_p
 
 def test_the_phase_figures_come_from_the_phase_runs_and_a_broken_set_is_named(tmp_path):
     """Committed phase runs add the phase diagram and its staleness figure (built from those runs' records);
-    without the folder the other figures still build and a warning names the sweep; a folder without staleness
-    runs or with an unreadable run is an error naming the command that regenerates it."""
+    a missing folder, a folder without staleness runs or with an unreadable run is an error naming the command that
+    regenerates it."""
     import warnings
 
     from test_viz_phase import grid_runs
@@ -121,8 +121,8 @@ def test_the_phase_figures_come_from_the_phase_runs_and_a_broken_set_is_named(tm
 
     results = tmp_path / "results"
     shutil.copytree(RESULTS, results, ignore=shutil.ignore_patterns("phase", "tokens"))
-    with pytest.warns(UserWarning, match=r"phase is missing: `python bench/bench_phase.py` regenerates it"):
-        assert "phase" not in paper_figure_set(results)
+    with pytest.raises(R3LabError, match=r"phase is missing: `python bench/bench_phase.py` regenerates it"):
+        paper_figure_set(results)
     grid_runs(results / "phase")
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -9,7 +9,6 @@ committed (``bench/results/phase/``), the phase diagram and its staleness figure
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -50,8 +49,7 @@ def paper_figure_set(results: str | os.PathLike) -> dict[str, go.Figure]:
 
     Reads only files: ``transport.json``, the reference drift run ``drift-run/``, the reference RL runs ``rl/``
     and the phase-diagram runs ``phase/``. A missing input is an error that names it and the command that
-    regenerates it, never a silently skipped figure; the one exception is ``phase/`` as a whole (its sweep takes
-    about 90 minutes and lands after the rest), whose absence is a warning naming that command.
+    regenerates it, never a silently skipped figure.
     """
     import orjson
 
@@ -92,16 +90,12 @@ def paper_figure_set(results: str | os.PathLike) -> dict[str, go.Figure]:
             raise R3LabError(f"no reference RL runs of {model} with the default knobs in {results / 'rl'}: "
                              "`python bench/bench_rl.py`")
         figures[f"rl_k3_{_short(model)}"] = rl_curves_figure(runs, title=f"{model}: train-inference k3 KL per RL step")
-    figures.update(_phase_figures(results / "phase"))
+    figures.update(_phase_figures(need(results / "phase", PHASE_COMMAND)))
     return figures
 
 
 def _phase_figures(folder: Path) -> dict[str, go.Figure]:
-    """The phase diagram and its staleness figure from the committed phase runs (none: a warning, no figures)."""
-    if not folder.exists():
-        warnings.warn(f"{folder} is missing: `{PHASE_COMMAND}` regenerates it (the phase figures are left out)",
-                      stacklevel=3)
-        return {}
+    """The phase diagram and its staleness figure from the committed phase runs."""
     found = list_runs(folder)
     bad = [f"{p.name}: {r}" for p, r in found if isinstance(r, RunFormatError)]
     if bad:
