@@ -12,6 +12,7 @@ short RL run with ``--trainer megatron``. Megatron runs hold the heavy lock (``f
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -201,17 +202,34 @@ def test_a_megatron_drift_run(tmp_path):
     assert t._closed  # the run ended its ranks
 
 
-def test_a_megatron_rl_run(tmp_path):
-    from r3lab.experiments.rl import run_rl
+def test_a_megatron_rl_run_at_matched_weights_names_glms_group_routing(tmp_path):
+    """GLM on Megatron at staleness 1 with old_logprobs="behaviour" (``r3lab rl --trainer megatron --old-logprobs
+    behaviour --staleness 1``): a second Megatron trainer holds the behaviour weights; the summary and the printed
+    comparison name the group-routing mismatch."""
+    import json
 
-    cfg = RLConfig.quick(trainer="megatron", tp=2, steps=2, prompts_per_step=2, samples_per_prompt=2, max_tokens=8,
-                         mini_batches=2, mode="R3")
-    run = run_rl(cfg, progress=False)
-    assert len(run.steps) == 2
+    from r3lab.experiments.rl import comparison_rows, comparison_table, run_rl
+
+    cfg = RLConfig.quick(model="tiny-glm4-moe", trainer="megatron", tp=2, steps=3, prompts_per_step=2,
+                         samples_per_prompt=2, max_tokens=8, mini_batches=2, mode="R3", staleness=1,
+                         old_logprobs="behaviour")
+    with pytest.warns(UserWarning, match="top_k // topk_group"):
+        run = run_rl(cfg, progress=False, runs_root=tmp_path, run_name="glm-matched")
+    assert len(run.steps) == 3
     for rec in run.steps:
         assert np.isfinite(rec["reward_mean"]) and rec["engine_weight_version"] >= 0
         assert np.isfinite(rec["train/clip_frac"])
-    assert run.steps[-1]["engine_weight_version"] == 1  # the engine took the Megatron trainer's weights
+        assert np.isfinite(rec["async/k3_kl_engine_trainer"]) and np.isfinite(rec["async/k3_kl_policy_lag"])
+    # one update behind: the engine samples step 2 with the weights after update 1, the trainer is at update 2
+    assert [r["engine_weight_version"] for r in run.steps] == [0, 0, 1]
+    assert run.steps[1]["async/k3_kl_policy_lag"] > 0  # behaviour and current weights differ from step 1 on
+    summary = json.loads((run.path / "summary.json").read_text())
+    note = summary["note/group_routing"]
+    assert note.startswith("tiny-glm4-moe: group-limited routing") and "sum of the best 2" in note
+    table = comparison_table(comparison_rows([(run.config, run.steps)]))
+    assert f"Note: {note}" in table
+    hf = comparison_table(comparison_rows([(dataclasses.replace(run.config, trainer="hf", tp=1), run.steps)]))
+    assert "Note:" not in hf  # the transformers trainer routes as the engine does
 
 
 def test_megatron_trainer_module_imports_without_torch_distributed_state():

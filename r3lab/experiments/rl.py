@@ -405,7 +405,7 @@ def run_rl(config: RLConfig, *, engine: RolloutEngine | None = None, runs_root: 
     if engine is None:
         engine = RolloutEngine(path, seed=config.seed, dtype=config.engine_dtype, engine_quant=config.engine_quant)
     writer = None
-    trainer = None
+    trainer = behaviour = None
     try:
         trainer = load_trainer(config, path)
         checkpoint = trainer.export_weights()
@@ -487,9 +487,10 @@ def run_rl(config: RLConfig, *, engine: RolloutEngine | None = None, runs_root: 
     finally:
         if writer is not None:
             writer.close()
-        close = getattr(trainer, "close", None)  # a multi-process trainer (Megatron's ranks) ends them
-        if close is not None:
-            close()
+        for held in (trainer, behaviour):  # a multi-process trainer (Megatron's ranks) ends them
+            close = getattr(held, "close", None)
+            if close is not None:
+                close()
         if own_engine:
             engine.close()
 
