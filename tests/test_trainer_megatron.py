@@ -211,7 +211,7 @@ def test_a_megatron_rl_run_at_matched_weights_names_glms_group_routing(tmp_path)
     from r3lab.experiments.rl import comparison_rows, comparison_table, run_rl
 
     cfg = RLConfig.quick(model="tiny-glm4-moe", trainer="megatron", tp=2, steps=3, prompts_per_step=2,
-                         samples_per_prompt=2, max_tokens=8, mini_batches=2, mode="R3", staleness=1,
+                         samples_per_prompt=4, max_tokens=8, mini_batches=2, mode="R3", staleness=1,
                          old_logprobs="behaviour")
     with pytest.warns(UserWarning, match="top_k // topk_group"):
         run = run_rl(cfg, progress=False, runs_root=tmp_path, run_name="glm-matched")
@@ -222,7 +222,11 @@ def test_a_megatron_rl_run_at_matched_weights_names_glms_group_routing(tmp_path)
         assert np.isfinite(rec["async/k3_kl_engine_trainer"]) and np.isfinite(rec["async/k3_kl_policy_lag"])
     # one update behind: the engine samples step 2 with the weights after update 1, the trainer is at update 2
     assert [r["engine_weight_version"] for r in run.steps] == [0, 0, 1]
-    assert run.steps[1]["async/k3_kl_policy_lag"] > 0  # behaviour and current weights differ from step 1 on
+    # step 0: behaviour and current weights are the checkpoint, in two trainers of one layout: bit-equal scores;
+    # step 1: the behaviour weights are one update behind, so the lag is positive exactly when that update moved them
+    # (a batch whose rewards are all equal has no advantage, no gradient, and AdamW leaves the weights alone)
+    assert run.steps[0]["async/k3_kl_policy_lag"] == 0.0
+    assert (run.steps[1]["async/k3_kl_policy_lag"] > 0) == (run.steps[0]["train/grad_norm"] > 0)
     summary = json.loads((run.path / "summary.json").read_text())
     note = summary["note/group_routing"]
     assert note.startswith("tiny-glm4-moe: group-limited routing") and "sum of the best 2" in note
