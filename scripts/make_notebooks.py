@@ -301,6 +301,8 @@ live_prompts_per_step = 4
 live_samples_per_prompt = 4
 live_max_tokens = 16
 live_timeout_s = 1800  # how long the last cell waits for the live job
+trainer = "hf"  # the trainer of the runs started here: hf (transformers) or megatron (Megatron-core, CPU ranks)
+tp, pp, ep = 1, 1, 1  # the Megatron layout (tensor, pipeline, expert parallel; dp derived); trainer="megatron" only
 out_dir = None  # where runs (and exported figures, in figures/) go; None: data/runs
 """),
     code("""
@@ -337,14 +339,16 @@ importers.in_place(viz.rl_curves_figure, finished, RLMetric.CLIP_FRAC, title="cl
     md("""
 ## Ablation dashboard
 
-Set the controls and press **Run**: `r3lab rl` runs in a child process, the progress bar counts steps as they land,
+Set the controls and press **Run** (the *trainer* control picks transformers or Megatron-core on CPU ranks, whose
+tp / pp / ep fields it then shows): `r3lab rl` runs in a child process, the progress bar counts steps as they land,
 and the figures extend in place (the *layer* control picks the layer of the disagreement figure). A failing job
 shows its output here. **Export** writes the figures into `figures/` of the runs folder.
 """),
     code("""
 dashboard = widgets.AblationDashboard(out_dir, model=model, modes=modes, steps=live_steps,
                                       prompts_per_step=live_prompts_per_step,
-                                      samples_per_prompt=live_samples_per_prompt, max_tokens=live_max_tokens)
+                                      samples_per_prompt=live_samples_per_prompt, max_tokens=live_max_tokens,
+                                      trainer=trainer, tp=tp, pp=pp, ep=ep)
 dashboard
 """),
     md("""
@@ -357,7 +361,7 @@ DIR --name PREFIX ...`: `widgets.monitor(DIR, PREFIX)`. Here the notebook starts
     code("""
 job = widgets.start_rl(out_dir, model=model, modes=modes, steps=live_steps,
                        prompts_per_step=live_prompts_per_step, samples_per_prompt=live_samples_per_prompt,
-                       max_tokens=live_max_tokens)
+                       max_tokens=live_max_tokens, trainer=trainer, tp=tp, pp=pp, ep=ep)
 live = widgets.monitor(job)
 live
 """, "live"),

@@ -248,6 +248,46 @@ def test_the_dashboards_controls_have_distinct_labels_and_rl_config_help(tmp_pat
     dash.close()
 
 
+def test_the_dashboards_megatron_choice_yields_its_layout_in_the_cli_args(tmp_path):
+    def flag(args: list[str], name: str) -> str:
+        return args[args.index(name) + 1]
+
+    dash = AblationDashboard(tmp_path)
+    try:
+        assert [v for _, v in dash.trainer.options] == ["hf", "megatron"] and dash.trainer.value == "hf"
+        assert dash.trainer.tooltip == RLConfig.__dataclass_fields__["trainer"].metadata["help"]
+        assert dash.parallel.layout.display == "none" and all(w.disabled for w in (dash.tp, dash.pp, dash.ep))
+        args = dash.controls_config().to_cli_args(modes=["R3"], seeds=[0])
+        assert (flag(args, "--trainer"), flag(args, "--tp"), flag(args, "--pp"), flag(args, "--ep")) == (
+            "hf", "1", "1", "1")
+        dash.trainer.value = "megatron"  # the layout fields appear, enabled
+        assert dash.parallel.layout.display == "flex" and not any(w.disabled for w in (dash.tp, dash.pp, dash.ep))
+        assert [w.description for w in (dash.tp, dash.pp, dash.ep)] == ["tp", "pp", "ep"]
+        dash.tp.value, dash.pp.value, dash.ep.value = 2, 2, 2
+        config = dash.controls_config()
+        assert (config.trainer, config.tp, config.pp, config.ep, config.dp) == ("megatron", 2, 2, 2, 2)
+        args = config.to_cli_args(modes=["R3"], seeds=[0])
+        assert (flag(args, "--trainer"), flag(args, "--tp"), flag(args, "--pp"), flag(args, "--ep")) == (
+            "megatron", "2", "2", "2")
+        dash.trainer.value = "hf"  # hidden again: the transformers trainer gets no Megatron layout
+        assert dash.parallel.layout.display == "none" and dash.controls_config().tp == 1
+        dash.trainer.value = "megatron"
+        dash.tp.value, dash.pp.value, dash.ep.value = 4, 4, 1
+        dash.ep.value = 2  # 4 x 4 x dp 2 = 32 ranks: RLConfig refuses it, Run says so and starts nothing
+        with pytest.raises(ConfigError, match="at most 16"):
+            dash.controls_config()
+        dash._guarded(dash.run)
+        assert dash.job is None and "at most 16" in html.unescape(dash.status.value)
+    finally:
+        dash.close()
+    mine = AblationDashboard(tmp_path, trainer="megatron", tp=2)  # the controls start from the config given
+    try:
+        assert (mine.trainer.value, mine.tp.value, mine.pp.value, mine.parallel.layout.display) == (
+            "megatron", 2, 1, "flex")
+    finally:
+        mine.close()
+
+
 def test_reference_runs_load():
     runs = load_runs(reference_runs_dir(), "tiny-qwen3-moe-default-")
     assert {r.config["mode"] for r in runs} == {"none", "R2", "R3"} and all(r.finished for r in runs)

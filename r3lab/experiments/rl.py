@@ -56,8 +56,9 @@ import dataclasses
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -66,7 +67,7 @@ from r3lab import metrics
 from r3lab.config import MODES, OLD_LOGPROBS, RLConfig, RLMetric, run_name
 from r3lab.corpus import corpus_prompts
 from r3lab.doctor import diagnose
-from r3lab.errors import ConfigError
+from r3lab.errors import ConfigError, R3LabError
 from r3lab.experiments.multiturn import engine_prefix_cache, prefill_vs_decode, rollout_turns
 from r3lab.experiments.tasks import LetterTask, make_task
 from r3lab.labels import label
@@ -88,6 +89,7 @@ __all__ = [
     "RLRun",
     "load_trainer",
     "scorer_at",
+    "trainer_notes",
     "old_policy",
     "policy_updates",
     "train_step",
@@ -199,6 +201,25 @@ def scorer_at(config: RLConfig, path: str | os.PathLike, weights: Any, *, scorer
     scorer.load_weights(weights)
     loaded: Any = scorer  # a Scorer that also loads weights
     return loaded
+
+
+def trainer_notes(config: Mapping[str, Any]) -> dict[str, str]:
+    """What the run summary and the comparison table must say about the trainer: ``note/group_routing`` when the
+    Megatron trainer routes the model natively differently from the engine by construction (group-limited routing,
+    :func:`r3lab.trainers.megatron.checkpoint.group_routing_mismatch`; the drift table says the same)."""
+    if config.get("trainer") != "megatron":
+        return {}
+    from r3lab.trainers.megatron.checkpoint import model_group_routing
+
+    try:
+        why = model_group_routing(model_dir(config["model"], config.get("data")))
+    except R3LabError as e:  # a run read on a machine without its model: say so, never drop the question
+        return {"note/group_routing": f"{config['model']}: not checked ({e})"}
+    if why is None:
+        return {}
+    return {"note/group_routing": f"{Path(str(config['model'])).name}: {why}. Its \"none\" and R2 runs' "
+            "engine-trainer mismatch includes that difference between the implementations, not numerics; R3 is "
+            "unaffected."}
 
 
 def old_policy(trainer: Trainer, batch: RolloutBatch, config: RLConfig, *,
@@ -391,7 +412,7 @@ def run_rl(config: RLConfig, *, engine: RolloutEngine | None = None, runs_root: 
     if engine is None:
         engine = RolloutEngine(path, seed=config.seed, dtype=config.engine_dtype, engine_quant=config.engine_quant)
     writer = None
-    trainer = None
+    trainer = behaviour = None
     try:
         trainer = load_trainer(config, path)
         checkpoint = trainer.export_weights()
@@ -463,6 +484,7 @@ def run_rl(config: RLConfig, *, engine: RolloutEngine | None = None, runs_root: 
                 on_step(rec)
         summary = _summary(history)
         summary.update(collapse_summary(history))
+        summary.update(trainer_notes(config.to_dict()))
         if writer is not None:
             report = diagnose(writer.path)  # the field's silent failures, checked on what this run wrote
             summary.update(report.summary())
@@ -473,9 +495,10 @@ def run_rl(config: RLConfig, *, engine: RolloutEngine | None = None, runs_root: 
     finally:
         if writer is not None:
             writer.close()
-        close = getattr(trainer, "close", None)  # a multi-process trainer (Megatron's ranks) ends them
-        if close is not None:
-            close()
+        for held in (trainer, behaviour):  # a multi-process trainer (Megatron's ranks) ends them
+            close = getattr(held, "close", None)
+            if close is not None:
+                close()
         if own_engine:
             engine.close()
 
@@ -568,12 +591,15 @@ COMPARISON_METRICS = tuple((key, label(key), fmt) for key, fmt in (  # (record k
 def comparison_rows(steps_by_run: Sequence[tuple[RLConfig | dict, Sequence[dict[str, Any]]]]) -> list[dict[str, Any]]:
     """Per (model, mode): each metric's run mean, as min / median / max over seeds, plus the reward's rise."""
     groups: dict[tuple[str, str], list[Sequence[dict[str, Any]]]] = {}
+    notes: dict[tuple[str, str], dict[str, str]] = {}
     for cfg, steps in steps_by_run:
         c = cfg if isinstance(cfg, dict) else cfg.to_dict()
         groups.setdefault((c["model"], c["mode"]), []).append(steps)
+        notes.setdefault((c["model"], c["mode"]), {}).update(trainer_notes(c))
     rows = []
     for (model, mode), runs in sorted(groups.items(), key=lambda kv: (kv[0][0], MODES.index(kv[0][1]))):
-        row: dict[str, Any] = {"model": model, "mode": mode, "seeds": len(runs), "steps": len(runs[0])}
+        row: dict[str, Any] = {"model": model, "mode": mode, "seeds": len(runs), "steps": len(runs[0]),
+                               "notes": notes.get((model, mode), {})}
         for key, _, _ in COMPARISON_METRICS:
             means = [float(np.mean([s[key] for s in steps if s.get(key) is not None])) for steps in runs]
             row[key] = (min(means), float(np.median(means)), max(means))
@@ -600,4 +626,6 @@ def comparison_table(rows: Sequence[dict[str, Any]]) -> str:
         lo, mid, hi = r["reward_rise"]
         cells.append(f"{mid:+.3f}" if one else f"{mid:+.3f} ({lo:+.3f} - {hi:+.3f})")
         lines.append("| " + " | ".join(cells) + " |")
+    said = list(dict.fromkeys(n for r in rows for n in (r.get("notes") or {}).values()))
+    lines += [line for n in said for line in ("", f"Note: {n}")]  # e.g. a Megatron trainer's group routing
     return "\n".join(lines) + "\n"

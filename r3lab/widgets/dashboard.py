@@ -14,7 +14,7 @@ from typing import Any
 import ipywidgets as widgets
 import plotly.graph_objects as go
 
-from r3lab.config import MODES, RLConfig
+from r3lab.config import MODES, RL_TRAINERS, RLConfig
 from r3lab.errors import ConfigError, R3LabError
 from r3lab.labels import axis_title, label
 from r3lab.moe_layout import MoELayout
@@ -41,6 +41,7 @@ _SHORT = {"bfloat16": "bf16", "float32": "fp32"}
 _DTYPE_PAIRS = (("bf16 / fp32", ("bfloat16", "float32")),  # engine / trainer
                 ("bf16 / bf16, fp32 router", ("bfloat16", "bfloat16")),
                 ("fp32 / fp32", ("float32", "float32")))
+_TRAINER_LABELS = {"hf": "transformers", "megatron": "Megatron-core, CPU ranks"}
 _SLIDER_TOP = {"prompts_per_step": 32, "samples_per_prompt": 16, "steps": 200}  # the sliders' upper ends
 _LABEL_WIDTH = "125px"  # every control: a label column this wide, the control 310 px in all (three columns fit
 _CONTROL = {"width": "310px"}  # the 968 px output area JupyterLab gives with its file browser open)
@@ -81,7 +82,8 @@ class AblationDashboard(widgets.VBox):
     """Run none / R2 / R3 side by side from a notebook and watch the curves grow.
 
     Controls: model, replay modes, temperature, engine / trainer dtypes, prompts per step, samples per prompt,
-    seed, RL steps, metric and layer (tooltips: the RLConfig field's help). **Run** starts ``r3lab rl`` as a
+    seed, RL steps, the trainer (transformers or Megatron-core, with its tp / pp / ep shown for Megatron), metric
+    and layer (tooltips: the RLConfig field's help). **Run** starts ``r3lab rl`` as a
     child process (:func:`start_rl`) writing to ``runs_root`` and follows its runs (progress = steps landed /
     steps asked); a failure shows the job's output tail. **Stop** ends the job and marks its unfinished runs
     stopped on disk (:func:`r3lab.runs.mark_stopped`). **Export** writes the current figures as PNG/SVG/PDF
@@ -120,6 +122,16 @@ class AblationDashboard(widgets.VBox):
         self.dtypes = widgets.Dropdown(options=list(pairs.items()), value=pair, description="engine / trainer",
                                        tooltip=f"engine: {_help('engine_dtype')}; trainer: {_help('trainer_dtype')}",
                                        style=style, layout=widgets.Layout(**_CONTROL))
+        self.trainer = widgets.Dropdown(options=[(_TRAINER_LABELS.get(t, t), t) for t in RL_TRAINERS],
+                                        value=cfg.trainer, description="trainer", tooltip=_help("trainer"),
+                                        style=style, layout=widgets.Layout(**_CONTROL))
+        small = {"description_width": "22px"}  # the Megatron layout: three fields on one 310 px row
+        self.tp, self.pp, self.ep = (
+            widgets.BoundedIntText(value=int(getattr(cfg, k)), min=1, max=16, description=k, tooltip=_help(k),
+                                   style=small, layout=widgets.Layout(width="100px")) for k in ("tp", "pp", "ep"))
+        self.parallel = widgets.HBox([self.tp, self.pp, self.ep], layout=widgets.Layout(**_CONTROL))
+        self.trainer.observe(lambda _: self._show_parallel(), names="value")
+        self._show_parallel()
         self.prompts = _slider(cfg, "prompts_per_step", "prompts / step", style)
         self.samples = _slider(cfg, "samples_per_prompt", "samples / prompt", style)
         self.steps = _slider(cfg, "steps", "RL steps", style)
@@ -154,7 +166,7 @@ class AblationDashboard(widgets.VBox):
         self.layer.observe(lambda _: self._redraw(), names="value")
         controls = widgets.HBox([
             widgets.VBox([self.model, self.modes, self.dtypes, self.temperature]),
-            widgets.VBox([self.prompts, self.samples, self.steps, self.seed]),
+            widgets.VBox([self.prompts, self.samples, self.steps, self.seed, self.trainer, self.parallel]),
             widgets.VBox([self.metric, self.layer, self.progress,
                           widgets.HBox([self.run_button, self.stop_button, self.export_button])]),
         ], layout=widgets.Layout(flex_flow="row wrap", grid_gap="4px 12px"))
@@ -176,13 +188,7 @@ class AblationDashboard(widgets.VBox):
             raise R3LabError("a run is still in progress: wait for it or call close()")
         if not self.modes.value:
             raise ConfigError("pick at least one replay mode")
-        engine_dtype, trainer_dtype = self.dtypes.value
-        config = dataclasses.replace(self.config, model=self.model.value, temperature=float(self.temperature.value),
-                                     engine_dtype=engine_dtype, trainer_dtype=trainer_dtype,
-                                     prompts_per_step=int(self.prompts.value),
-                                     samples_per_prompt=int(self.samples.value), steps=int(self.steps.value),
-                                     seed=int(self.seed.value))
-        config = dataclasses.replace(config, mini_batches=self._mini_batches(config))
+        config = self.controls_config()
         self._runs += 1
         prefix = f"dash-{Path(config.model).name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{self._runs}"
         job = start_rl(self.runs_root, prefix=prefix, config=config, modes=list(self.modes.value), seeds=[config.seed])
@@ -199,6 +205,26 @@ class AblationDashboard(widgets.VBox):
                                     on_update=self._refresh).start()
         self.status.value = f"<div class='r3lab-status'>started {html.escape(prefix)}</div>"
         return job
+
+    def controls_config(self) -> RLConfig:
+        """The RLConfig the controls describe (validated by RLConfig; what **Run** starts): the dashboard's config
+        with the shown knobs replaced. tp / pp / ep count only for the Megatron trainer (1 for transformers)."""
+        engine_dtype, trainer_dtype = self.dtypes.value
+        megatron = self.trainer.value == "megatron"
+        config = dataclasses.replace(self.config, model=self.model.value, temperature=float(self.temperature.value),
+                                     engine_dtype=engine_dtype, trainer_dtype=trainer_dtype,
+                                     prompts_per_step=int(self.prompts.value),
+                                     samples_per_prompt=int(self.samples.value), steps=int(self.steps.value),
+                                     seed=int(self.seed.value), trainer=self.trainer.value,
+                                     **{k: int(getattr(self, k).value) if megatron else 1 for k in ("tp", "pp", "ep")})
+        return dataclasses.replace(config, mini_batches=self._mini_batches(config))
+
+    def _show_parallel(self) -> None:
+        """The Megatron layout fields: shown and enabled for the Megatron trainer only."""
+        megatron = self.trainer.value == "megatron"
+        self.parallel.layout.display = "flex" if megatron else "none"
+        for w in (self.tp, self.pp, self.ep):
+            w.disabled = not megatron
 
     def stop(self) -> None:
         """End the running job (its whole process group), mark its unfinished runs stopped on disk (so the

@@ -3,7 +3,8 @@
 * :mod:`~r3lab.trainers.megatron.cpu`: the CPU patches of megatron-core 0.16.1, the local layer spec, the
   parallel-group setup.
 * :mod:`~r3lab.trainers.megatron.checkpoint`: :func:`build_model` loads a Hugging Face checkpoint
-  (mbridge's mappings) into this rank's GPTModel chunks; :func:`export_hf_state_dict` gathers them back.
+  (mbridge's mappings) into this rank's GPTModel chunks; :func:`export_hf_state_dict` gathers them back
+  (:func:`load_checkpoint` also takes exported weights saved as safetensors).
 * :mod:`~r3lab.trainers.megatron.forward`: masks, the forward-only pipeline pass, token log-probs.
 * :mod:`~r3lab.trainers.megatron.launch`: :func:`launch` runs a function on spawned gloo ranks.
 * :mod:`~r3lab.trainers.megatron.trainer`: :class:`MegatronTrainer`, long-lived ranks
@@ -18,11 +19,13 @@ from r3lab.trainers.megatron.checkpoint import (
     MegatronLoadError,
     MegatronModel,
     build_model,
+    checkpoint_shapes,
     checkpoint_state_dict,
     export_hf_state_dict,
     group_routing_mismatch,
     layout_for,
     load_checkpoint,
+    model_group_routing,
 )
 from r3lab.trainers.megatron.cpu import (
     CPU_CONFIG,
@@ -45,6 +48,7 @@ __all__ = [
     "MegatronModel",
     "build_model",
     "causal_mask",
+    "checkpoint_shapes",
     "checkpoint_state_dict",
     "cpu_patches_applied",
     "destroy_parallel",
@@ -57,6 +61,7 @@ __all__ = [
     "layout_for",
     "load_checkpoint",
     "local_block_spec",
+    "model_group_routing",
     "patch_megatron_for_cpu",
     "pipeline_forward",
     "token_logprobs",

@@ -34,6 +34,7 @@ import dataclasses
 import json
 import re
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,8 @@ __all__ = [
     "load_checkpoint",
     "export_hf_state_dict",
     "checkpoint_state_dict",
+    "checkpoint_shapes",
+    "model_group_routing",
 ]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -307,11 +310,16 @@ def _mapped(model: MegatronModel):
             yield chunk, name, t, te, hf
 
 
-def load_checkpoint(model: MegatronModel) -> None:
-    """Copy the checkpoint's tensors into this rank's shards (every tensor checked by name and shape)."""
+def load_checkpoint(model: MegatronModel, files: Sequence[str | Path] | None = None) -> None:
+    """Copy the checkpoint's tensors into this rank's shards (every tensor checked by name and shape).
+
+    ``files``: safetensors files holding the checkpoint's names (default: ``model.model_dir``'s), e.g. exported
+    weights saved by :meth:`~r3lab.trainers.megatron.trainer.MegatronTrainer.load_weights`; each rank reads only
+    the tensors its shards need and converts them to the model's dtype.
+    """
     from safetensors import safe_open
 
-    files = sorted(model.model_dir.glob("*.safetensors"))
+    files = sorted(model.model_dir.glob("*.safetensors")) if files is None else [Path(f) for f in files]
     if not files:
         raise MegatronLoadError(f"{model.model_dir} has no .safetensors file")
     where: dict[str, Path] = {}
@@ -386,6 +394,22 @@ def export_hf_state_dict(model: MegatronModel, *, dst: int = 0) -> dict[str, tor
                 raise MegatronLoadError(f"two ranks exported {n!r} (rank {r} and an earlier one): ownership is wrong")
             out[n] = x
     return dict(sorted(out.items()))
+
+
+def checkpoint_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
+    """The checkpoint's tensor names and shapes, read from the safetensors headers (no tensor is loaded)."""
+    from safetensors import safe_open
+
+    out: dict[str, tuple[int, ...]] = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            out.update({k: tuple(h.get_slice(k).get_shape()) for k in h.keys()})
+    return dict(sorted(out.items()))
+
+
+def model_group_routing(model_dir: str | Path) -> str | None:
+    """:func:`group_routing_mismatch` of the checkpoint in ``model_dir`` (its config.json)."""
+    return group_routing_mismatch(_read_config(Path(model_dir)))
 
 
 def checkpoint_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:

@@ -19,14 +19,18 @@ The DP split is contiguous (``r3lab.slicing.dp_sequence_ids``); a batch that doe
 with copies of its last sample, scored and discarded (no loss). ``policy_step`` runs the forward and backward
 through the pipeline stages (REPLAY_FORWARD, then REPLAY_BACKWARD), the clipped objective of
 :mod:`r3lab.trainers.loss` over the mini-batch's tokens, gradient all-reduce (DP; expert-DP for expert
-parameters; SP norms and routers over TP), clipping on the global norm and torch AdamW on every rank.
+parameters; SP norms and routers over TP), clipping on the global norm and torch AdamW on every rank; the
+whole :class:`~r3lab.trainers.base.PolicyUpdate` (GRPO or GSPO, loss mask, per-token weights) as the transformers
+trainer applies it. ``load_weights`` takes exported weights back (matched-weights scoring under staleness).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
+import tempfile
 import time
 import warnings
 from collections.abc import Mapping
@@ -320,15 +324,27 @@ class MegatronTrainer(Closing):
         for k, a in arrays.items():
             if a.shape != (n_tok,):
                 raise ConfigError(f"PolicyUpdate.{k} has shape {a.shape}; the batch scores {n_tok} tokens")
+        if update.loss == "gspo" and update.token_sample is not None and not np.array_equal(
+                np.asarray(update.token_sample), batch.token_sample):
+            raise ConfigError("PolicyUpdate.token_sample must be the batch's token_sample (each token's sample)")
+        clipped_policy_loss(torch.from_numpy(arrays["old_logprobs"]).float(),  # a bad update raises here, not on
+                            dataclasses.replace(update, token_sample=batch.token_sample))  # a rank
         payload, shares, total = self._padded(batch)
         ends = np.cumsum(batch.response_lengths)
         index = [np.arange(e - k, e) for e, k in zip(ends, batch.response_lengths, strict=True)]
+        mask = None if update.loss_mask is None else np.asarray(update.loss_mask, dtype=bool)
+        kept = batch.token_sample if mask is None else batch.token_sample[mask]
         upd = dict(old=arrays["old_logprobs"], adv=arrays["advantages"], infer=arrays["infer_logprobs"], index=index,
-                   clip_eps=update.clip_eps, tis_cap=update.tis_cap, max_grad_norm=update.max_grad_norm)
+                   clip_eps=update.clip_eps, tis_cap=update.tis_cap, max_grad_norm=update.max_grad_norm,
+                   loss=update.loss, clip_eps_high=update.clip_eps_high, loss_mask=mask,
+                   token_weights=None if update.token_weights is None else np.asarray(update.token_weights,
+                                                                                    dtype=np.float64),
+                   # what the loss averages over: kept tokens (grpo) or samples with a kept token (gspo)
+                   loss_count=len(np.unique(kept)) if update.loss == "gspo" else len(kept))
         staged_info, staged = self._stage(batch, routes, total)
         try:
             replies = self._call("policy_step", batch=payload, shares=shares, staged=staged_info, update=upd,
-                                 real_samples=len(batch), total_tokens=n_tok)
+                                 real_samples=len(batch))
         finally:
             if not self._closed:
                 self._release(staged)
@@ -336,7 +352,8 @@ class MegatronTrainer(Closing):
             self._replay_counts(replies, "policy_step")
         logp = self._flat(replies, "logprobs", len(batch))
         ent = self._flat(replies, "entropy", len(batch))
-        stats = clipped_policy_loss(torch.from_numpy(logp).float(), update).stats(update.clip_eps)
+        stats = clipped_policy_loss(torch.from_numpy(logp).float(),
+                                    dataclasses.replace(update, token_sample=batch.token_sample)).stats()
         self.timings["policy_step"].append(time.perf_counter() - t0)
         return PolicyStepStats(loss=float(stats["loss"] or 0.0), clip_frac=float(stats["clip_frac"] or 0.0),
                                approx_kl=float(stats["approx_kl"] or 0.0),
@@ -356,6 +373,40 @@ class MegatronTrainer(Closing):
             out[n] = t.view(torch.bfloat16) if kind == "bfloat16" else t
         self.timings["export"].append(time.perf_counter() - t0)
         return out
+
+    def load_weights(self, weights: Mapping[str, Any]) -> None:
+        """The inverse of :meth:`export_weights` (:class:`~r3lab.trainers.base.LoadsWeights`): checkpoint-named
+        weights (every name of the checkpoint, its shapes) into every rank's shards, converted to the model's dtype.
+
+        The driver checks names and shapes against the checkpoint, saves the weights as one safetensors file and
+        every rank loads its TP/PP/EP shard from it as it loaded the checkpoint (:func:`load_checkpoint`). Exact:
+        exporting again gives the same tensors (in the model's dtype). The optimizer's state is kept, as
+        :meth:`HFTrainer.load_weights <r3lab.trainers.hf.HFTrainer.load_weights>` keeps it.
+        """
+        import torch
+        from safetensors.torch import save_file
+
+        from r3lab.trainers.megatron.checkpoint import checkpoint_shapes
+
+        t0 = time.perf_counter()
+        want = checkpoint_shapes(self.model_dir)
+        got = {}
+        for n, t in weights.items():
+            if not isinstance(t, torch.Tensor):
+                raise ConfigError(f"load_weights: {n!r} is a {type(t).__name__}, not a torch tensor")
+            got[n] = t
+        missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+        if missing or extra:
+            raise ConfigError(f"load_weights: the weights lack {missing[:6]} and have unknown names {extra[:6]} "
+                              f"({len(missing)} missing, {len(extra)} unknown; {self.model_dir.name}'s names)")
+        bad = [f"{n} {tuple(got[n].shape)} (checkpoint {want[n]})" for n in want if tuple(got[n].shape) != want[n]]
+        if bad:
+            raise ConfigError(f"load_weights: shapes differ from {self.model_dir.name}'s: {bad[:6]}")
+        with tempfile.TemporaryDirectory(prefix="r3lab_megatron_load_") as d:
+            path = os.path.join(d, "weights.safetensors")
+            save_file({n: t.detach().to("cpu").contiguous().clone() for n, t in got.items()}, path)
+            self._call("load", path=path)
+        self.timings.setdefault("load", []).append(time.perf_counter() - t0)
 
 
 def _td(seconds: float):

@@ -1,7 +1,8 @@
 """One trainer rank of :class:`~r3lab.trainers.megatron.trainer.MegatronTrainer`: a long-lived gloo process.
 
 :func:`rank_main` joins the ranks' gloo world, builds this rank's GPTModel shard (:func:`build_model`), reports
-ready, then serves the driver's commands from its pipe until ``close``: ``score``, ``policy_step``, ``export``.
+ready, then serves the driver's commands from its pipe until ``close``: ``score``, ``policy_step``, ``export``,
+``load``.
 Each command's reply is ``("ok", result)`` or ``("error", traceback)``; results are numpy (no tensors cross the
 pipe). Routes arrive through :mod:`r3lab.staging` (:class:`StoreBackend`): this rank receives only its DP
 share's chunk, :func:`~r3lab.slicing.shard_local` slices it and :func:`~r3lab.replay.megatron_replay` replays it.
@@ -197,7 +198,7 @@ class RankState:
         return out
 
     def policy_step(self, batch: dict, shares: list[list[int]], staged: dict | None, update: dict,
-                    real_samples: int, total_tokens: int) -> dict:
+                    real_samples: int) -> dict:
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
         from r3lab.trainers.base import PolicyUpdate
@@ -216,15 +217,24 @@ class RankState:
             # a copy: Megatron's cross entropy works in place on its input (a view of y when B == 1)
             lp = -vocab_parallel_cross_entropy(y[:, :-1].float().contiguous().clone(), tokens[:, 1:])
             parts = [lp[b, pl[i] - 1 : len(seqs[i]) - 1] for b, i in keep]
+            loss = lp.sum() * 0.0
             if parts:
-                cur = torch.cat(parts)
                 sel = np.concatenate([update["index"][i] for _, i in keep])
-                mb = PolicyUpdate(old_logprobs=update["old"][sel], advantages=update["adv"][sel],
-                                  infer_logprobs=update["infer"][sel], clip_eps=update["clip_eps"],
-                                  tis_cap=update["tis_cap"], max_grad_norm=update["max_grad_norm"])
-                loss = clipped_policy_loss(cur, mb).loss * (cur.numel() / total_tokens)
-            else:
-                loss = lp.sum() * 0.0
+                sample = np.repeat(np.arange(len(keep)), [len(update["index"][i]) for _, i in keep])
+                mask = np.ones(len(sel), dtype=bool) if update["loss_mask"] is None else update["loss_mask"][sel]
+                if mask.any():  # the loss mask applied here, as clipped_policy_loss applies it (same terms)
+                    cur = torch.cat(parts)[torch.from_numpy(mask)]
+                    sel, sample = sel[mask], np.unique(sample[mask], return_inverse=True)[1]
+                    weights = update["token_weights"]
+                    mb = PolicyUpdate(old_logprobs=update["old"][sel], advantages=update["adv"][sel],
+                                      infer_logprobs=update["infer"][sel], clip_eps=update["clip_eps"],
+                                      tis_cap=update["tis_cap"], max_grad_norm=update["max_grad_norm"],
+                                      token_weights=None if weights is None else weights[sel], loss=update["loss"],
+                                      clip_eps_high=update["clip_eps_high"], token_sample=sample)
+                    # this rank's share of the mini-batch's mean (over kept tokens, or kept samples for gspo):
+                    # the DP all-reduce sums the shares' gradients into the gradient of the whole mean
+                    share = (int(sample.max()) + 1 if update["loss"] == "gspo" else len(sel)) / update["loss_count"]
+                    loss = clipped_policy_loss(cur, mb).loss * share
             loss.backward()
             with torch.no_grad():
                 full = gather_vocab(y.detach()).float()
@@ -278,6 +288,12 @@ class RankState:
             for p in self.params:
                 p.grad.mul_(coef)
         return norm
+
+    def load(self, path: str) -> None:
+        """This rank's shards from a safetensors file of checkpoint-named weights (the driver's ``load_weights``)."""
+        from r3lab.trainers.megatron.checkpoint import load_checkpoint
+
+        load_checkpoint(self.model, files=[path])
 
     def export(self) -> dict | None:
         from r3lab.trainers.megatron.checkpoint import export_hf_state_dict
