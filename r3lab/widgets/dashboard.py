@@ -216,7 +216,8 @@ class AblationDashboard(widgets.VBox):
                                      prompts_per_step=int(self.prompts.value),
                                      samples_per_prompt=int(self.samples.value), steps=int(self.steps.value),
                                      seed=int(self.seed.value), trainer=self.trainer.value,
-                                     **{k: int(getattr(self, k).value) if megatron else 1 for k in ("tp", "pp", "ep")})
+                                     tp=int(self.tp.value) if megatron else 1, pp=int(self.pp.value) if megatron else 1,
+                                     ep=int(self.ep.value) if megatron else 1)
         return dataclasses.replace(config, mini_batches=self._mini_batches(config))
 
     def _show_parallel(self) -> None:
