@@ -1,4 +1,4 @@
-"""Write every notebook, notebooks/01-04, from the cells below (one way of authoring them all): thin cells calling
+"""Write every notebook under notebooks/ from the cells below (one way of authoring them all): thin cells calling
 r3lab, one tagged ``parameters`` cell, no outputs, the r3lab kernelspec, and the CI-sized parameters in
 ``metadata["r3lab"]`` (tests/test_notebooks.py injects them).
 

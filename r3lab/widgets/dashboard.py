@@ -22,6 +22,7 @@ from r3lab.paths import MODELS, model_dir, runs_dir
 from r3lab.runs import RunFollower, mark_stopped
 from r3lab.viz import ONE_COLUMN, export
 from r3lab.viz.style import wrap
+from r3lab.widgets.controls import CONTROL, LABEL_WIDTH, field_help, show_errors
 from r3lab.widgets.jobs import RLJob, rl_config, start_rl
 from r3lab.widgets.live import (
     DEFAULT_METRICS,
@@ -43,13 +44,6 @@ _DTYPE_PAIRS = (("bf16 / fp32", ("bfloat16", "float32")),  # engine / trainer
                 ("fp32 / fp32", ("float32", "float32")))
 _TRAINER_LABELS = {"hf": "transformers", "megatron": "Megatron-core, CPU ranks"}
 _SLIDER_TOP = {"prompts_per_step": 32, "samples_per_prompt": 16, "steps": 200}  # the sliders' upper ends
-_LABEL_WIDTH = "125px"  # every control: a label column this wide, the control 310 px in all (three columns fit
-_CONTROL = {"width": "310px"}  # the 968 px output area JupyterLab gives with its file browser open)
-
-
-def _help(name: str) -> str:
-    """The RLConfig field's help text (the same words as ``r3lab rl --help``), for a control's tooltip."""
-    return str(RLConfig.__dataclass_fields__[name].metadata.get("help", ""))
 
 
 def _lowest_accepted(name: str, limit: int = 64) -> int:
@@ -67,7 +61,7 @@ def _slider(config: RLConfig, name: str, label: str, style: dict[str, str]) -> w
     """A slider over an RLConfig field: its value from ``config``, its lower end RLConfig's own minimum."""
     v = int(getattr(config, name))
     return widgets.IntSlider(value=v, min=_lowest_accepted(name), max=max(_SLIDER_TOP[name], v), description=label,
-                             tooltip=_help(name), style=style, layout=widgets.Layout(**_CONTROL))
+                             tooltip=field_help(name), style=style, layout=widgets.Layout(**CONTROL))
 
 
 def _moe_layers(model: str) -> list[int]:
@@ -105,43 +99,44 @@ class AblationDashboard(widgets.VBox):
         self.follower: RunFollower | None = None
         self._runs = 0
         self._draw_lock = threading.RLock()  # the follower's thread and the controls both redraw
-        style = {"description_width": _LABEL_WIDTH}
-        box = widgets.Layout(**_CONTROL)
+        style = {"description_width": LABEL_WIDTH}
+        box = widgets.Layout(**CONTROL)
         self.model = widgets.Dropdown(options=list(dict.fromkeys([cfg.model, *MODELS])), value=cfg.model,
-                                      description="model", tooltip=_help("model"), style=style, layout=box)
+                                      description="model", tooltip=field_help("model"), style=style, layout=box)
         self.modes = widgets.SelectMultiple(options=MODES, value=tuple(modes), description="replay modes", rows=3,
-                                            tooltip=_help("mode"), style=style, layout=widgets.Layout(**_CONTROL))
+                                            tooltip=field_help("mode"), style=style, layout=widgets.Layout(**CONTROL))
         self.temperature = widgets.FloatSlider(value=cfg.temperature, min=0.1, max=max(2.0, cfg.temperature), step=0.1,
                                                readout_format=".1f", description="temperature",
-                                               tooltip=_help("temperature"), style=style,
-                                               layout=widgets.Layout(**_CONTROL))
+                                               tooltip=field_help("temperature"), style=style,
+                                               layout=widgets.Layout(**CONTROL))
         pairs = dict(_DTYPE_PAIRS)
         pair = (cfg.engine_dtype, cfg.trainer_dtype)
         if pair not in pairs.values():
             pairs[f"{_SHORT.get(pair[0], pair[0])} / {_SHORT.get(pair[1], pair[1])}"] = pair
         self.dtypes = widgets.Dropdown(options=list(pairs.items()), value=pair, description="engine / trainer",
-                                       tooltip=f"engine: {_help('engine_dtype')}; trainer: {_help('trainer_dtype')}",
-                                       style=style, layout=widgets.Layout(**_CONTROL))
+                                       tooltip=f"engine: {field_help('engine_dtype')}; "
+                                               f"trainer: {field_help('trainer_dtype')}",
+                                       style=style, layout=widgets.Layout(**CONTROL))
         self.trainer = widgets.Dropdown(options=[(_TRAINER_LABELS.get(t, t), t) for t in RL_TRAINERS],
-                                        value=cfg.trainer, description="trainer", tooltip=_help("trainer"),
-                                        style=style, layout=widgets.Layout(**_CONTROL))
+                                        value=cfg.trainer, description="trainer", tooltip=field_help("trainer"),
+                                        style=style, layout=widgets.Layout(**CONTROL))
         small = {"description_width": "22px"}  # the Megatron layout: three fields on one 310 px row
         self.tp, self.pp, self.ep = (
-            widgets.BoundedIntText(value=int(getattr(cfg, k)), min=1, max=16, description=k, tooltip=_help(k),
+            widgets.BoundedIntText(value=int(getattr(cfg, k)), min=1, max=16, description=k, tooltip=field_help(k),
                                    style=small, layout=widgets.Layout(width="100px")) for k in ("tp", "pp", "ep"))
-        self.parallel = widgets.HBox([self.tp, self.pp, self.ep], layout=widgets.Layout(**_CONTROL))
+        self.parallel = widgets.HBox([self.tp, self.pp, self.ep], layout=widgets.Layout(**CONTROL))
         self.trainer.observe(lambda _: self._show_parallel(), names="value")
         self._show_parallel()
         self.prompts = _slider(cfg, "prompts_per_step", "prompts / step", style)
         self.samples = _slider(cfg, "samples_per_prompt", "samples / prompt", style)
         self.steps = _slider(cfg, "steps", "RL steps", style)
-        self.seed = widgets.IntText(value=cfg.seed, description="seed", tooltip=_help("seed"), style=style,
-                                    layout=widgets.Layout(**_CONTROL))
+        self.seed = widgets.IntText(value=cfg.seed, description="seed", tooltip=field_help("seed"), style=style,
+                                    layout=widgets.Layout(**CONTROL))
         self.metric = widgets.Dropdown(options=list(dict.fromkeys([metric, *DEFAULT_METRICS])), value=metric,
-                                       description="metric", style=style, layout=widgets.Layout(**_CONTROL))
+                                       description="metric", style=style, layout=widgets.Layout(**CONTROL))
         self.layer = widgets.Dropdown(options=_moe_layers(cfg.model), description="layer",
                                       tooltip="the MoE layer of the routing-disagreement figure", style=style,
-                                      layout=widgets.Layout(**_CONTROL))
+                                      layout=widgets.Layout(**CONTROL))
         self.run_button = widgets.Button(description="Run", button_style="primary", icon="play",
                                          layout=widgets.Layout(width="96px"))
         self.export_button = widgets.Button(description="Export", icon="download", layout=widgets.Layout(width="110px"),
@@ -149,7 +144,7 @@ class AblationDashboard(widgets.VBox):
         self.stop_button = widgets.Button(description="Stop", icon="stop", layout=widgets.Layout(width="96px"))
         self.progress = widgets.IntProgress(value=0, min=0, max=1, description="progress",
                                             tooltip="steps landed / steps asked, over every run", style=style,
-                                            layout=widgets.Layout(**_CONTROL))
+                                            layout=widgets.Layout(**CONTROL))
         self.status = widgets.HTML("<div class='r3lab-status'>ready</div>")
         self.messages = widgets.HTML("")
         self.curve_view = LiveFigure(label(metric), metric)
@@ -177,10 +172,7 @@ class AblationDashboard(widgets.VBox):
 
     # -- actions
     def _guarded(self, action: Callable[[], Any]) -> None:
-        try:
-            action()
-        except R3LabError as e:
-            self.status.value = f"<div class='r3lab-status'><b style='color:#d62728'>{html.escape(str(e))}</b></div>"
+        show_errors(self.status, action)
 
     def run(self) -> RLJob:
         """Start the experiment the controls describe and follow it (what the Run button does)."""

@@ -27,7 +27,7 @@ from r3lab.paths import MODELS, runs_dir
 from r3lab.runs import RunFollower, load, mark_stopped
 from r3lab.runs.phase import phase_objective, phase_record
 from r3lab.viz import phase_figure
-from r3lab.widgets.dashboard import _CONTROL, _LABEL_WIDTH, _help
+from r3lab.widgets.controls import CONTROL, LABEL_WIDTH, field_help, show_errors
 from r3lab.widgets.jobs import RLJob, rl_config, start_rl
 from r3lab.widgets.live import LiveFigure, set_steps, set_traces, status_html, value
 
@@ -75,26 +75,26 @@ class DialWidget(widgets.VBox):
         self._placed: set[str] = set()
         self._runs = 0
         self._lock = threading.RLock()  # the follower's thread and the controls both redraw
-        style = {"description_width": _LABEL_WIDTH}
+        style = {"description_width": LABEL_WIDTH}
         models = list(dict.fromkeys([cfg.model, *(r["model"] for r in self.records), *MODELS]))
-        self.model = widgets.Dropdown(options=models, value=cfg.model, description="model", tooltip=_help("model"),
-                                      style=style, layout=widgets.Layout(**_CONTROL))
+        self.model = widgets.Dropdown(options=models, value=cfg.model, description="model", tooltip=field_help("model"),
+                                      style=style, layout=widgets.Layout(**CONTROL))
         self.engine_quant = widgets.SelectionSlider(options=ENGINE_QUANTS, value=cfg.engine_quant,
-                                                    description="engine precision", tooltip=_help("engine_quant"),
-                                                    style=style, layout=widgets.Layout(**_CONTROL))
+                                                    description="engine precision", tooltip=field_help("engine_quant"),
+                                                    style=style, layout=widgets.Layout(**CONTROL))
         self.objective = widgets.Dropdown(
             options=list(PHASE_OBJECTIVES), value=objective, description="objective", style=style,
             tooltip="; ".join(f"{k}: " + ", ".join(f"{f}={v}" for f, v in fs.items())
-                              for k, fs in PHASE_OBJECTIVES.items()), layout=widgets.Layout(**_CONTROL))
-        self.seed = widgets.IntText(value=cfg.seed, description="seed", tooltip=_help("seed"), style=style,
-                                    layout=widgets.Layout(**_CONTROL))
+                              for k, fs in PHASE_OBJECTIVES.items()), layout=widgets.Layout(**CONTROL))
+        self.seed = widgets.IntText(value=cfg.seed, description="seed", tooltip=field_help("seed"), style=style,
+                                    layout=widgets.Layout(**CONTROL))
         self.steps = widgets.IntSlider(value=cfg.steps, min=1, max=max(_STEPS_TOP, cfg.steps), description="RL steps",
-                                       tooltip=_help("steps"), style=style, layout=widgets.Layout(**_CONTROL))
+                                       tooltip=field_help("steps"), style=style, layout=widgets.Layout(**CONTROL))
         self.start_button = widgets.Button(description="Start", button_style="primary", icon="play",
                                            layout=widgets.Layout(width="96px"))
         self.stop_button = widgets.Button(description="Stop", icon="stop", layout=widgets.Layout(width="96px"))
         self.progress = widgets.IntProgress(value=0, min=0, max=1, description="steps", style=style,
-                                            layout=widgets.Layout(**_CONTROL))
+                                            layout=widgets.Layout(**CONTROL))
         self.status = widgets.HTML("<div class='r3lab-status'>pick a point of the diagram and press Start</div>")
         self.views = {m: LiveFigure(f"your run: {m}", m) for m in _LIVE_METRICS}
         self.figures = {m: v.figure for m, v in self.views.items()}
@@ -125,10 +125,7 @@ class DialWidget(widgets.VBox):
 
     # -- actions
     def _guarded(self, action: Any) -> None:
-        try:
-            action()
-        except R3LabError as e:
-            self.status.value = f"<div class='r3lab-status'><b style='color:#d62728'>{html.escape(str(e))}</b></div>"
+        show_errors(self.status, action)
 
     def start(self) -> RLJob:
         """Start the run the controls describe and follow it (what the Start button does)."""
