@@ -73,6 +73,32 @@ def test_every_choice_of_the_dial_is_the_config_the_child_gets(tmp_path):
         DialWidget([], tmp_path, objective="GRPO")
 
 
+def _shown(view):
+    return view.widget.outputs[0]["data"]["application/vnd.plotly.v1+json"]
+
+
+def test_before_start_the_live_figures_say_what_will_appear_and_how_to_start_it(tmp_path):
+    from r3lab.labels import label
+    from r3lab.widgets.live import set_traces
+
+    dial = DialWidget([], tmp_path / "runs", steps=4)
+    try:
+        for metric, view in dial.views.items():
+            page = _shown(view)
+            assert page["layout"]["title"]["text"] == f"your run: {label(metric)}"  # the label table's, no raw key
+            assert metric not in page["layout"]["title"]["text"]
+            (note,) = page["layout"]["annotations"]
+            assert label(metric) in note["text"] and "Start" in note["text"]
+            assert page["layout"]["xaxis"]["visible"] is False and page["layout"]["yaxis"]["visible"] is False
+            assert not view.figure.layout.annotations  # the note is drawn in place, not put into the figure
+            set_traces(view.figure, [("R3", "R3", "R3", "solid", [0, 1], [0.2, 0.3])])
+            assert view.draw()
+            page = _shown(view)
+            assert not page["layout"].get("annotations") and page["layout"]["xaxis"].get("visible", True)
+    finally:
+        dial.close()
+
+
 def test_start_runs_r3lab_rl_with_the_choice_and_places_the_finished_run_on_the_diagram(tmp_path, monkeypatch):
     import r3lab.widgets.jobs as jobs
 

@@ -23,6 +23,7 @@ import plotly.graph_objects as go
 
 from r3lab.config import ENGINE_QUANTS, PHASE_OBJECTIVES, RLConfig, RLMetric
 from r3lab.errors import ConfigError, R3LabError
+from r3lab.labels import label
 from r3lab.paths import MODELS, runs_dir
 from r3lab.runs import RunFollower, load, mark_stopped
 from r3lab.runs.phase import phase_objective, phase_record
@@ -35,6 +36,8 @@ __all__ = ["DialWidget", "objective_config"]
 
 _STEPS_TOP = 200  # the steps slider's upper end
 _LIVE_METRICS = (RLMetric.REWARD, RLMetric.K3_KL)
+_EMPTY_NOTE = ("your run's {} per RL step appears here<br>"
+               "choose a model, precision, objective and seed above and press <b>Start</b>")
 
 
 def objective_config(config: RLConfig, objective: str) -> RLConfig:
@@ -96,7 +99,8 @@ class DialWidget(widgets.VBox):
         self.progress = widgets.IntProgress(value=0, min=0, max=1, description="steps", style=style,
                                             layout=widgets.Layout(**CONTROL))
         self.status = widgets.HTML("<div class='r3lab-status'>pick a point of the diagram and press Start</div>")
-        self.views = {m: LiveFigure(f"your run: {m}", m) for m in _LIVE_METRICS}
+        self.views = {m: LiveFigure(f"your run: {label(m)}", m, empty_note=_EMPTY_NOTE.format(label(m)))
+                      for m in _LIVE_METRICS}
         self.figures = {m: v.figure for m, v in self.views.items()}
         self.diagram_view = LiveFigure("the phase diagram", RLMetric.REWARD, height=680)
         self.diagram_note = widgets.HTML()

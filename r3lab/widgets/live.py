@@ -54,9 +54,13 @@ class LiveFigure:
 
     Edit :attr:`figure` (a ``go.Figure``) from any thread, then call :meth:`draw`: the whole figure is sent as
     one value, so what the page shows is always the latest figure, never a sum of edits that may be lost.
+
+    ``empty_note``: what the figure says in place while it has no data (what will appear, and how to make it
+    appear), drawn instead of an empty axis box; it goes as soon as the figure holds a trace.
     """
 
-    def __init__(self, title: str, metric: str, height: int = 380):
+    def __init__(self, title: str, metric: str, height: int = 380, empty_note: str | None = None):
+        self.empty_note = empty_note
         self.figure = go.Figure()
         log = metric.startswith(LOG_METRICS)
         # the y title wrapped to the plot's height (a long one ran into the figure's title); before any point, a
@@ -75,7 +79,7 @@ class LiveFigure:
     def draw(self) -> bool:
         """Show the figure as it is now (nothing is sent if the page already shows exactly this); True if sent."""
         with self._lock:
-            spec = pio.to_json(self.figure, validate=False)
+            spec = pio.to_json(self._shown_figure(), validate=False)
             if spec == self._shown:
                 return False
             data = json.loads(spec)
@@ -85,6 +89,18 @@ class LiveFigure:
                                     "data": {PLOTLY_MIME: data, "text/plain": f"<plotly figure: {title}>"}},)
             self._shown = spec
             return True
+
+    def _shown_figure(self) -> go.Figure:
+        """The figure as the page should show it: with no data and an :attr:`empty_note`, the note in place of
+        the axes (plotly would draw an empty -1..6 by -1..4 box)."""
+        if self.figure.data or not self.empty_note:
+            return self.figure
+        shown = go.Figure(self.figure)
+        shown.update_xaxes(visible=False)
+        shown.update_yaxes(visible=False)
+        shown.add_annotation(text=self.empty_note, xref="paper", yref="paper", x=0.5, y=0.5, showarrow=False,
+                             align="center", font={"size": 14})
+        return shown
 
 
 Series = tuple[str, str, str, str, list[int], list[float | None]]  # key, label, mode, dash, x, y
