@@ -229,7 +229,12 @@ def _import(args: argparse.Namespace) -> None:
 
     opts = {name: getattr(args, name) for name in args.options}
     path = import_run(args.kind, args.src, args.out, **opts)
-    print(f"imported {args.kind} dump {args.src} as run {path}")
+    kind = args.kind
+    if kind == "auto":  # the kind it chose, as the run records it
+        from r3lab.runs import load
+
+        kind = load(path).config.get("source", {}).get("format", kind)
+    print(f"imported {kind} dump {args.src} as run {path}")
 
 
 def _doctor(args: argparse.Namespace) -> None:
