@@ -397,8 +397,8 @@ def _dummy_split(f: _Facts) -> tuple[dict[str, Any], str]:  # noqa: C901 - one p
     if not groups:
         return {}, ""
     extra = math.log(len(groups))
-    out = {"samples": 0, "tail_samples": 0, "mid_rows": 0, "mid_dummy": 0, "tail_log_bound": 0.0,
-           "mid_log_bound": 0.0, "where_tail": where_tail, "where_mid": where_mid}
+    out: dict[str, Any] = {"samples": 0, "tail_samples": 0, "mid_rows": 0, "mid_dummy": 0, "tail_log_bound": 0.0,
+                           "mid_log_bound": 0.0, "where_tail": where_tail, "where_mid": where_mid}
     for g in groups.values():
         uniform = 1.0 / math.comb(g["E"], g["k"])
         n_rest = g.get("n_rest", 0)
