@@ -8,30 +8,37 @@ runs ``bench/bench_NAME.py`` there and says so plainly when there is no checkout
 from __future__ import annotations
 
 import argparse
+import functools
 import runpy
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from r3lab.config import MODES, TRAINER_DTYPES, DriftConfig, RLConfig, add_config_flags, config_overrides, quick_help
 from r3lab.errors import R3LabError
 
 __all__ = ["main", "BENCHMARKS"]
 
-BENCHMARKS = {
-    "transport": "codecs vs what the field sends (size and speed)",
-    "rollout": "route-capture overhead of the engine",
-    "slicing": "shard() throughput and per-rank memory",
-    "staging": "per-rank route staging on Ray vs whole-batch put (time, bytes moved, per-worker memory)",
-    "replay": "forward+backward overhead of replay",
-    "megatron": "Megatron-core vs transformers trainer per layout: score, update step, weight sync, staging backends",
-    "drift": "the drift experiment, writing the committed table bench/results/drift.md",
-    "rl": "none vs R2 vs R3 in the GRPO loop over seeds and knobs, writing bench/results/rl.md and reference runs",
-    "rl_megatron": "none vs R2 vs R3 with the Megatron trainer (TP2) next to the committed transformers runs",
-    "dial": "the mismatch dial: routing and k3 per simulated engine precision, both models and the deep one",
-    "tasks": "RL tasks and objectives (letter, edges; GRPO, GSPO; long responses) on the quick setting",
-    "staleness": "staleness at matched weights (mismatch and policy lag apart) and multi-turn prefills",
-    "phase": "the phase diagram: models x engine precision x none/R2/R3/TIS/GSPO over seeds, and staleness 0-4",
-}
+def _benchmarks() -> dict[str, str]:
+    """``bench/bench_NAME.py`` of a source checkout -> the first line of its docstring (empty without a checkout).
+
+    The scripts are the one list of benchmarks: a new ``bench_NAME.py`` is ``r3lab bench NAME`` with no other edit.
+    """
+    import re
+
+    from r3lab.paths import bench_script
+
+    folder = bench_script("x").parent
+    out = {}
+    for script in sorted(folder.glob("bench_*.py")) if folder.is_dir() else []:
+        m = re.match(r'\s*(?:#[^\n]*\n\s*)*[rRuU]?"""\s*([^\n]*?)\s*(?:"""|\n)', script.read_text(encoding="utf-8"))
+        out[script.stem.removeprefix("bench_")] = m.group(1).rstrip(".") if m else ""
+    return out
+
+
+BENCHMARKS = _benchmarks()
+"""Benchmark name -> its one-line description, read from the checkout's bench/ scripts."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -62,15 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--results", help="the committed results folder (default: the checkout's bench/results)")
     f.add_argument("--out", help="where figures go (default: the checkout's docs/figures)")
     f.add_argument("--formats", nargs="+", choices=("png", "svg", "pdf"), help="default: all three")
-    im = sub.add_parser("import", help="import another framework's R3 dump (slime, miles, nemo-rl, prime-rl) as a run")
-    im.add_argument("kind", choices=("slime", "miles", "nemo-rl", "prime-rl"), help="the framework that wrote SRC")
-    im.add_argument("src", help="the dump: a file or its folder (slime/miles .pt, NeMo-RL train_data_step*.jsonl, "
-                    "prime-rl token_exports/)")
-    im.add_argument("--out", required=True, help="the run folder to write (must not exist)")
-    im.add_argument("--config", help="the model's config.json (maps the dump's layer axis to global layer ids; "
-                    "needed when the dump has routes)")
-    im.add_argument("--train", help="slime/miles: the --save-debug-train-data dumps (trainer log-probs) to join")
-    im.add_argument("--reward-key", help="slime/miles: the key of a dict reward to read (default: 'score')")
+    _add_import(sub)
     dr = sub.add_parser("doctor", help="check a run (own or imported) for the silent failures of routing replay")
     dr.add_argument("run", help="the run folder")
     dr.add_argument("--strict", action="store_true", help="exit non-zero on warnings too (mismatch health)")
@@ -88,13 +87,53 @@ def _parser() -> argparse.ArgumentParser:
     rs.add_argument("--data", help="the data folder holding the run's model (default: the run's own)")
     rs.add_argument("--no-progress", action="store_true", help="no progress bars")
     b = sub.add_parser("bench", help="run a benchmark from a source checkout's bench/ folder")
-    b.add_argument("name", choices=sorted(BENCHMARKS), help="; ".join(f"{k}: {v}" for k, v in BENCHMARKS.items()))
+    b.add_argument("name", choices=sorted(BENCHMARKS) or None,
+                   help="; ".join(f"{k}: {v}" for k, v in BENCHMARKS.items()) or "a benchmark of bench/ (needs a "
+                   "source checkout)")
     b.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark (e.g. --quick)")
+    b.set_defaults(func=lambda a: _bench(a.name, a.args))
     for name in BENCHMARKS:
         if name not in ("drift", "rl"):  # those names are the experiments themselves
             s = sub.add_parser(name, help=f"= r3lab bench {name}: {BENCHMARKS[name]}")
             s.add_argument("args", nargs=argparse.REMAINDER)
+            s.set_defaults(func=functools.partial(_bench_shortcut, name))
+    d.set_defaults(func=_drift)
+    r.set_defaults(func=_rl)
+    ls.set_defaults(func=_runs)
+    f.set_defaults(func=_figures)
+    dr.set_defaults(func=_doctor)
+    rs.set_defaults(func=_rescore)
     return ap
+
+
+def _add_import(sub: Any) -> None:
+    """``r3lab import KIND SRC --out RUN [options]``: one sub-command per registered kind, with the options it
+    declares (:mod:`r3lab.importers.registry`), and ``auto`` with every kind's options (checked once it chose)."""
+    from r3lab.importers.registry import AUTO, REGISTRY
+
+    im = sub.add_parser("import", help="import another framework's R3 dump (" + ", ".join(REGISTRY) + ", or auto) "
+                        "as a run")
+    kinds = im.add_subparsers(dest="kind", metavar="KIND", required=True)
+    every: dict[str, str] = {}
+    for kind, spec in REGISTRY.items():
+        if not spec.available:
+            p = kinds.add_parser(kind, help=f"{spec.description} (not in this r3lab)")
+            _import_args(p, spec.reads, {})
+            continue
+        every.update(spec.options)
+        _import_args(kinds.add_parser(kind, help=spec.description, description=f"{spec.description}. SRC: "
+                                      f"{spec.reads}."), spec.reads, spec.options)
+    auto = kinds.add_parser(AUTO, help="recognise the framework from the files (says which it chose and why)")
+    _import_args(auto, "a dump folder or file of any kind above", every)
+
+
+def _import_args(p: argparse.ArgumentParser, reads: str, options: Mapping[str, str]) -> None:
+    p.add_argument("src", help=f"the dump: {reads}")
+    p.add_argument("--out", required=True, help="the run folder to write (must not exist; nothing is left there if "
+                   "the import fails)")
+    for name, text in options.items():
+        p.add_argument("--" + name.replace("_", "-"), dest=name, help=text)
+    p.set_defaults(func=_import, options=tuple(options))
 
 
 def _add_field_flags(parser: argparse.ArgumentParser, cls: type, names: tuple[str, ...]) -> None:
@@ -188,9 +227,14 @@ def _figures(args: argparse.Namespace) -> None:
 def _import(args: argparse.Namespace) -> None:
     from r3lab.importers import import_run
 
-    opts = {"config": args.config, "train": args.train, "reward_key": args.reward_key}
+    opts = {name: getattr(args, name) for name in args.options}
     path = import_run(args.kind, args.src, args.out, **opts)
-    print(f"imported {args.kind} dump {args.src} as run {path}")
+    kind = args.kind
+    if kind == "auto":  # the kind it chose, as the run records it
+        from r3lab.runs import load
+
+        kind = load(path).config.get("source", {}).get("format", kind)
+    print(f"imported {kind} dump {args.src} as run {path}")
 
 
 def _doctor(args: argparse.Namespace) -> None:
@@ -202,6 +246,10 @@ def _doctor(args: argparse.Namespace) -> None:
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.text())
     if report.failed or (args.strict and report.warned):
         sys.exit(1)
+
+
+def _bench_shortcut(name: str, args: argparse.Namespace) -> None:
+    _bench(name, args.args)
 
 
 def _bench(name: str, rest: list[str]) -> None:
@@ -242,25 +290,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.version:
         print(_version())
         return
+    if args.command is None:
+        _parser().print_help()
+        return
     try:
-        if args.command == "drift":
-            _drift(args)
-        elif args.command == "rl":
-            _rl(args)
-        elif args.command == "runs":
-            _runs(args)
-        elif args.command == "figures":
-            _figures(args)
-        elif args.command == "import":
-            _import(args)
-        elif args.command == "doctor":
-            _doctor(args)
-        elif args.command == "rescore":
-            _rescore(args)
-        elif args.command == "bench":
-            _bench(args.name, args.args)
-        else:
-            _bench(args.command, args.args)
+        args.func(args)
     except R3LabError as e:
         sys.exit(f"r3lab: {e}")
 

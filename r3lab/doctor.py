@@ -8,6 +8,10 @@ One :class:`Report` with one :class:`Check` per line: what was checked, on how m
   last segment: verl #5344, #6054); rows for dense layers or every MoE layer shifted by one (verl #5037/#5452,
   slime #819), from the model config and per-layer statistics; MTP/speculative rows misplaced (vLLM #48622,
   SGLang #37949) where the dump says speculative decoding was on;
+* the field's newest (FAIL): routes of a captured prefix padded with ``[0..k-1]`` (SkyRL #1908) and such dummy
+  rows elsewhere; physical instead of logical expert ids (EPLB, vLLM #33013): ids >= E, or a layer's expert histogram
+  a permutation of another's; MTP rows stored as a decoder layer's (NeMo-RL #4057, #3903; vLLM #48622). Each is a
+  statistical test that fires only when its chance on real routing is below :data:`ALPHA`;
 * replay (FAIL): replay that changes nothing (orphaned routers: verl #7340; MTP layers on backbone routes:
   NeMo-RL #3903); routes the trainer replayed that differ from the engine's;
 * mismatch health (WARN): k3, F(2), the largest |Δlogp|, IS effective sample size and TIS clip fraction per
@@ -326,6 +330,207 @@ def _speculative(f: _Facts) -> Check:
                  "#37949): keep one row per accepted token", f"{n} samples off" if n else "in place")
 
 
+# ---- the field's newest silent failures (dummy and padded rows, physical ids, MTP rows) ---------------------------
+ALPHA = 1e-9
+"""The largest chance that a check of this section fires on a clean run: each fires only when an upper bound on the
+probability of what it saw, were the routes real routing, is below this (a union bound over everything tested)."""
+HISTOGRAM_MIN_EXPERTS = 16
+HISTOGRAM_MIN_MEAN = 100.0
+"""The per-layer histogram test runs only with at least 16 experts and 100 picks per expert per layer on average.
+Measured on independent uniform routing (2e5 layer pairs, E=16, k=2): two layers' sorted histograms coincide with
+chance 1e-5 at 12.5 picks per expert and 0 at 25 and 50; the chance falls about 180x per doubling (about
+mean^-(E-1)/2), so at 100 it is about 1e-12 per pair, 5e-9 over the 4950 pairs of a 100-layer model. Fewer
+experts coincide far more often (E=8: 5e-6 at 50), so the test is skipped there rather than made unsound."""
+
+
+def _log_tail(x: int, n: int, p: float) -> float:
+    """log of an upper bound on P(Binomial(n, p) >= x): the union bound C(n, x) p^x <= (n p)^x / x!."""
+    if x <= 0:
+        return 0.0
+    if p <= 0.0:
+        return -math.inf
+    return min(0.0, x * math.log(n * p) - math.lgamma(x + 1))
+
+
+def _engine_routes(f: _Facts) -> list[tuple[int, Any]]:
+    return [(s, f.run.routes(s, "engine")) for s in f.engine_steps]
+
+
+def _dummy_split(f: _Facts) -> tuple[dict[str, Any], str]:  # noqa: C901 - one pass over the routes
+    """Rows that are ``[0..k-1]`` on every MoE layer, split into trailing runs (a padded tail) and the rest.
+
+    Returns the counts, the tests' bounds and the worst example. A row of real routing is ``[0..k-1]`` on layer l
+    with a chance f_l estimated from the run (over rows that are not dummy on every layer; at least uniform's
+    1/C(E, k)), so on every layer with chance p = prod f_l (layers taken independent). Each class fires only when the
+    union bound on seeing that many by chance, times the number of models the run holds, is below :data:`ALPHA`.
+    Steps of one model (the same layers, experts and top-k) are pooled."""
+    groups: dict[tuple[Any, ...], dict[str, Any]] = {}
+    where_tail = where_mid = ""
+    for s, r in _engine_routes(f):
+        if not r.total_tokens:
+            continue
+        k, E = r.top_k, r.num_experts
+        g = groups.setdefault((tuple(r.layer_ids.tolist()), E, k), {"rest": [], "samples": 0, "tail": 0,
+                                                                      "mid_rows": 0, "mid": 0, "E": E, "k": k})
+        d = (np.sort(r.values, axis=2) == np.arange(k)).all(axis=2)  # [tokens, layers]
+        every = d.all(axis=1)
+        g["rest"].append(d[~every].sum(axis=0))
+        g["n_rest"] = g.get("n_rest", 0) + int((~every).sum())
+        tail = np.zeros(len(every), bool)
+        for i in np.flatnonzero(r.lengths > 0):
+            a, b = int(r.cu_seqlens[i]), int(r.cu_seqlens[i + 1])
+            g["samples"] += 1
+            t = b
+            while t > a and every[t - 1]:
+                t -= 1
+            if t < b:
+                tail[t:b] = True
+                g["tail"] += 1
+                where_tail = where_tail or _where(step=s, sample=int(i), padded_rows=b - t, rows=b - a)
+        mid = every & ~tail
+        g["mid_rows"] += int((~tail).sum())
+        g["mid"] += int(mid.sum())
+        if mid.any() and not where_mid:
+            t = int(np.flatnonzero(mid)[0])
+            i = int(np.searchsorted(r.cu_seqlens, t, side="right") - 1)
+            where_mid = _where(step=s, sample=i, position=t - int(r.cu_seqlens[i]))
+    if not groups:
+        return {}, ""
+    extra = math.log(len(groups))
+    out: dict[str, Any] = {"samples": 0, "tail_samples": 0, "mid_rows": 0, "mid_dummy": 0, "tail_log_bound": 0.0,
+                           "mid_log_bound": 0.0, "where_tail": where_tail, "where_mid": where_mid}
+    for g in groups.values():
+        uniform = 1.0 / math.comb(g["E"], g["k"])
+        n_rest = g.get("n_rest", 0)
+        f_l = np.sum(g["rest"], axis=0) / n_rest if n_rest else np.full(len(g["rest"][0]), uniform)
+        p = float(np.prod(np.maximum(f_l, uniform)))
+        out["samples"] += g["samples"]
+        out["tail_samples"] += g["tail"]
+        out["mid_rows"] += g["mid_rows"]
+        out["mid_dummy"] += g["mid"]
+        out["tail_log_bound"] = min(out["tail_log_bound"], _log_tail(g["tail"], g["samples"], p) + extra)
+        out["mid_log_bound"] = min(out["mid_log_bound"], _log_tail(g["mid"], g["mid_rows"], p) + extra)
+    return out, ""
+
+
+def _route_prefix(f: _Facts, split: dict[str, Any]) -> Check:
+    name, what = "route prefix", "no sample ends in padded [0..k-1] rows (routes of a captured prefix only)"
+    if not split:
+        return Check(name, SKIP, what, detail="the run has no engine routes")
+    n, m = split["tail_samples"], split["samples"]
+    bad = n > 0 and split["tail_log_bound"] < math.log(ALPHA)
+    return Check(name, FAIL if bad else OK, what, m, split["where_tail"],
+                 "the engine captured routes for a prefix of the sequence and the rest was padded with [0..k-1] "
+                 "(SkyRL #1908): replaying those rows sends the last tokens to experts 0..k-1. Keep the padding mask "
+                 "(router_padding_mask) and drop padded rows, or re-capture with routes for every token",
+                 f"{n} of {m} samples end in rows that are [0..k-1] on every layer (chance bound "
+                 f"{math.exp(split['tail_log_bound']):.1e}, fires below {ALPHA:g})" if n else "no padded tails")
+
+
+def _dummy_rows(f: _Facts, split: dict[str, Any]) -> Check:
+    name, what = "dummy rows", "no [0..k-1]-on-every-layer rows inside a sequence"
+    if not split:
+        return Check(name, SKIP, what, detail="the run has no engine routes")
+    n, m = split["mid_dummy"], split["mid_rows"]
+    bad = n > 0 and split["mid_log_bound"] < math.log(ALPHA)
+    return Check(name, FAIL if bad else OK, what, m, split["where_mid"],
+                 "rows with no captured route were filled with [0..k-1] (a dummy the engine or the framework writes "
+                 "where capture is missing) and read as routes: mark them missing and leave them out of replay",
+                 f"{n} rows are [0..k-1] on every layer (chance bound {math.exp(split['mid_log_bound']):.1e}, fires "
+                 f"below {ALPHA:g})" if n else "none")
+
+
+def _expert_numbering(f: _Facts) -> Check:
+    name, what = "expert numbering", "logical expert ids (not EPLB's physical slots)"
+    problems, worst, rows = [], "", 0
+    max_id = f.capture.get("max_id")
+    if max_id is not None and f.num_experts is not None and int(max_id) >= f.num_experts:
+        _, m, w = _cap(f, "ids_out_of_range")
+        rows += m
+        problems.append(f"ids up to {int(max_id)} >= the model's {f.num_experts} experts: physical expert slots "
+                        f"(EPLB places {int(max_id) + 1 - f.num_experts}+ redundant copies)")
+        worst = _fmt_worst(w)
+    hists: dict[tuple[int, ...], np.ndarray] = {}  # one model's layers -> [layers, E] pooled expert counts
+    for _, r in _engine_routes(f):
+        if not r.total_tokens:
+            continue
+        c = np.stack([np.bincount(r.values[:, j].ravel().astype(np.int64), minlength=r.num_experts)
+                      for j in range(r.num_layers)])
+        key = tuple(r.layer_ids.tolist())
+        hists[key] = hists[key] + c if key in hists and hists[key].shape == c.shape else c
+    tested = ""
+    for key, counts in hists.items():
+        lids = list(key)
+        E = counts.shape[1]
+        mean = float(counts.sum(axis=1).min()) / E
+        rows += int(counts[0].sum() // max(1, f.top_k or 1))  # token rows of this model
+        if E >= HISTOGRAM_MIN_EXPERTS and mean >= HISTOGRAM_MIN_MEAN:
+            tested = f"per-layer histograms compared ({mean:.0f} picks per expert)"
+            srt = np.sort(counts, axis=1)
+            spread = (counts > 0).sum(axis=1) > E // 2  # a collapsed layer's histogram is not a sample of routing
+            for i in range(len(lids)):
+                for j in range(i + 1, len(lids)):
+                    if spread[i] and spread[j] and (srt[i] == srt[j]).all() and not (counts[i] == counts[j]).all():
+                        problems.append(f"layer {lids[j]}'s expert histogram is a permutation of layer {lids[i]}'s")
+                        worst = worst or _where(layer=lids[j], like_layer=lids[i])
+                        break
+        else:
+            tested = (f"histograms not compared: {E} experts, {mean:.0f} picks per expert (the test needs "
+                      f">= {HISTOGRAM_MIN_EXPERTS} and >= {HISTOGRAM_MIN_MEAN:g} to be sound)")
+    if rows == 0:
+        return Check(name, SKIP, what, detail="the run has no routes")
+    return Check(name, FAIL if problems else OK, what, rows, worst,
+                 "the engine returned physical expert ids: with EPLB (vLLM #33013) map each layer's physical slot to "
+                 "its logical expert (the engine's physical-to-logical map) before the routes leave the engine",
+                 "; ".join(problems) or ("ids below E" + (f"; {tested}" if tested else "")))
+
+
+def _mtp_rows(f: _Facts) -> Check:
+    name, what = "MTP rows", "no layer holding another layer's routes (MTP layers numbered like decoder layers)"
+    kept = int(f.capture.get("counts", {}).get("mtp_kept_apart", 0))
+    rows, problems, worst = 0, [], ""
+    same: dict[tuple[int, int], list[float]] = {}  # layer pair -> [rows, log of the chance they agree per row]
+    steps = _engine_routes(f)
+    pairs = 0
+    for _, r in steps:
+        if not r.total_tokens:
+            continue
+        v = np.sort(r.values, axis=2).astype(np.int64)
+        code = np.zeros(v.shape[:2], np.int64)
+        for c in range(v.shape[2]):
+            code = code * r.num_experts + v[:, :, c]  # one integer per (row, layer): its top-k set
+        rows += r.total_tokens
+        L = r.num_layers
+        pairs = max(pairs, L * (L - 1) // 2)
+        for i in range(L):
+            for j in range(i + 1, L):
+                key = (int(r.layer_ids[i]), int(r.layer_ids[j]))
+                acc = same.setdefault(key, [0.0, 0.0, 1.0])
+                if acc[2] and (code[:, i] == code[:, j]).all():
+                    _, ci = np.unique(code[:, i], return_counts=True)
+                    fi = ci / ci.sum()
+                    acc[0] += r.total_tokens
+                    acc[1] += r.total_tokens * math.log(max(float((fi ** 2).sum()), 1e-300))
+                else:
+                    acc[2] = 0.0
+    for (a, b), (n, logp, ok) in same.items():
+        # identical on every row: chance of that for independent layers <= prod (sum_s f(s)^2)^rows (collision
+        # probability of the layer's own set frequencies), times the number of pairs tested (union bound)
+        if ok and n and logp + math.log(max(pairs, 1)) < math.log(ALPHA):
+            problems.append(f"layers {a} and {b} route identically on all {int(n)} rows")
+            worst = worst or _where(layer=b, same_as=a)
+    if rows == 0 and not kept:
+        return Check(name, SKIP, what, detail="the run has no routes")
+    detail = "; ".join(problems) or "no layer repeats another's routes"
+    if kept:
+        detail += f"; {kept} samples' MTP-layer rows set apart at import (not decoder layers)"
+    return Check(name, FAIL if problems else OK, what, rows, worst,
+                 "an MTP layer's routes were stored or replayed as a decoder layer's: Megatron numbers MTP layers "
+                 "from 1, so MTP layer k shares decoder layer k's number and gets (or records) its routes (NeMo-RL "
+                 "#4057, #3903; vLLM #48622). Keep MTP rows apart (r3lab sets them apart when the config declares "
+                 "num_nextn_predict_layers) and replay decoder layers only", detail)
+
+
 # ---- replay ---------------------------------------------------------------------------------------------------------
 def _replay_effect(f: _Facts) -> Check:
     name, what = "replay effect", "replay changes the trainer's log-probs where routes flipped"
@@ -561,8 +766,10 @@ def diagnose(run: Run | str | os.PathLike, *, thresholds: Thresholds | None = No
     r = run if isinstance(run, Run) else load(run)
     th = thresholds or Thresholds()
     f = facts(r)
-    checks = [_constant(f), _ids(f), _row_count(f), _layers(f), _speculative(f), _replay_effect(f),
-              _replayed_routes(f), *_health(f, th), _imbalance(f, th), _layer_outliers(f, th), _policy_lag(f)]
+    split, _ = _dummy_split(f)
+    checks = [_constant(f), _ids(f), _row_count(f), _layers(f), _speculative(f), _route_prefix(f, split),
+              _dummy_rows(f, split), _expert_numbering(f), _mtp_rows(f), _replay_effect(f), _replayed_routes(f),
+              *_health(f, th), _imbalance(f, th), _layer_outliers(f, th), _policy_lag(f)]
     return Report(str(r.path), checks)
 
 

@@ -383,19 +383,31 @@ def nb06_your_run() -> list:
         md("""
 # 06 · Your run
 
-Open a run made elsewhere: import the dump first (`r3lab import slime|miles|nemo-rl|prime-rl SRC --out RUN
---config config.json`), or point `run` at any r3lab run folder. The doctor checks the capture (dead, out-of-range
-or misplaced routes, row counts, dense or shifted layers), the replay and the mismatch health step by step; then
-come every figure the run's fields allow. A figure whose fields the run lacks says so in its place.
+As shipped, this notebook opens the committed reference drift run (`bench/results/drift-run`, read only). To open
+your own run, set `run` below to its folder: any r3lab run, or a dump another framework wrote, imported first:
+
+```
+r3lab import auto DUMP --out data/runs/my-run --config MODEL/config.json
+```
+
+(`auto` recognises slime, Miles, NeMo-RL, prime-rl, SkyRL and verl dumps and says which it chose; name the kind
+instead, e.g. `r3lab import slime DUMP ...`, when it cannot tell; `--config` is the model's config.json, which maps
+the dump's layer axis; `r3lab import KIND --help` lists a kind's options), then `run = "data/runs/my-run"`. The
+doctor checks the capture (dead, out-of-range, padded, physical or misplaced routes, row counts, dense, shifted or
+MTP layers), the replay and the mismatch health step by step; then come every figure the run's fields allow. A
+figure whose fields the run lacks says so in its place.
 """),
         params("""
-run = "data/runs/my-run"  # an r3lab run folder: imported (r3lab import ...) or made by r3lab
+run = None  # an r3lab run folder (made by r3lab or imported); None: the committed reference drift run
 step = None  # the step whose routes and tokens to draw; None: the last step with routes
 out_dir = "out/06_your_run"
 export = False
 """),
         code("""
-from r3lab import doctor, importers, viz
+from r3lab import doctor, importers, paths, viz
+
+run = run or paths.results_dir() / "drift-run"
+run
 """),
         md("## The doctor"),
         code("""
@@ -559,7 +571,7 @@ NOTEBOOKS = {
                               "live_steps": 2, "live_timeout_s": 600, "modes": ["none", "R3"]}, 5),
     "05_regimes": (nb05_regimes(), {"dial_steps": 2, "dial_prompts_per_step": 2, "dial_samples_per_prompt": 2,
                                     "dial_max_tokens": 8, "start_run": True, "run_timeout_s": 600}, 3),
-    "06_your_run": (nb06_your_run(), {"run": None}, 7),  # tests/test_notebooks.py imports a generated dump as run
+    "06_your_run": (nb06_your_run(), {"run": None}, 7),  # as shipped; tests/test_notebooks.py also imports a dump
 }
 
 

@@ -36,26 +36,35 @@ DOCTOR_CASES = {
     "drift_tis": ("slime", "TIS clip", "warn"),
     "jump": ("slime", "k3 jumps", "warn"),
     "collapse": ("slime", "max_vio", "warn"),
+    "prefix_padding": ("slime", "route prefix", "fail"),
+    "dummy_rows": ("slime", "dummy rows", "fail"),
+    "physical_ids": ("slime", "expert numbering", "fail"),
+    "permuted_layer": ("slime", "expert numbering", "fail"),
+    "mtp_collision": ("slime", "MTP rows", "fail"),
     "replay_noop": ("own", "replay effect", "fail"),
     "replay_mismatch": ("own", "replayed routes", "fail"),
     "layer_outlier": ("own", "layer disagreement", "warn"),
 }
 
 
-def model_config(folder: str | Path) -> Path:
-    """A GLM-4-MoE config.json: layer 0 dense (first_k_dense_replace=1), layers 1-7 MoE, 16 experts, top-2."""
+def model_config(folder: str | Path, *, mtp: int = 0) -> Path:
+    """A GLM-4-MoE config.json: layer 0 dense (first_k_dense_replace=1), layers 1-7 MoE, 16 experts, top-2; with
+    ``mtp`` MTP layers (``num_nextn_predict_layers``, as GLM-4.5's config declares them)."""
     p = Path(folder) / "config.json"
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps({"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe",
-                             "num_hidden_layers": LAYERS, "first_k_dense_replace": 1, "n_routed_experts": E,
-                             "num_experts_per_tok": K, "max_position_embeddings": 512}))
+    cfg = {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "num_hidden_layers": LAYERS,
+           "first_k_dense_replace": 1, "n_routed_experts": E, "num_experts_per_tok": K, "max_position_embeddings": 512}
+    if mtp:
+        cfg["num_nextn_predict_layers"] = mtp
+    p.write_text(json.dumps(cfg))
     return p
 
 
 def routes(rng: np.random.Generator, rows: int, layers: int = LAYERS) -> np.ndarray:
-    """``[rows, layers, K]`` int32 routes with distinct ids in each row; dense layers (all-layer axis) all zero."""
+    """``[rows, layers, K]`` int32 routes with distinct ids in each row; dense layers (all-layer axis, and an
+    all-layer axis followed by MTP layers' rows) all zero."""
     r = np.argsort(rng.random((rows, layers, E)), axis=2)[:, :, :K].astype(np.int32)
-    if layers == LAYERS:
+    if layers >= LAYERS:
         r[:, list(DENSE), :] = 0
     return r
 
@@ -88,6 +97,12 @@ def _break(s: dict, case: str, rng: np.random.Generator, step: int, steps: int) 
     elif case == "speculative":
         s["metadata"]["spec_accept_token_num"] = 3
         s["rollout_routed_experts"] = np.concatenate([r, r[-1:]])  # a draft token's row kept
+    elif case == "prefix_padding":  # routes captured for a prefix; the last two rows padded with [0..k-1] (SkyRL)
+        r[-2:, list(MOE), :] = np.arange(K)
+    elif case == "dummy_rows":  # a row with no capture filled with [0..k-1] on every layer, inside the sequence
+        r[2, list(MOE), :] = np.arange(K)
+    elif case == "physical_ids":  # EPLB: a redundant expert's physical slot (>= E) instead of its logical id
+        r[4, 4, 0] = E + 1
     elif case == "collapse":
         r[:, 5, 0] = 0
         r[:, 5, 1] = rng.integers(1, 3, r.shape[0])
@@ -115,6 +130,9 @@ def slime_dump(folder: str | Path, case: str = "clean", *, steps: int = 2, sampl
     rng = np.random.default_rng(seed)
     if case == "jump":
         steps = max(steps, 7)
+    if case in ("permuted_layer", "large"):  # enough rows for the histogram test (>= 100 picks per expert per layer)
+        samples = max(samples, 64)
+    sigma = np.random.default_rng(seed + 1).permutation(E).astype(np.int32)
     for step in range(steps):
         raw = [_sample(rng, i, layers) for i in range(samples)]
         raw[1]["reward"] = {"score": 1.0, "format": 0.5}
@@ -124,10 +142,18 @@ def slime_dump(folder: str | Path, case: str = "clean", *, steps: int = 2, sampl
                 r = s["rollout_routed_experts"]
                 r[:, :-1] = r[:, 1:].copy()
                 r[:, -1] = 0
+        elif case == "permuted_layer":  # layer 5 holds layer 4's routes through a relabelling of the experts
+            for s in raw:
+                r = s["rollout_routed_experts"]
+                r[:, 5] = sigma[r[:, 4]]
+        elif case == "mtp_collision":  # an MTP layer numbered 1 recorded with decoder layer 1's routes, in slot 7
+            for s in raw:
+                r = s["rollout_routed_experts"]
+                r[:, 7] = r[:, 1]
         elif case == "dense_routes":
             for s in raw:
                 s["rollout_routed_experts"][:, 0] = routes(rng, len(s["tokens"]) - 1, 2)[:, 1]
-        elif case not in ("clean", "drift", "drift_f2", "drift_abs", "drift_ess", "drift_tis", "jump"):
+        elif case not in ("clean", "drift", "drift_f2", "drift_abs", "drift_ess", "drift_tis", "jump", "large"):
             _break(raw[3], case, rng, step, steps)
             if case == "collapse":
                 for s in raw:

@@ -135,3 +135,52 @@ def test_outlier_and_constant_layers_oracle():
     v[:, 2] = [[1, 2], [3, 4], [1, 2], [1, 2]]
     assert metrics.constant_layers(v).tolist() == [True, True, False]
     assert metrics.constant_layers(v[:1]).tolist() == [False, False, False]
+
+
+NEWEST = ("route prefix", "dummy rows", "expert numbering", "MTP rows")
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_statistical_checks_stay_quiet_on_clean_random_routing(tmp_path, seed):
+    """Clean runs large enough for every test to run (the histogram test included: >= 100 picks per expert per
+    layer): none of the four fires. Each fires only below a chance of doctor.ALPHA = 1e-9 on real routing, so
+    over these seeds a false alarm would mean the bounds are wrong, not bad luck."""
+    report = doctor.diagnose(md.own_run(tmp_path, "clean", samples=120, seed=seed))
+    for name in NEWEST:
+        assert report.check(name).status == doctor.OK, report.check(name).line()
+    assert "per-layer histograms compared" in report.check("expert numbering").detail
+
+
+def test_a_large_clean_import_passes_the_histogram_test(tmp_path):
+    src = md.slime_dump(tmp_path / "dump", "large")
+    report = doctor.diagnose(import_run("slime", src, tmp_path / "run", config=md.model_config(tmp_path / "m"),
+                                        train=src / "train"))
+    assert not [c.line() for c in report.checks if c.status in (doctor.WARN, doctor.FAIL)]
+    assert "per-layer histograms compared" in report.check("expert numbering").detail
+
+
+def test_mtp_layers_rows_are_set_apart_when_the_config_declares_them(tmp_path):
+    """A dump whose layer axis is the decoder's layers plus one MTP layer: with num_nextn_predict_layers in the
+    config its rows are set apart (never stored as a decoder layer) and the doctor says so; without, refused."""
+    src = md.slime_dump(tmp_path / "dump", layers=md.LAYERS + 1, train=False)
+    with pytest.raises(Exception, match="num_nextn_predict_layers"):
+        import_run("slime", src, tmp_path / "run0", config=md.model_config(tmp_path / "m0"))
+    path = import_run("slime", src, tmp_path / "run", config=md.model_config(tmp_path / "m", mtp=1))
+    from r3lab.runs import load
+
+    run = load(path)
+    assert run.routes(0, "engine").layer_ids.tolist() == list(md.MOE) and run.config["model"]["mtp_layers"] == 1
+    report = doctor.diagnose(path)
+    assert not [c.line() for c in report.checks if c.status in (doctor.WARN, doctor.FAIL)]
+    assert "16 samples' MTP-layer rows set apart" in report.check("MTP rows").detail
+
+
+def test_log_tail_bound_is_an_upper_bound_on_the_binomial_tail():
+    """doctor._log_tail against the exact binomial tail (summed here) over a grid: never below it."""
+    import math
+
+    for n in (10, 50, 200):
+        for p in (1e-4, 1e-2, 0.1):
+            for x in range(0, 8):
+                exact = sum(math.comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(x, n + 1))
+                assert math.exp(doctor._log_tail(x, n, p)) >= exact * (1 - 1e-12), (n, p, x)

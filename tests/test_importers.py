@@ -128,7 +128,7 @@ def test_routes_need_the_model_config_and_a_matching_layer_axis(tmp_path, cfg):
     with pytest.raises(ImportFormatError, match="do not apply"):
         import_run("nemo-rl", src, tmp_path / "run3", config=cfg)
     with pytest.raises(ImportFormatError, match="unknown dump kind"):
-        import_run("verl", src, tmp_path / "run4")
+        import_run("no-such-framework", src, tmp_path / "run4")
 
 
 def test_bad_samples_keep_their_tokens_and_leave_their_routes_out(tmp_path, cfg):

@@ -70,6 +70,7 @@ def _check_exported(folder: Path) -> list[Path]:
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids)
 def test_notebook_runs_top_to_bottom_and_draws_its_figures(path, tmp_path, monkeypatch):
+    """As shipped (06: its default run, the committed reference drift run), with the CI parameters."""
     import papermill  # the lab extra; a missing one fails here, loudly
 
     # the kernel inherits this environment: make it import the r3lab of this checkout
@@ -78,8 +79,6 @@ def test_notebook_runs_top_to_bottom_and_draws_its_figures(path, tmp_path, monke
     meta = nb.metadata["r3lab"]
     out_dir = tmp_path / "out"
     params = {**meta["ci_parameters"], "out_dir": str(out_dir)}
-    if path.stem == "06_your_run":  # the notebook opens an imported run: import a generated slime dump
-        params["run"] = str(make_dumps.imported_run(tmp_path))
     if "\nruns_dir =" in "\n" + nb.cells[[c.cell_type for c in nb.cells].index("code")].source:
         params["runs_dir"] = str(tmp_path / "runs")
     executed = tmp_path / path.name
@@ -94,6 +93,24 @@ def test_notebook_runs_top_to_bottom_and_draws_its_figures(path, tmp_path, monke
         assert f["data"][PLOTLY]["data"], "a figure without traces"
     if params.get("export"):
         assert _check_exported(out_dir), f"export=True wrote no figure files under {out_dir}"
+
+
+def test_notebook_06_opens_an_imported_run(tmp_path, monkeypatch):
+    """Notebook 06 pointed at an imported run (a generated slime dump): no error, and its figures."""
+    import papermill
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    path = ROOT / "notebooks" / "06_your_run.ipynb"
+    params = {"run": str(make_dumps.imported_run(tmp_path)), "out_dir": str(tmp_path / "out")}
+    executed = tmp_path / path.name
+    papermill.execute_notebook(str(path), str(executed), parameters=params, kernel_name="r3lab", cwd=str(tmp_path),
+                               execution_timeout=600, progress_bar=False)
+    outputs = [o for c in nbformat.read(executed, as_version=4).cells if c.cell_type == "code" for o in c.outputs]
+    errors = [o for o in outputs if o.output_type == "error"]
+    assert not errors, errors[0].get("evalue")
+    figures = [o for o in outputs if PLOTLY in o.get("data", {})]
+    assert len(figures) >= 7 and all(f["data"][PLOTLY]["data"] for f in figures), len(figures)
+    assert any(params["run"] in str(o.get("data", {}).get("text/plain", "")) for o in outputs), "not the given run"
 
 
 # Notebooks 02-04 on an imported run (the generated slime dump: engine routes and log-probs, no trainer routes, no

@@ -38,7 +38,7 @@ from r3lab.runs import RunWriter
 
 __all__ = ["ImportFormatError", "UnsafeFileError", "NUMPY_ALLOWLIST", "safe_torch_load", "refuse_pickles",
            "read_jsonl", "file_sha256", "LayerMap", "Sample", "CaptureLog", "write_run", "IMPORT_KIND",
-           "sample_tokens"]
+           "sample_tokens", "mtp_layer_count", "MTP_CONFIG_KEYS"]
 
 IMPORT_KIND = "imported"
 REFUSED_SUFFIXES = {".pkl": "a Python pickle", ".pickle": "a Python pickle", ".dill": "a dill pickle",
@@ -132,20 +132,29 @@ class LayerMap:
     """The model's MoE layers (global ids) and how to read a dump's layer axis of a given size."""
 
     layout: MoELayout
+    mtp_layers: int = 0  # multi-token-prediction layers after the decoder (config: num_nextn_predict_layers, ...)
 
     @classmethod
     def from_config(cls, path: str | os.PathLike) -> LayerMap:
         """From a model's ``config.json`` (or the folder holding it)."""
         p = Path(path)
         if p.is_dir():
-            return cls(MoELayout.from_model_dir(p))
+            cfg_file = p / "config.json"
+            mtp = mtp_layer_count(json.loads(cfg_file.read_text())) if cfg_file.is_file() else 0
+            return cls(MoELayout.from_model_dir(p), mtp)
         if not p.is_file():
             raise ImportFormatError(f"model config {str(p)!r} does not exist (pass the model's config.json)")
         try:
             cfg = json.loads(p.read_text())
         except ValueError as e:
             raise ImportFormatError(f"model config {str(p)!r} is not JSON: {e}") from e
-        return cls(MoELayout.from_config(cfg))
+        return cls(MoELayout.from_config(cfg), mtp_layer_count(cfg))
+
+    @property
+    def mtp_ids(self) -> np.ndarray:
+        """Ids given to MTP layers on a dump's layer axis: after the decoder's (``num_hidden_layers + i``)."""
+        n = self.layout.num_hidden_layers
+        return np.arange(n, n + self.mtp_layers, dtype=np.int64)
 
     @property
     def moe_ids(self) -> np.ndarray:
@@ -157,10 +166,30 @@ class LayerMap:
             return np.arange(size, dtype=np.int64)
         if size == len(self.layout.moe_layer_ids):
             return self.moe_ids
+        if self.mtp_layers and size == self.layout.num_hidden_layers + self.mtp_layers:
+            return np.concatenate([np.arange(self.layout.num_hidden_layers, dtype=np.int64), self.mtp_ids])
+        if self.mtp_layers and size == len(self.layout.moe_layer_ids) + self.mtp_layers:
+            return np.concatenate([self.moe_ids, self.mtp_ids])
+        mtp = (f", nor those plus its {self.mtp_layers} MTP layers" if self.mtp_layers else
+               "; if the dump holds MTP layers' rows too, the config declares none (num_nextn_predict_layers)")
         raise ImportFormatError(
             f"{where}: a layer axis of {size} matches neither the model's {self.layout.num_hidden_layers} decoder "
-            f"layers nor its {len(self.layout.moe_layer_ids)} MoE layers ({self.layout.architecture}); pass the "
+            f"layers nor its {len(self.layout.moe_layer_ids)} MoE layers ({self.layout.architecture}){mtp}; pass the "
             "config.json of the model that made this dump (--config)")
+
+
+MTP_CONFIG_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_layers")
+"""Config keys that count a model's multi-token-prediction layers (DeepSeek-V3/GLM-4-MoE, Qwen3-Next, others)."""
+
+
+def mtp_layer_count(cfg: Mapping[str, Any]) -> int:
+    """How many MTP layers a model's config declares (0 when none); they are not decoder layers."""
+    src = cfg.get("text_config", cfg) if isinstance(cfg.get("text_config"), Mapping) else cfg
+    for key in MTP_CONFIG_KEYS:
+        v = src.get(key)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return 0
 
 
 @dataclass
@@ -195,6 +224,7 @@ class CaptureLog:
     worst: dict[str, dict[str, Any]] = field(default_factory=dict)
     layer_real: dict[int, int] = field(default_factory=dict)  # global layer -> samples whose rows look like routing
     layer_seen: dict[int, int] = field(default_factory=dict)
+    max_id: int | None = None  # the largest expert id any row named (ids >= E: physical EPLB slots, vLLM #33013)
 
     def add(self, check: str, bad: int, rows: int, score: float = 0.0, **where: Any) -> None:
         self.counts[check] = self.counts.get(check, 0) + int(bad)
@@ -205,7 +235,7 @@ class CaptureLog:
     def to_dict(self) -> dict[str, Any]:
         return {"counts": self.counts, "rows": self.rows, "worst": self.worst,
                 "layer_real": {str(k): v for k, v in sorted(self.layer_real.items())},
-                "layer_seen": {str(k): v for k, v in sorted(self.layer_seen.items())}}
+                "layer_seen": {str(k): v for k, v in sorted(self.layer_seen.items())}, "max_id": self.max_id}
 
 
 def _check_routes(s: Sample, sample_no: int, lmap: LayerMap, log: CaptureLog) -> np.ndarray | None:
@@ -228,6 +258,11 @@ def _check_routes(s: Sample, sample_no: int, lmap: LayerMap, log: CaptureLog) ->
     if s.speculative:
         log.add("speculative_rows", 0, 1)
     ids = lmap.axis_ids(r.shape[1], s.where)
+    mtp = ids >= lmap.layout.num_hidden_layers  # MTP layers' rows: kept apart from the decoder's, never stored
+    if lmap.mtp_layers:  # samples whose MTP rows were set apart (the doctor reports them; they are not a failure)
+        log.add("mtp_kept_apart", int(mtp.any()), 1, **where)
+    if r.size:
+        log.max_id = max(int(r.max()), -1 if log.max_id is None else log.max_id)
     E = lmap.layout.num_experts
     out_of_range = (r < 0) | (r >= E)
     n_oor = int(out_of_range.any(axis=2).sum())
@@ -242,6 +277,8 @@ def _check_routes(s: Sample, sample_no: int, lmap: LayerMap, log: CaptureLog) ->
     constant = (srt == srt[:1]).all(axis=(0, 2)) if r.shape[0] > 1 else np.zeros(r.shape[1], bool)
     moe = np.isin(ids, lmap.moe_ids)
     for j, g in enumerate(ids):
+        if mtp[j]:
+            continue
         real = not constant[j] and not repeated[:, j].any()
         log.layer_seen[int(g)] = log.layer_seen.get(int(g), 0) + 1
         log.layer_real[int(g)] = log.layer_real.get(int(g), 0) + int(real)
@@ -259,13 +296,14 @@ def _check_routes(s: Sample, sample_no: int, lmap: LayerMap, log: CaptureLog) ->
                 value=srt[0, np.flatnonzero(moe)[j]].tolist(), **where)
     else:
         log.add("constant_routes", 0, int(moe.sum()))
-    dense_real = ~moe & ~constant & ~repeated.any(axis=0)
-    if (~moe).any():
+    dense = ~moe & ~mtp
+    dense_real = dense & ~constant & ~repeated.any(axis=0)
+    if dense.any():
         if dense_real.any():
-            log.add("dense_rows", int(dense_real.sum()), int((~moe).sum()), layer=int(ids[int(np.argmax(dense_real))]),
+            log.add("dense_rows", int(dense_real.sum()), int(dense.sum()), layer=int(ids[int(np.argmax(dense_real))]),
                     **where)
         else:
-            log.add("dense_rows", 0, int((~moe).sum()))
+            log.add("dense_rows", 0, int(dense.sum()))
     if n_oor or n_rep or const_moe.any():
         return None
     return r[:, moe, :]
@@ -274,6 +312,9 @@ def _check_routes(s: Sample, sample_no: int, lmap: LayerMap, log: CaptureLog) ->
 def write_run(samples: Iterable[Sample], out: str | os.PathLike, *, source_format: str, files: Iterable[Path],
               layer_map: LayerMap | None, extra: Mapping[str, Any] | None = None) -> Path:
     """Stream samples (grouped by step, steps ascending) into an r3lab run folder ``out``; returns its path.
+
+    All or nothing: the run is written under a temporary name beside ``out`` and renamed at the end
+    (:class:`r3lab.runs.RunWriter` ``atomic=True``); a refused or failed import (Ctrl-C included) leaves nothing.
 
     Per step: ``tokens/step-N.parquet`` (one row per response token: ``sample``, ``position``, ``token``,
     ``prompt_length``, ``response_length``, ``logp_infer``, ``logp_train``, ``loss_mask``, ``reward``, ...
@@ -294,8 +335,10 @@ def write_run(samples: Iterable[Sample], out: str | os.PathLike, *, source_forma
         config["model"] = {"model_type": lay.model_type, "architecture": lay.architecture,
                            "num_hidden_layers": lay.num_hidden_layers, "moe_layer_ids": list(lay.moe_layer_ids),
                            "num_experts": lay.num_experts, "top_k": lay.top_k}
+        if layer_map.mtp_layers:
+            config["model"]["mtp_layers"] = layer_map.mtp_layers
     log = CaptureLog()
-    writer = RunWriter(outp.parent, outp.name, IMPORT_KIND, config)
+    writer = RunWriter(outp.parent, outp.name, IMPORT_KIND, config, atomic=True)
     totals = {"samples": 0, "tokens": 0, "steps": 0, "samples_without_routes": 0}
     with writer:
         step: int | None = None
@@ -312,9 +355,7 @@ def write_run(samples: Iterable[Sample], out: str | os.PathLike, *, source_forma
             acc.finish(writer, totals)
         if totals["samples"] == 0:
             raise ImportFormatError(f"no samples in {[str(f) for f in files]}")
-        meta = json.loads((writer.path / "config.json").read_text())
-        meta["config"]["capture"] = log.to_dict()
-        (writer.path / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
+        writer.add_config({"capture": log.to_dict()})
         writer.finish({**totals, "source_format": source_format})
     return writer.path
 

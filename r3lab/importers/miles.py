@@ -17,6 +17,14 @@ from r3lab.importers.slime import import_slime
 __all__ = ["import_miles", "FORMAT"]
 
 FORMAT = "miles"
+OPTIONS = {"config": "the model's config.json (maps the dump's layer axis to global layer ids; needed for routes)",
+           "train": "the train_data/ dumps (trainer log-probs) to join",
+           "reward_key": "the key of a dict reward to read (default: 'score')"}
+
+
+def detect(path: Path) -> str | None:
+    """Miles' rollout files are named as slime's: told apart only by their contents (not read here)."""
+    return None
 
 
 def import_miles(src: str | os.PathLike, out: str | os.PathLike, *, config: str | os.PathLike | None = None,

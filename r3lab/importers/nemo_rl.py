@@ -27,6 +27,15 @@ __all__ = ["import_nemo_rl", "step_files", "iter_samples", "FORMAT"]
 FORMAT = "nemo-rl"
 _STEP = re.compile(r"train_data_step(\d+)\.jsonl$")
 REQUIRED = ("token_ids", "input_lengths", "token_loss_mask", "generation_logprobs", "prev_logprobs")
+OPTIONS: dict[str, str] = {}
+
+
+def detect(path: Path) -> str | None:
+    """Why ``path`` looks like a NeMo-RL log folder (``train_data_step<N>.jsonl``), else None."""
+    p = Path(path)
+    files = [p] if p.is_file() and _STEP.search(p.name) else sorted(p.glob("train_data_step*.jsonl")) if p.is_dir() \
+        else []
+    return f"{len(files)} train_data_step<N>.jsonl file(s) ({files[0].name}, ...)" if files else None
 
 
 def step_files(src: str | os.PathLike) -> list[tuple[int, Path]]:

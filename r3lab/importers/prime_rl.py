@@ -24,6 +24,15 @@ FORMAT = "prime-rl"
 _STEP = re.compile(r"step_(\d+)$")
 _RANK = re.compile(r"rank_(\d+)\.jsonl$")
 REQUIRED = ("token_ids", "inference_logprobs", "trainer_logprobs")
+OPTIONS: dict[str, str] = {}
+
+
+def detect(path: Path) -> str | None:
+    """Why ``path`` looks like prime-rl's output (``token_exports/step_<S>/rank_<R>.jsonl``), else None."""
+    p = Path(path)
+    root = p / "token_exports" if (p / "token_exports").is_dir() else p
+    found = sorted(root.glob("step_*/rank_*.jsonl")) if root.is_dir() else []
+    return f"{len(found)} token export(s) step_<S>/rank_<R>.jsonl under {root.name}/" if found else None
 
 
 def export_files(src: str | os.PathLike) -> list[tuple[int, Path]]:

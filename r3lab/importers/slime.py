@@ -31,6 +31,17 @@ __all__ = ["import_slime", "rollout_files", "iter_samples", "FORMAT"]
 FORMAT = "slime"
 _ID = re.compile(r"(\d+)(?=\.pt$)")
 SPECULATIVE_KEYS = ("spec_accept_token_num", "spec_verify_ct", "speculative", "spec_accept_length")
+OPTIONS = {"config": "the model's config.json (maps the dump's layer axis to global layer ids; needed for routes)",
+           "train": "the --save-debug-train-data dumps (trainer log-probs) to join",
+           "reward_key": "the key of a dict reward to read (default: 'score')"}
+
+
+def detect(path: Path) -> str | None:
+    """Why ``path`` looks like a slime rollout dump (``*_<rollout_id>.pt`` files), else None."""
+    p = Path(path)
+    files = [p] if p.is_file() else list(p.glob("*.pt")) if p.is_dir() else []
+    named = [f for f in files if f.suffix == ".pt" and _ID.search(f.name)]
+    return f"{len(named)} *_<rollout_id>.pt rollout dump(s) ({named[0].name}, ...)" if named else None
 
 
 def rollout_files(src: str | os.PathLike) -> list[Path]:

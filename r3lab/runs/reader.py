@@ -208,13 +208,14 @@ def read_stopped(path: str | os.PathLike[str]) -> dict[str, Any] | None:
 
 
 def list_runs(root: str | os.PathLike[str]) -> list[tuple[Path, Run | RunFormatError]]:
-    """Every run folder under ``root`` by name, each read back or paired with the error that stops it reading."""
+    """Every run folder under ``root`` by name, each read back or paired with the error that stops it reading
+    (hidden folders are not runs: an atomic writer's ``.NAME.partial-*`` while it writes)."""
     rp = Path(root)
     if not rp.is_dir():
         return []
     out: list[tuple[Path, Run | RunFormatError]] = []
     for d in sorted(rp.iterdir()):
-        if d.is_dir() and (d / "config.json").is_file():
+        if d.is_dir() and not d.name.startswith(".") and (d / "config.json").is_file():
             try:
                 out.append((d, load(d)))
             except RunFormatError as e:

@@ -6,6 +6,8 @@ import datetime as _dt
 import json
 import math
 import os
+import shutil
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -98,20 +100,47 @@ class RunWriter:
     Refuses an existing folder. Steps are appended, flushed and fsynced one line at a time. Left by an
     exception (Ctrl-C included) before :meth:`finish`, the ``with`` block marks the run stopped
     (:func:`mark_stopped`).
+
+    ``atomic=True`` (imports: all or nothing) writes under a hidden temporary name beside the run
+    (``.NAME.partial-XXXXXXXX``) and renames it to ``NAME`` in :meth:`finish`; left by an exception (Ctrl-C
+    included), the ``with`` block removes the temporary folder, so there is no run at all rather than a stopped one.
+    :attr:`path` is where files go now (the temporary folder until :meth:`finish`, the run after it).
     """
 
-    def __init__(self, root: str | os.PathLike[str], name: str, kind: str, config: Mapping[str, Any]):
+    def __init__(self, root: str | os.PathLike[str], name: str, kind: str, config: Mapping[str, Any], *,
+                 atomic: bool = False):
         check_run_name(name)
-        self.path = Path(root) / name
-        if self.path.exists():
-            raise RunFormatError(f"run folder {str(self.path)!r} exists; runs are never overwritten (pick a new name)")
+        self.final_path = Path(root) / name
+        if self.final_path.exists():
+            raise RunFormatError(f"run folder {str(self.final_path)!r} exists; runs are never overwritten (pick a new "
+                                 "name)")
+        self.atomic = atomic
+        self.path = (self.final_path.with_name(f".{name}.partial-{uuid.uuid4().hex[:8]}") if atomic
+                     else self.final_path)
         self.path.mkdir(parents=True)
-        meta = {"format": RUN_FORMAT, "version": RUN_FORMAT_VERSION, "kind": kind, "name": name,
-                "created": _now(),
-                "config": _jsonable(dict(config)), "versions": versions()}
-        (self.path / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
+        self._meta = {"format": RUN_FORMAT, "version": RUN_FORMAT_VERSION, "kind": kind, "name": name,
+                      "created": _now(),
+                      "config": _jsonable(dict(config)), "versions": versions()}
+        self._write_config()
         self._steps = open(self.path / "steps.jsonl", "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self.finished = False
+
+    def _write_config(self) -> None:
+        tmp = self.path / "config.json.tmp"
+        tmp.write_text(json.dumps(self._meta, indent=2) + "\n")
+        tmp.replace(self.path / "config.json")
+
+    def add_config(self, entries: Mapping[str, Any]) -> None:
+        """Add ``entries`` to the run's config (``config.json``'s ``config``) before :meth:`finish`: what is known
+        only once every step is written (an import's capture log). A key already in the config is refused."""
+        if self.finished:
+            raise RunFormatError(f"run {str(self.final_path)!r} is finished; its config is no longer written")
+        cfg = self._meta["config"]
+        taken = sorted(set(entries) & set(cfg))
+        if taken:
+            raise RunFormatError(f"config keys {taken} are already set in run {str(self.final_path)!r}")
+        cfg.update(_jsonable(dict(entries)))
+        self._write_config()
 
     def log_step(self, record: Mapping[str, Any]) -> None:
         """Append one step's metrics (must hold an integer ``step``)."""
@@ -162,8 +191,14 @@ class RunWriter:
         tmp = self.path / "summary.json.tmp"
         tmp.write_text(json.dumps(_jsonable(dict(summary)), indent=2, allow_nan=False) + "\n")
         tmp.replace(self.path / "summary.json")
-        self.finished = True
         self.close()
+        if self.atomic:
+            if self.final_path.exists():
+                raise RunFormatError(f"run folder {str(self.final_path)!r} appeared while this run was written; "
+                                     f"left this one at {str(self.path)!r}")
+            self.path.rename(self.final_path)
+            self.path = self.final_path
+        self.finished = True
 
     def close(self) -> None:
         if not self._steps.closed:
@@ -175,4 +210,14 @@ class RunWriter:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
         self.close()
         if exc_type is not None and not self.finished:
-            mark_stopped(self.path, f"{exc_type.__name__}: {exc}" if str(exc) else exc_type.__name__)
+            if self.atomic:
+                self.discard()
+            else:
+                mark_stopped(self.path, f"{exc_type.__name__}: {exc}" if str(exc) else exc_type.__name__)
+
+    def discard(self) -> None:
+        """Remove an unfinished atomic run's temporary folder (nothing is left at the run's name)."""
+        if self.finished or not self.atomic:
+            raise RunFormatError("only an unfinished atomic run is discarded")
+        self.close()
+        shutil.rmtree(self.path, ignore_errors=True)
