@@ -58,8 +58,12 @@ def routes(rng: np.random.Generator, rows: int) -> np.ndarray:
     return np.argsort(rng.random((rows, LAYERS, E)), axis=2)[:, :, :K].astype(np.int64)
 
 
-def _shape(rng: np.random.Generator, n: int) -> list[tuple[int, int]]:
-    return [(int(rng.integers(2, 7)), int(rng.integers(2, 7))) for _ in range(n)]
+def _shape(rng: np.random.Generator, n: int, pmax: int = 6, rmax: int = 6) -> list[tuple[int, int]]:
+    """Prompt and response lengths; sample 1 (the multi-turn one) gets a response of at least 5 tokens."""
+    out = [(int(rng.integers(2, pmax + 1)), int(rng.integers(2, rmax + 1))) for _ in range(n)]
+    if n > 1:
+        out[1] = (out[1][0], max(out[1][1], 5))
+    return out
 
 
 # ---- SkyRL ---------------------------------------------------------------------------------------------------------
@@ -183,7 +187,7 @@ def verl_batch(rng: np.random.Generator, samples: int, Pmax: int = 8, Rmax: int 
     """One gen_batch DataProto state ``(batch, non_tensor_batch, meta_info)`` and each sample's truth."""
     import torch
 
-    shapes = [(int(rng.integers(2, Pmax + 1)), int(rng.integers(2, Rmax + 1))) for _ in range(samples)]
+    shapes = _shape(rng, samples, Pmax, Rmax)
     prompts = np.zeros((samples, Pmax), np.int64)
     responses = np.zeros((samples, Rmax), np.int64)
     am = np.zeros((samples, Pmax + Rmax), np.int64)
