@@ -58,9 +58,9 @@ def routes(rng: np.random.Generator, rows: int) -> np.ndarray:
     return np.argsort(rng.random((rows, LAYERS, E)), axis=2)[:, :, :K].astype(np.int64)
 
 
-def _shape(rng: np.random.Generator, n: int, pmax: int = 6, rmax: int = 6) -> list[tuple[int, int]]:
+def _shape(rng: np.random.Generator, n: int, pmax: int = 6, rmax: int = 6, least: int = 2) -> list[tuple[int, int]]:
     """Prompt and response lengths; sample 1 (the multi-turn one) gets a response of at least 5 tokens."""
-    out = [(int(rng.integers(2, pmax + 1)), int(rng.integers(2, rmax + 1))) for _ in range(n)]
+    out = [(int(rng.integers(least, pmax + 1)), int(rng.integers(least, rmax + 1))) for _ in range(n)]
     if n > 1:
         out[1] = (out[1][0], max(out[1][1], 5))
     return out
@@ -73,11 +73,11 @@ def _serialize(arr: np.ndarray) -> dict:
 
 
 def skyrl_batch(rng: np.random.Generator, samples: int, *, pad: int = 0, route_dtype=np.uint8, case: str = "clean",
-                multi_turn: bool = True) -> tuple[dict, list[dict]]:
+                multi_turn: bool = True, least: int = 2) -> tuple[dict, list[dict]]:
     """One step's TrainingInputBatch state (as ``__getstate__`` returns it) and each real sample's truth."""
     import torch
 
-    shapes = _shape(rng, samples)
+    shapes = _shape(rng, samples, least=least)
     truth = []
     S, Rmax = max(p + r for p, r in shapes), max(r for _, r in shapes)
     B = samples + pad
@@ -183,11 +183,11 @@ def _serialize_single(arr: np.ndarray, torch_dtype: str):
 
 
 def verl_batch(rng: np.random.Generator, samples: int, Pmax: int = 8, Rmax: int = 8, *,
-               numpy_serialization: bool = True, case: str = "clean") -> tuple[tuple, list[dict]]:
+               numpy_serialization: bool = True, case: str = "clean", least: int = 2) -> tuple[tuple, list[dict]]:
     """One gen_batch DataProto state ``(batch, non_tensor_batch, meta_info)`` and each sample's truth."""
     import torch
 
-    shapes = _shape(rng, samples, Pmax, Rmax)
+    shapes = _shape(rng, samples, Pmax, Rmax, least)
     prompts = np.zeros((samples, Pmax), np.int64)
     responses = np.zeros((samples, Rmax), np.int64)
     am = np.zeros((samples, Pmax + Rmax), np.int64)
@@ -257,17 +257,20 @@ def verl_dump(folder: str | Path, *, steps: int = 3, samples: int = 6, seed: int
 
 
 def large(kind: str, folder: str | Path, *, samples: int, steps: int = 8, seed: int = 0) -> Path:
-    """A big dump (``samples`` over ``steps`` files) for the memory test, written one step at a time."""
+    """A big dump (``samples`` over ``steps`` files) for the memory test, written one step at a time.
+
+    Sequences of at least 8 tokens: on 2 + 2 tokens (3 route rows) random routes are constant on some layer in
+    about 1 sample in 2000, which the import rightly leaves without routes."""
     rng = np.random.default_rng(seed)
     per = samples // steps
     for n in range(1, steps + 1):
         if kind == "skyrl":
-            state, _ = skyrl_batch(rng, per, pad=0)
+            state, _ = skyrl_batch(rng, per, pad=0, least=4)
             d = Path(folder) / "dumped_data"
             d.mkdir(parents=True, exist_ok=True)
             (d / f"global_step_{n}_training_input.pkl").write_bytes(skyrl_pickle(state))
         else:
-            state, _ = verl_batch(rng, per)
+            state, _ = verl_batch(rng, per, least=4)
             d = Path(folder) / "exp_proj" / "GBS1_N1_in8_out8" / str(n)
             d.mkdir(parents=True, exist_ok=True)
             (d / "gen_batch.dp").write_bytes(verl_pickle(state))

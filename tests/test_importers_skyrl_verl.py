@@ -305,7 +305,9 @@ def test_broken_files_name_the_file(tmp_path):
 @pytest.mark.parametrize("kind", ["skyrl", "verl"])
 def test_import_is_streaming_and_bounded_in_memory(tmp_path, kind):
     """100k samples in 8 step files (with routes) import with an RSS rise under a third of the dump's size: one
-    step's pickle and its routes are held at a time (the same measure as test_importers' NeMo-RL test)."""
+    step's pickle and its routes are held at a time (the same measure as test_importers' NeMo-RL test). Measured
+    (61 MB SkyRL, 119 MB verl dump): no rise over the warm-up's peak; the same samples held in a list before
+    write_run rise 138 MB and 97 MB, over the bounds of 20 MB and 40 MB."""
     small = g.large(kind, tmp_path / "small", samples=800)
     big = g.large(kind, tmp_path / "big", samples=100_000)
     size = sum(f.stat().st_size for f in big.rglob("*") if f.is_file())
