@@ -278,8 +278,9 @@ def test_allowed_globals_refuse_calls_their_writer_never_makes(tmp_path):
         with g._fake_modules(g.SKYRL_MODULE, _rebuild_tensor_batch=g._rebuild_tensor_batch,
                              TrainingInputBatch=g.TrainingInputBatch):
             f.write_bytes(pickle.dumps(make()))
-        with pytest.raises(UnsafeFileError):
+        with pytest.raises(UnsafeFileError, match="never"):
             sk.load_batch(f)
+        assert name  # each case refused by the stand-in's own check
     state, _ = g.skyrl_batch(np.random.default_rng(0), 2)
     state["batch_dict"]["sequences"]["dtype"] = "O"  # an object dtype from the file is never built
     f.write_bytes(g.skyrl_pickle(state))
@@ -287,8 +288,15 @@ def test_allowed_globals_refuse_calls_their_writer_never_makes(tmp_path):
         sk.load_batch(f)
     v = tmp_path / "gen_batch.dp"
     v.write_bytes(pickle.dumps(np.zeros(3, dtype=[("a", "i4"), ("b", "f4")])))  # a structured dtype
-    with pytest.raises(UnsafeFileError):
+    with pytest.raises(UnsafeFileError, match="not a plain numeric dtype"):
         vl.load_gen_batch(v)
+    from numpy._core.multiarray import _reconstruct
+
+    for bad in (_CallsAllowed(_reconstruct, (torch.Size, (0,), b"b")), _CallsAllowed(g.DataProto, ((None, {}, {}),))):
+        with g._fake_modules("verl.protocol", DataProto=g.DataProto):
+            v.write_bytes(pickle.dumps(bad))
+        with pytest.raises(UnsafeFileError, match="never|other than numpy.ndarray"):
+            vl.load_gen_batch(v)
 
 
 def test_broken_files_name_the_file(tmp_path):

@@ -75,7 +75,7 @@ def _allowed(path: str) -> dict[tuple[str, str], Any]:
         return args[1]
 
     def device(where: str, args: tuple[Any, ...]) -> str:
-        if not args or len(args) > 2 or not isinstance(args[0], str) or (len(args) == 2 and not isinstance(args[1], int)):
+        if not 1 <= len(args) <= 2 or not isinstance(args[0], str) or not all(isinstance(x, int) for x in args[1:]):
             raise UnsafeFileError(f"{where} called with {args!r}")
         return ":".join(str(a) for a in args)
 
@@ -173,6 +173,12 @@ def _captured(routes: np.ndarray, real: np.ndarray, pad_mask: np.ndarray | None,
     return seq_rows[: int(nonzero[-1]) + 1] if nonzero.size else seq_rows[:0]
 
 
+def _response(arrays: dict[str, np.ndarray], key: str, i: int, resp: np.ndarray, dtype: Any) -> np.ndarray | None:
+    """Sample ``i``'s values of a response-level tensor at its response columns (None when the dump lacks it)."""
+    v = arrays.get(key)
+    return None if v is None else np.asarray(v[i][resp], dtype=dtype)
+
+
 def iter_samples(files: Sequence[tuple[int, Path]], stats: dict[str, Any] | None = None) -> Iterator[Sample]:
     """Every real (not DP-pad) sample of the dumps, one file in memory at a time."""
     stats = {} if stats is None else stats
@@ -197,10 +203,6 @@ def iter_samples(files: Sequence[tuple[int, Path]], stats: dict[str, Any] | None
             if R < 1 or len(tok) - R < 1:
                 raise ImportFormatError(f"{where}: {len(tok)} real tokens with {R} response tokens")
 
-            def resp_vals(key: str, dtype: Any) -> np.ndarray | None:
-                v = a.get(key)
-                return None if v is None else np.asarray(v[i][resp], dtype=dtype)
-
             r = None
             if routes is not None:
                 cap = _captured(routes[i], real, None if rpm is None else rpm[i], where)
@@ -211,9 +213,10 @@ def iter_samples(files: Sequence[tuple[int, Path]], stats: dict[str, Any] | None
                     r = cap  # short capture: write_run records the row count and leaves the routes out
                     stats["short_capture"] = stats.get("short_capture", 0) + 1
             yield Sample(step=step, tokens=tok.astype(np.int64), response_length=R,
-                         logp_infer=resp_vals("rollout_logprobs", np.float64),
-                         logp_train=resp_vals("action_log_probs", np.float64),
-                         loss_mask=resp_vals("loss_mask", np.int8), advantage=resp_vals("advantages", np.float64),
+                         logp_infer=_response(a, "rollout_logprobs", i, resp, np.float64),
+                         logp_train=_response(a, "action_log_probs", i, resp, np.float64),
+                         loss_mask=_response(a, "loss_mask", i, resp, np.int8),
+                         advantage=_response(a, "advantages", i, resp, np.float64),
                          routes=r, where=where)
         del a
 

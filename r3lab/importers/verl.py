@@ -62,6 +62,10 @@ class DataProtoStandIn:
 
     path = ""
 
+    def __init__(self, *args: Any, **kwargs: Any):  # NEWOBJ never calls it; REDUCE on the class would
+        raise UnsafeFileError(f"{self.path!r} calls verl.protocol.DataProto directly; DataProto.save_to_disk never "
+                              "does that, so r3lab refuses the file")
+
     def __setstate__(self, state: Any) -> None:
         if not (isinstance(state, tuple) and len(state) == 3):
             raise ImportFormatError(f"{self.path!r}: a DataProto state that is not (batch, non_tensor_batch, "
