@@ -4,9 +4,9 @@ Read from SkyRL's source (NovaSky-AI/SkyRL, commit ``a9564572`` of 2026-08-21, t
 
 * ``skyrl/train/trainer.py:1236-1242`` ``dump_data`` writes ``{export_path}/dumped_data/{file_name}.pkl`` with
   ``file_name = f"global_step_{N}_training_input"`` (``trainer.py:441-446``; ``fully_async_trainer.py:875`` the
-  same). It runs after advantages are computed and after ``training_input.pop("rewards")`` (``trainer.py:433-440``):
+  same). It runs after advantages are computed and after ``training_input.pop("rewards")`` (``trainer.py:434-438``):
   **the dump has no rewards**, only ``advantages``/``returns``. ``dumped_evals/`` beside it is not read.
-* ``skyrl/backends/skyrl_train/training_batch.py:17-35,244-279`` ``TensorBatch.save`` is ``pickle.dump(self)``;
+* ``skyrl/backends/skyrl_train/training_batch.py:17-35,244-279,395-398`` ``TensorBatch.save`` is ``pickle.dump(self)``;
   ``__reduce__`` is ``(_rebuild_tensor_batch, (type(self), self.__getstate__()))`` (since #1379, 2026-03-24), state
   ``{"batch_dict": {key: {"format": "numpy", "data": bytes, "shape", "dtype": str} | {"format": "torch", "data":
   torch.save bytes} (bfloat16) | {"format": "tensor_list", "items": [...]} | None}, "batch_size", "device":

@@ -14,13 +14,14 @@ Read from verl's source (verl-project/verl, formerly volcengine/verl, commit ``1
   this importer allows (as r3lab stand-ins; ``non_tensor_batch``'s object arrays may hold plain values only).
   By default ``batch`` is ``torch.save(TensorDict)`` bytes, which only ``torch.load(weights_only=False)`` reads
   (it needs tensordict's classes): r3lab refuses those files and names the re-export setting.
-* ``verl/experimental/agent_loop/agent_loop.py:720-779,1033-1068``: ``prompts`` ``[B, P_max]`` left-padded,
-  ``responses`` ``[B, R_max]`` right-padded, ``attention_mask`` ``[B, P_max + R_max]``, ``response_mask`` 1 on the
-  model's tokens (0 on tool output and padding: multi-turn masks), ``rollout_log_probs`` (engine, float32, zero
-  padded), ``rm_scores`` (the reward on the last response token, when the agent loop scored it), and
-  ``routed_experts`` int16 ``[B, P_max + R_max, layers, topk]``: the engine's rows from the prompt's first real
-  position, zero everywhere else (``as_dict``: "multi-turn loops stop recording at the last generation. Trailing
-  rows stay zero"). The dump has no trainer log-probs (``old_log_probs`` are computed after it).
+* ``verl/experimental/agent_loop/agent_loop.py:705-779`` (one sample), ``:1026-1068`` (``_postprocess``):
+  ``prompts`` ``[B, P_max]`` left-padded, ``responses`` ``[B, R_max]`` right-padded, ``attention_mask``
+  ``[B, P_max + R_max]``, ``response_mask`` 1 on the model's tokens (0 on tool output and padding: multi-turn
+  masks), ``rollout_log_probs`` (engine, float32, zero padded), ``rm_scores`` (the reward on the last response
+  token, when the agent loop scored it), and ``routed_experts`` int16 ``[B, P_max + R_max, layers, topk]``: the
+  engine's rows from the prompt's first real position, zero everywhere else (``as_dict``: "multi-turn loops stop
+  recording at the last generation. Trailing rows stay zero"). The dump has no trainer log-probs
+  (``old_log_probs`` are computed after it).
 
 Routes: a sample's captured rows end at its last row that is not all zero (exact for top-k >= 2, whose real rows
 hold distinct ids); its first ``P + R - 1`` rows are r3lab's routes. A shorter capture keeps tokens and log-probs
