@@ -117,6 +117,28 @@ def test_skyrl_short_capture_leaves_the_sample_without_routes_and_doctor_says_so
     assert doctor.diagnose(run).check("route rows").status == "fail"
 
 
+def test_skyrl_bfloat16_tensors_are_read_through_torchs_weights_only_loader(tmp_path):
+    """_serialize_tensor's fallback for dtypes numpy lacks: {"format": "torch", "data": torch.save bytes}."""
+    import io
+
+    import torch
+
+    state, truth = g.skyrl_batch(np.random.default_rng(1), 4)
+    lt = torch.from_numpy(np.frombuffer(state["batch_dict"]["action_log_probs"]["data"], np.float32)
+                          .reshape(state["batch_dict"]["action_log_probs"]["shape"]).copy()).to(torch.bfloat16)
+    buf = io.BytesIO()
+    torch.save(lt, buf)
+    state["batch_dict"]["action_log_probs"] = {"format": "torch", "data": buf.getvalue()}
+    f = tmp_path / "dumped_data" / "global_step_1_training_input.pkl"
+    f.parent.mkdir()
+    f.write_bytes(g.skyrl_pickle(state))
+    run = runs.load(sk.import_skyrl(tmp_path, tmp_path / "run", config=g.CONFIG))
+    t = run.tokens([1])
+    for i, s in enumerate(truth):
+        want = torch.from_numpy(s["logp_train"]).to(torch.bfloat16).float().numpy().astype(np.float64)
+        assert t[t["sample"] == i]["logp_train"].tolist() == want.tolist()
+
+
 def test_skyrl_src_forms(tmp_path):
     src, truth = g.skyrl_dump(tmp_path / "export", steps=2)
     one = src / "dumped_data" / "global_step_2_training_input.pkl"

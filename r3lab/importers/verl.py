@@ -12,8 +12,11 @@ Read from verl's source (verl-project/verl, formerly volcengine/verl, commit ``1
   {key: (torch dtype name, torch.Size, uint8 numpy array)})``; the pickle then names ``verl.protocol.DataProto``,
   ``torch.Size`` and numpy's array globals (``_reconstruct``, ``ndarray``, ``dtype``, ``scalar``), which are all
   this importer allows (as r3lab stand-ins; ``non_tensor_batch``'s object arrays may hold plain values only).
-  By default ``batch`` is ``torch.save(TensorDict)`` bytes, which only ``torch.load(weights_only=False)`` reads
-  (it needs tensordict's classes): r3lab refuses those files and names the re-export setting.
+  By default ``batch`` is ``torch.save(TensorDict)`` bytes, which ``__setstate__`` reads with
+  ``torch.load(weights_only=False)``: their ``data.pkl`` names tensordict's own reducers (pytorch/tensordict
+  ``tensordict/_reductions.py`` at 40e8b518: ``_rebuild_tensordict_files``; the consolidated layout differs
+  between tensordict versions), so they cannot be rebuilt without running tensordict's code. r3lab refuses those
+  files and names the re-export setting.
 * ``verl/experimental/agent_loop/agent_loop.py:705-779`` (one sample), ``:1026-1068`` (``_postprocess``):
   ``prompts`` ``[B, P_max]`` left-padded, ``responses`` ``[B, R_max]`` right-padded, ``attention_mask``
   ``[B, P_max + R_max]``, ``response_mask`` 1 on the model's tokens (0 on tool output and padding: multi-turn
