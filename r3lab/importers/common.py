@@ -3,8 +3,9 @@
 Safety: nothing an importer reads may run code. ``.pt`` files go through ``torch.load(weights_only=True)``
 (PyTorch's restricted unpickler: tensors, containers and plain scalars only); where a framework stores numpy
 arrays (Miles) the numpy reconstructors are allowed explicitly (:data:`NUMPY_ALLOWLIST`), nothing else. A file
-that needs any other class is refused with :class:`UnsafeFileError`, which says why and what to do. Pickles of
-a framework's own classes (verl's ``DataProto``, SkyRL's batches) are refused by suffix before they are opened.
+that needs any other class is refused with :class:`UnsafeFileError`, which says why and what to do. Plain pickles
+(``.pkl`` and the like) are refused by suffix before they are opened, except SkyRL's and verl's dumps, which their
+importers read with :mod:`r3lab.importers.unpickle` (only the globals each writer records, as inert stand-ins).
 
 Row convention: a sample of ``P`` prompt and ``R`` response tokens carries ``P + R - 1`` route rows, row ``t``
 routing the input at position ``t`` (``len(tokens) - 1`` rows in slime/Miles' ``rollout_routed_experts``;
@@ -72,13 +73,14 @@ plain numeric dtype classes (no object arrays: ``numpy.dtypes.ObjectDType`` is n
 
 
 def refuse_pickles(path: Path) -> None:
-    """Refuse plain pickles by suffix: they execute code when loaded (verl DataProto, SkyRL batches)."""
+    """Refuse plain pickles by suffix: they execute code when loaded (SkyRL/verl dumps have their own importers)."""
     what = REFUSED_SUFFIXES.get(path.suffix.lower())
     if what:
         raise UnsafeFileError(
-            f"{str(path)!r} is {what}; loading it would execute whatever code it names (verl's DataProto and "
-            "SkyRL's batches are pickles of their own classes), so r3lab does not open it. Re-export the run with "
-            "the framework's JSON/JSONL option (or torch.save of plain tensors, lists and dicts) and import that.")
+            f"{str(path)!r} is {what}; loading it would execute whatever code it names, so r3lab does not open it "
+            "as a torch file. SkyRL's dump_data_batch pickles and verl's gen_batch.dp are read by `r3lab import "
+            "skyrl` / `r3lab import verl` (a restricted unpickler); for anything else, re-export the run with the "
+            "framework's JSON/JSONL option (or torch.save of plain tensors, lists and dicts) and import that.")
 
 
 def safe_torch_load(path: str | os.PathLike, *, numpy_arrays: bool = False) -> Any:
