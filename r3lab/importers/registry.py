@@ -84,9 +84,11 @@ REGISTRY: dict[str, ImporterSpec] = {s.kind: s for s in (
            "the log folder (or one train_data_step<N>.jsonl)"),
     _entry("prime-rl", "prime_rl", "prime-rl (PrimeIntellect-ai/prime-rl) token exports: both log-probs",
            "the output folder or its token_exports/"),
-    _entry("skyrl", "skyrl", "SkyRL (NovaSky-AI/SkyRL) dump_data_batch pickles, with routes",
+    _entry("skyrl", "skyrl", "SkyRL (NovaSky-AI/SkyRL) dump_data_batch pickles: routes, both log-probs, "
+           "advantages (no rewards)",
            "export_path or its dumped_data/"),
-    _entry("verl", "verl", "verl (volcengine/verl) RolloutSkip gen_batch.dp pickles, with routes",
+    _entry("verl", "verl", "verl (verl-project/verl) RolloutSkip gen_batch.dp (numpy serialization): routes, "
+           "engine log-probs, rewards",
            "RolloutSkip's dump_dir or any folder under it"),
 )}
 """Every dump kind r3lab knows, by name (the CLI's ``r3lab import KIND`` choices, in this order)."""
