@@ -264,13 +264,22 @@ def _row_count(f: _Facts) -> Check:
             worst = worst or _where(step=s, sample=i, rows=int(n[i]), expected=int(want[i]))
     n1, m1, w1 = _cap(f, "row_count")
     n2, m2, w2 = _cap(f, "missing_routes")
-    rows += max(m1, m2)
+    n3, m3, w3 = _cap(f, "prefix_capture")  # shorter captures the dump marks itself (not counted in row_count)
+    rows += max(m1, m2) + m3
     bad += n1 + n2
     worst = worst or _fmt_worst(w1 or w2)
     if rows == 0:
         return Check("route rows", SKIP, "route rows = P + R - 1 per sample", detail="the run has no routes")
     detail = (f"{n1 + (bad - n1 - n2)} samples with the wrong row count, {n2} without routes" if bad
               else "every sample has P + R - 1 rows")
+    if n3:
+        detail += (f"; {n3} samples whose capture the dump marks as a prefix (SkyRL's router_padding_mask, verl's "
+                   "zero fill): their routes are left out, the trainer routes those samples itself")
+    if not bad and n3:
+        return Check("route rows", WARN, "route rows = P + R - 1 per sample", rows, _fmt_worst(w3),
+                     "the engine captured a prefix of these samples only (an appended EOS, an observation turn or an "
+                     "early stop has no engine forward, SkyRL #1908): expected, but R3 cannot replay those samples",
+                     detail)
     return Check("route rows", FAIL if bad else OK, "route rows = P + R - 1 per sample", rows, worst,
                  "a partial or multi-turn rollout returned routes of its last segment only (verl #5344, #6054): "
                  "concatenate every turn's routes, prompt included, and keep routes for every sample", detail)

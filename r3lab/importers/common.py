@@ -210,6 +210,7 @@ class Sample:
     index: int | None = None
     status: str | None = None
     speculative: bool = False
+    prefix_capture: bool = False  # the dump itself marks rows past len(routes) as not captured (SkyRL, verl)
     where: str = ""  # file and sample number, for messages
 
 
@@ -251,6 +252,9 @@ def _check_routes(s: Sample, sample_no: int, lmap: LayerMap, log: CaptureLog) ->
     if r.ndim != 3:
         raise ImportFormatError(f"{s.where}: routes must be [rows, layers, top_k], got shape {r.shape}")
     want = len(s.tokens) - 1  # P + R - 1
+    if s.prefix_capture and r.shape[0] < want:  # a gap the dump marks itself: told apart from a wrong row count
+        log.add("prefix_capture", 1, 1, score=want - r.shape[0], route_rows=int(r.shape[0]), expected=want, **where)
+        return None
     if r.shape[0] != want:
         log.add("row_count", 1, 1, score=abs(r.shape[0] - want), route_rows=int(r.shape[0]), expected=want, **where)
         if s.speculative:

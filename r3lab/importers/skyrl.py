@@ -217,7 +217,7 @@ def iter_samples(files: Sequence[tuple[int, Path]], stats: dict[str, Any] | None
                          logp_train=_response(a, "action_log_probs", i, resp, np.float64),
                          loss_mask=_response(a, "loss_mask", i, resp, np.int8),
                          advantage=_response(a, "advantages", i, resp, np.float64),
-                         routes=r, where=where)
+                         routes=r, prefix_capture=rpm is not None, where=where)
         del a
 
 

@@ -209,7 +209,7 @@ def iter_samples(files: Sequence[tuple[int, Path]]) -> Iterator[Sample]:
             yield Sample(step=step, tokens=tok, response_length=R,
                          logp_infer=None if lp is None else lp[i, :R].astype(np.float64),
                          loss_mask=(rm[i, :R] != 0).astype(np.int8),
-                         reward=None if rw is None else float(rw[i].sum()), routes=r, where=where)
+                         reward=None if rw is None else float(rw[i].sum()), routes=r, prefix_capture=True, where=where)
         del t
 
 
