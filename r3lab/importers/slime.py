@@ -22,7 +22,9 @@ train dump also at ``d38dc29c9``, before #2266):
   :mod:`r3lab.importers.train_dumps`, which gives each sample its trainer ``log_probs`` and ``advantages``.
 
 A dict reward is read at ``reward_key`` (default: the dict's ``"score"``, else its only number). Everything is
-loaded with ``torch.load(weights_only=True)`` (:func:`r3lab.importers.common.safe_torch_load`).
+loaded with ``torch.load(weights_only=True)`` (:func:`r3lab.importers.train_dumps.load_dump`): tensors, containers,
+numbers and numpy arrays/scalars (a custom rollout or reward function may leave numpy values in a ``Sample``);
+nothing that could run code.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ from typing import Any
 
 import numpy as np
 
-from r3lab.importers.common import ImportFormatError, LayerMap, Sample, safe_torch_load, write_run
-from r3lab.importers.train_dumps import TrainDumps, TrainRollout, TrainRow, to_numpy
+from r3lab.errors import R3LabError
+from r3lab.importers.common import ImportFormatError, LayerMap, Sample, write_run
+from r3lab.importers.train_dumps import TrainDumps, TrainRollout, TrainRow, load_dump, to_numpy
 
 __all__ = ["import_slime", "rollout_files", "eval_files", "iter_samples", "detect", "OPTIONS", "FORMAT",
            "sample_from_dict", "reward_of"]
@@ -177,7 +180,7 @@ def sample_from_dict(d: Any, step: int, where: str, reward_key: str | None = Non
 
 
 def _load_rollout(f: Path, numpy_arrays: bool) -> dict[str, Any]:
-    obj = safe_torch_load(f, numpy_arrays=numpy_arrays)
+    obj = load_dump(f, numpy_arrays=numpy_arrays)
     if isinstance(obj, dict) and "samples" not in obj and ("rollout_data" in obj or "format_version" in obj):
         raise ImportFormatError(f"{str(f)!r} is a train dump (--save-debug-train-data), not a rollout dump: pass "
                                 "its folder with --train and the rollout dumps as SRC")
@@ -199,7 +202,7 @@ def _join(s: Sample, tr: TrainRow, where: str) -> None:
     s.logp_train, s.advantage = tr.logp_train, tr.advantage
 
 
-def iter_samples(files: Sequence[Path], *, numpy_arrays: bool = False, train: TrainDumps | None = None,
+def iter_samples(files: Sequence[Path], *, numpy_arrays: bool = True, train: TrainDumps | None = None,
                  reward_key: str | None = None) -> Iterator[Sample]:
     """Every sample of the training dumps, one file in memory at a time, step = the dump's ``rollout_id``."""
     last: int | None = None
@@ -249,7 +252,7 @@ def _eval_summary(files: Sequence[Path], numpy_arrays: bool) -> dict[str, Any]:
 
 def import_slime(src: str | os.PathLike, out: str | os.PathLike, *, config: str | os.PathLike | None = None,
                  train: str | os.PathLike | None = None, reward_key: str | None = None,
-                 source_format: str = FORMAT, numpy_arrays: bool = False) -> Path:
+                 source_format: str = FORMAT, numpy_arrays: bool = True) -> Path:
     """Import slime rollout dumps (a file or a folder) into the run folder ``out``; returns its path.
 
     Eval rollouts (``eval_N``) are skipped and listed under ``eval_rollouts`` in the run config. ``train`` (or
@@ -304,17 +307,13 @@ def _detect(p: Path, kind: str) -> str | None:
         return f"numbered .pt dumps ({probe.name}); slime and Miles name them alike" if _ID.search(probe.stem) \
             or is_eval(probe) else None
     framework, reason = what
-    if framework == "either" and root_miles:
-        framework = "miles"
-    if framework in (kind, "either"):
-        return reason
-    return None
+    return reason if framework == kind else None
 
 
 def _probe(f: Path) -> tuple[str, str] | None:
     try:
-        obj = safe_torch_load(f, numpy_arrays=True)
-    except Exception:  # detection never raises: a file it cannot read is simply not recognised
+        obj = load_dump(f)
+    except (R3LabError, OSError):  # detection never raises: a file it cannot read is simply not recognised
         return None
     if not isinstance(obj, dict):
         return None

@@ -42,10 +42,32 @@ import numpy as np
 from r3lab.importers.common import ImportFormatError, safe_torch_load
 
 __all__ = ["TrainRow", "TrainRollout", "TrainDumps", "cp_response_spans", "assemble_cp", "infer_cp_ranks",
-           "FIELDS"]
+           "FIELDS", "load_dump", "to_numpy"]
 
 FIELDS = {"log_probs": "logp_train", "advantages": "advantage"}  # train-dump column -> what r3lab keeps
 _NAME = re.compile(r"(\d+)(?:_(\d+))?$")  # {rollout_id}.pt or {rollout_id}_{rank}.pt
+
+
+def _numpy_scalar() -> Any:
+    try:
+        from numpy._core.multiarray import scalar
+    except ImportError:  # numpy < 2
+        from numpy.core.multiarray import scalar  # type: ignore[no-redef]
+    return scalar
+
+
+def load_dump(path: str | Path, *, numpy_arrays: bool = True) -> Any:
+    """:func:`~r3lab.importers.common.safe_torch_load`, numpy scalars allowed too when numpy arrays are.
+
+    A reward function returning ``np.float64`` puts a numpy scalar in ``Sample.reward``; numpy's ``scalar``
+    rebuilds one from a dtype and its bytes (nothing else runs), so it joins the numpy allowlist here.
+    """
+    import torch
+
+    if not numpy_arrays:
+        return safe_torch_load(path)
+    with torch.serialization.safe_globals([_numpy_scalar()]):
+        return safe_torch_load(path, numpy_arrays=True)
 
 
 def to_numpy(v: Any) -> np.ndarray:
@@ -163,7 +185,7 @@ def _per_sample(column: Any, n: int) -> bool:
 class TrainDumps:
     """The train-dump files of a run, indexed by rollout id from their names; one rollout is loaded at a time."""
 
-    def __init__(self, src: str | Path, *, numpy_arrays: bool = False):
+    def __init__(self, src: str | Path, *, numpy_arrays: bool = True):
         p = Path(src)
         if p.is_file():
             files = [p]
@@ -185,7 +207,7 @@ class TrainDumps:
             self.by_rollout.setdefault(rid, []).append(f)
 
     def _load(self, f: Path) -> dict[str, Any]:
-        obj = safe_torch_load(f, numpy_arrays=self.numpy_arrays)
+        obj = load_dump(f, numpy_arrays=self.numpy_arrays)
         if not isinstance(obj, dict) or "rollout_id" not in obj or not ("samples" in obj or "rollout_data" in obj):
             keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
             raise ImportFormatError(f"{str(f)!r} is not a slime/Miles train dump: expected {{'rollout_id', "
