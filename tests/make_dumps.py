@@ -195,12 +195,12 @@ def _framework_sample(rng, index: int, group: int, layers: int, E: int, K: int, 
     import torch
 
     P = int(rng.integers(20, 30)) if long_prompt else int(rng.integers(3, 9))
-    R = int(rng.integers(2, 4)) if long_prompt else int(rng.integers(5, 14))
+    R = int(rng.integers(2, 4)) if long_prompt else int(rng.integers(8 if multi_turn else 5, 14))
     tokens = rng.integers(4, vocab, P + R).tolist()
     mask = [1] * R
     lp = (-rng.exponential(1.0, R)).tolist()
     if multi_turn:  # a tool turn inside the response: loss mask 0, rollout log-prob 0.0 (append_response_tokens)
-        for j in range(2, min(5, R - 1)):
+        for j in range(2, 5):
             mask[j], lp[j] = 0, 0.0
     r = np.argsort(rng.random((P + R - 1, layers, E)), axis=2)[:, :, :K].astype(np.int32)
     spec_info = dict(SPEC_ZERO)

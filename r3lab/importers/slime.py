@@ -292,20 +292,21 @@ def _detect(p: Path, kind: str) -> str | None:
                               if f.suffix == ".pt"), key=lambda f: f.stat().st_size)
             if not pts:
                 return None
-        if not all(_ID.search(f.stem) or is_eval(f) for f in pts):
-            return None
         probe = pts[0]
     elif p.is_file() and p.suffix == ".pt":
         root_miles = (p.parent.parent / "dashboard_columns").is_dir()
         probe = p
     else:
         return None
-    what = _probe(probe) if probe.stat().st_size <= _DETECT_MAX_BYTES else None
-    if what is None:  # too large to open, or unreadable: the names are all there is
+    if not (_ID.search(probe.stem) or is_eval(probe)):
+        return None
+    if probe.stat().st_size > _DETECT_MAX_BYTES:  # too large to open: the names are all there is
         if root_miles:
             return f"{probe.name} beside dashboard_columns/ (Miles --dump-details)" if kind == "miles" else None
-        return f"numbered .pt dumps ({probe.name}); slime and Miles name them alike" if _ID.search(probe.stem) \
-            or is_eval(probe) else None
+        return f"numbered .pt dumps ({probe.name}); slime and Miles name them alike"
+    what = _probe(probe)
+    if what is None:  # opened, and not a slime/Miles dump
+        return None
     framework, reason = what
     return reason if framework == kind else None
 
