@@ -274,7 +274,6 @@ def framework_dump(folder: str | Path, framework: str = "slime", train: str | No
         if framework == "miles":
             payload = {"rollout_id": rid, "metadata": {"dynamic_filter": {}}, "samples": samples}
         torch.save(payload, out / "rollout_data" / f"{rid}.pt")
-        N = len(samples)
         rows = []
         for s in samples:
             R = s["response_length"]
@@ -308,7 +307,8 @@ def _train_columns(samples: list[dict], rows: list[dict], part: list[int]) -> di
             "log_probs": [torch.from_numpy(rows[j]["log_probs"].copy()) for j in part],
             "advantages": [torch.from_numpy(rows[j]["advantages"].copy()) for j in part],
             "returns": [torch.from_numpy(rows[j]["advantages"].copy()) for j in part],
-            "global_batch_sizes": [len(samples)], "num_microbatches": [1], "micro_batch_indices": [[list(range(len(part)))]]}
+            "global_batch_sizes": [len(samples)], "num_microbatches": [1],
+            "micro_batch_indices": [[list(range(len(part)))]]}
 
 
 def _write_train(d: Path, framework: str, layout: str, rid: int, samples: list[dict], rows: list[dict], rng, *,

@@ -167,6 +167,8 @@ def sample_from_dict(d: Any, step: int, where: str, reward_key: str | None = Non
         if key not in d:
             raise ImportFormatError(f"{where}: sample has no {key!r} (keys {sorted(d)})")
     tokens = _array(d["tokens"], where, "tokens", "i")
+    if tokens is None:
+        raise ImportFormatError(f"{where}: sample tokens are None")
     R = int(d["response_length"])
     status = d.get("status")
     status = getattr(status, "value", status)

@@ -31,6 +31,7 @@ under ``"bshd"``; Miles' allgather-CP path re-slices into the same zigzag layout
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -185,7 +186,7 @@ def _per_sample(column: Any, n: int) -> bool:
 class TrainDumps:
     """The train-dump files of a run, indexed by rollout id from their names; one rollout is loaded at a time."""
 
-    def __init__(self, src: str | Path, *, numpy_arrays: bool = True):
+    def __init__(self, src: str | os.PathLike, *, numpy_arrays: bool = True):
         p = Path(src)
         if p.is_file():
             files = [p]
@@ -270,10 +271,10 @@ def _read_sharded(rid: int, objs: list[tuple[Path, dict[str, Any]]],
         if not isinstance(data, dict) or data.get("sample_indices") is None:
             raise ImportFormatError(f"{str(f)!r}: rollout_data has no sample_indices (keys "
                                     f"{sorted(data) if isinstance(data, dict) else type(data).__name__})")
-        for row, si in enumerate(to_numpy(data["sample_indices"]).tolist()):
+        for k, si in enumerate(to_numpy(data["sample_indices"]).tolist()):
             if si is None:
-                raise ImportFormatError(f"{str(f)!r} row {row}: sample_indices is None; Sample.index is the join key")
-            locations.setdefault(int(si), []).append((o, row))
+                raise ImportFormatError(f"{str(f)!r} row {k}: sample_indices is None; Sample.index is the join key")
+            locations.setdefault(int(si), []).append((o, k))
     for si, locs in locations.items():
         if si not in lengths:
             raise ImportFormatError(f"{where_of[id(locs[0][0])]}: sample_indices {si} is not the index of any sample "
