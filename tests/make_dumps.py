@@ -4,7 +4,9 @@ The tests call these into temporary folders. Layouts follow r3lab.importers' mod
 ``Sample.to_dict()`` rollout dumps and train dumps, NeMo-RL ``train_data_step{N}.jsonl``, prime-rl
 ``token_exports/step_S/rank_R.jsonl``), on a tiny GLM-4-style model: 8 decoder layers, layer 0 dense, 16 routed
 experts, top-2. ``slime_dump(case=...)`` builds the nasty and the broken cases; :data:`DOCTOR_CASES` says which
-doctor check each broken case must trip. ``python tests/make_dumps.py OUT`` writes one of each.
+doctor check each broken case must trip. :func:`framework_dump` writes slime's and Miles' ``--dump-details``
+folders as their writers do today (slime train dumps v2 and v1, Miles' per-rank dumps with CP/TP/PP, eval rollouts)
+on the shipped tiny-qwen3-moe shape. ``python tests/make_dumps.py OUT`` writes one of each.
 """
 
 from __future__ import annotations
@@ -494,6 +496,9 @@ if __name__ == "__main__":
     miles_dump(out / "miles")
     nemo_rl_dump(out / "nemo-rl")
     prime_rl_dump(out / "prime-rl")
+    framework_dump(out / "slime-dump-details-v2", "slime", "v2", cp=2)
+    framework_dump(out / "slime-dump-details-v1", "slime", "v1", cp=2, tp=2)
+    framework_dump(out / "miles-dump-details", "miles", "miles", cp=2, tp=2)
     print(f"wrote dumps under {out}")
 
 
