@@ -214,3 +214,23 @@ def test_cli_import_of_a_tiny_qwen3_moe_dump_then_a_clean_doctor(tmp_path, capsy
     run = runs.load(out)
     assert run.token_steps() == [0, 1, 2] and run.summary["samples"] == 18
     assert "logp_train" in run.tokens([0]) and run.route_steps("engine") == [0, 1, 2]
+
+
+def test_slime_v1_ranks_numbered_cp_fastest_are_still_reassembled(tmp_path):
+    """slime v1 files name no CP rank; with ranks numbered cp-fastest the TP peers are found by their values."""
+    src, truth = md.framework_dump(tmp_path / "dump", "slime", "v1", cp=2, tp=2, dp=1)
+    d = src / "train_data"
+    for rid in (0, 1, 2):  # renumber: tp + 2 * cp  ->  cp + 2 * tp (ranks 1 and 2 swap)
+        a, b = d / f"{rid}_1.pt", d / f"{rid}_2.pt"
+        a.rename(d / "tmp.pt")
+        b.rename(a)
+        (d / "tmp.pt").rename(b)
+        for f in (a, b):
+            obj = torch.load(f, weights_only=True)
+            obj["rank"] = int(f.stem.split("_")[1])
+            torch.save(obj, f)
+    run = runs.load(import_run("slime", src / "rollout_data", tmp_path / "run", config=md.TINY_QWEN3, train=d))
+    for rid in (0, 1, 2):
+        t = run.tokens([rid])
+        for i, w in enumerate(truth[rid]):
+            assert t[t["sample"] == i]["logp_train"].to_numpy().tobytes() == w["log_probs"].tobytes()

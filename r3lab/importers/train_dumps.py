@@ -307,19 +307,8 @@ def _read_sharded(rid: int, objs: list[tuple[Path, dict[str, Any]]],
                 fmt = {str(o.get("qkv_format", "thd")) for o, _ in holders}
                 qkv = fmt.pop() if len(fmt) == 1 else "mixed"
             else:
-                fits = infer_cp_ranks(len(values), [len(v) for v in values], total, response)
-                if not fits:
-                    raise ImportFormatError(
-                        f"{where}: {len(values)} rank copies of lengths {[len(v) for v in values]} fit no CP size "
-                        f"(response {response}, total {total}): not the zigzag CP split of slime's trainer")
-                if len(fits) > 1:
-                    got = {c: _combine(values, [k // (len(values) // c) for k in range(len(values))], c, total,
-                                       response, None, where) for c in fits}
-                    if len({v.tobytes() for v in got.values()}) > 1:
-                        raise ImportFormatError(f"{where}: the rank copies fit CP sizes {fits} with different "
-                                                "results; the dump does not say which (slime v1 records no cp_rank)")
-                cp, qkv = fits[0], "thd"
-                ranks = [k // (len(values) // cp) for k in range(len(values))]
+                cp, ranks = _infer_layout(values, total, response, where)
+                qkv = "thd"
             seq_len = None
             if qkv == "bshd":
                 msl = first["rollout_data"].get("max_seq_lens")
@@ -335,6 +324,47 @@ def _read_sharded(rid: int, objs: list[tuple[Path, dict[str, Any]]],
             out.tp_copies = max(out.tp_copies, len(values) // cp)
         out.by_index[si] = row
     return out
+
+
+def _infer_layout(values: list[np.ndarray], total: int, response: int, where: str) -> tuple[int, list[int]]:
+    """(cp_size, CP rank of each copy) for slime v1 copies, which carry no cp_rank: Megatron's tp-fastest rank
+    order first (:func:`infer_cp_ranks`), else TP peers found by value; refused when none or several disagree."""
+    n = len(values)
+    options: list[tuple[int, list[int], bytes]] = []
+    error: ImportFormatError | None = None
+    candidates = [(c, [k // (n // c) for k in range(n)]) for c in infer_cp_ranks(n, [len(v) for v in values], total,
+                                                                                 response)]
+    if (by_value := _by_value(values, total, response)) is not None:
+        candidates.append((max(by_value) + 1, by_value))
+    for c, ranks in candidates:
+        try:
+            options.append((c, ranks, _combine(values, ranks, c, total, response, None, where).tobytes()))
+        except ImportFormatError as e:  # e.g. TP copies that differ under this reading
+            error = error or e
+    if not options:
+        raise error or ImportFormatError(
+            f"{where}: {n} rank copies of lengths {[len(v) for v in values]} fit no CP size (response {response}, "
+            f"total {total}): not the zigzag CP split of slime's trainer")
+    if len({o[2] for o in options}) > 1:
+        raise ImportFormatError(f"{where}: the rank copies fit CP sizes {sorted({o[0] for o in options})} with "
+                                "different results; the dump does not say which (slime v1 records no cp_rank)")
+    return options[0][0], options[0][1]
+
+
+def _by_value(values: list[np.ndarray], total: int, response: int) -> list[int] | None:
+    """CP rank of each copy when identical copies are TP peers and CP ranks appear in rank order, else None."""
+    groups: list[bytes] = []
+    ranks = []
+    for v in values:
+        key = v.tobytes() + str(v.shape).encode()
+        if key not in groups:
+            groups.append(key)
+        ranks.append(groups.index(key))
+    c = len(groups)
+    if c < 2 or any(ranks.count(g) != len(values) // c for g in range(c)):
+        return None
+    want = [sum(b - a for a, b in cp_response_spans(total, response, r, c)) for r in range(c)]
+    return ranks if all(len(v) == want[r] for v, r in zip(values, ranks, strict=True)) else None
 
 
 def _combine(values: list[np.ndarray], ranks: list[int], cp: int, total: int, response: int, seq_len: int | None,
