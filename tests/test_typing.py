@@ -26,7 +26,6 @@ KNOWN_ERRORS: dict[str, int] = {
     "r3lab/experiments/rl.py": 11,
     "r3lab/importers/common.py": 3,
     "r3lab/importers/figures.py": 17,
-    "r3lab/importers/slime.py": 2,
     "r3lab/metrics.py": 1,
     "r3lab/rollout/_common.py": 1,
     "r3lab/rollout/engine.py": 6,

@@ -1,9 +1,25 @@
-"""Miles rollout dumps into r3lab runs: slime's layout with numpy routes.
+"""Miles rollout and train dumps into r3lab runs (slime's reader, numpy arrays allowed).
 
-Miles (radixark/miles) keeps slime's ``--save-debug-rollout-data`` dump (``torch.save`` of ``{"rollout_id",
-"samples": [Sample.to_dict()]}``; read back in ``miles/utils/debug_utils/display_debug_rollout_data.py``) but
-stores ``rollout_routed_experts`` as a numpy int32 array ``[len(tokens) - 1, layers, top_k]``. Loading a numpy
-array through ``torch.load(weights_only=True)`` needs numpy's reconstructors: they, and only they, are allowed
+Read in radixark/miles at ``31f1ca96`` (2026-08-21, the newest commit of ``main`` when read):
+
+* ``--save-debug-rollout-data`` (``--dump-details D`` sets ``D/rollout_data/{rollout_id}.pt`` and
+  ``D/train_data/{rollout_id}_{rank}.pt``, ``miles/utils/arguments.py:3184-3185``): ``save_debug_rollout_data``
+  (``miles/ray/rollout/debug_data.py``) writes ``torch.save({"rollout_id": N, "metadata": {...},
+  "samples": [Sample.to_dict()]})``, eval rollouts as ``eval_N`` through the same template with
+  ``"rollout_id": N`` (``miles/ray/rollout/rollout_manager.py``; Miles' reader tells them apart by the
+  ``eval_`` prefix, ``miles/dashboard/dump_reader.py:rollout_ids``). It also writes
+  ``D/dashboard_columns/rollout_{N}.parquet`` and ``D/trajectory/`` beside ``rollout_data/``.
+  ``Sample.rollout_routed_experts`` is a numpy int32 array ``[len(tokens) - 1, num_layers, topk]``
+  (``miles/utils/types.py``); ``spec_info`` is slime's top-level dict.
+* ``--save-debug-train-data`` (``miles/utils/train_dump_utils.py``): one file per global rank,
+  ``{"rollout_id", "rank", "rollout_data", "cp_rank", "cp_size", "qkv_format"}``, ``rollout_data`` the rank's DP
+  shard (``partition`` popped, ``miles/ray/rollout/train_data_conversion.py:process_rollout_data_shard``;
+  ``sample_indices`` = ``Sample.index``), CP fields as that CP rank's zigzag slice, TP ranks duplicate. Read by
+  :mod:`r3lab.importers.train_dumps`: joined on ``Sample.index``, CP reassembled per ``qkv_format`` (thd, bshd),
+  TP copies checked equal and dropped.
+
+Eval rollouts are skipped and recorded (see :mod:`r3lab.importers.slime`). Loading a numpy array through
+``torch.load(weights_only=True)`` needs numpy's reconstructors: they, and only they, are allowed
 (:data:`r3lab.importers.common.NUMPY_ALLOWLIST`).
 """
 
@@ -12,23 +28,26 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from r3lab.importers.slime import import_slime
+from r3lab.importers.slime import OPTIONS as _SLIME_OPTIONS
+from r3lab.importers.slime import _detect, import_slime
 
-__all__ = ["import_miles", "FORMAT"]
+__all__ = ["import_miles", "detect", "OPTIONS", "FORMAT"]
 
 FORMAT = "miles"
-OPTIONS = {"config": "the model's config.json (maps the dump's layer axis to global layer ids; needed for routes)",
-           "train": "the train_data/ dumps (trainer log-probs) to join",
-           "reward_key": "the key of a dict reward to read (default: 'score')"}
-
-
-def detect(path: Path) -> str | None:
-    """Miles' rollout files are named as slime's: told apart only by their contents (not read here)."""
-    return None
+OPTIONS: dict[str, str] = {
+    **_SLIME_OPTIONS,
+    "train": "the --save-debug-train-data folder (train_data/{id}_{rank}.pt): trainer log-probs and advantages, "
+             "CP slices reassembled, TP copies dropped",
+}
 
 
 def import_miles(src: str | os.PathLike, out: str | os.PathLike, *, config: str | os.PathLike | None = None,
                  train: str | os.PathLike | None = None, reward_key: str | None = None) -> Path:
-    """Import Miles rollout dumps (a file or a folder) into the run folder ``out``; returns its path."""
+    """Import Miles rollout dumps (a file, ``rollout_data/`` or the ``--dump-details`` folder) into ``out``."""
     return import_slime(src, out, config=config, train=train, reward_key=reward_key, source_format=FORMAT,
                         numpy_arrays=True)
+
+
+def detect(path: Path) -> str | None:
+    """A reason when ``path`` looks like a Miles dump, else None (names first; at most one small file opened)."""
+    return _detect(Path(path), "miles")

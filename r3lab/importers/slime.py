@@ -1,17 +1,30 @@
 """slime rollout dumps (and their train dumps) into r3lab runs.
 
-Read from slime's source (THUDM/slime): ``--save-debug-rollout-data path_{rollout_id}.pt`` writes
-``torch.save({"rollout_id": int, "samples": [Sample.to_dict(), ...]})`` (``slime/ray/rollout.py``; read back by
-``slime/utils/debug_utils/display_debug_rollout_data.py``). ``Sample`` (``slime/utils/types.py``) has ``tokens``
-(prompt + response ids), ``response_length``, ``loss_mask`` (over the response), ``rollout_log_probs`` (one per
-response token), ``rollout_routed_experts`` (``[len(tokens) - 1, layers, top_k]``: a torch int32 tensor or nested
-lists, or None), ``reward`` (a float or a dict), ``index``, ``group_index``, ``status``, ``weight_versions`` and
-``metadata``. ``--save-debug-train-data`` writes ``torch.save({"rollout_id", "rank", "rollout_data"})`` per rank
-(``slime/utils/train_dump_utils.py``); r3lab joins its per-sample trainer ``log_probs`` (CP shards already
-reassembled) to the rollout samples by ``sample_indices`` when present, else by order over ranks.
+Read in THUDM/slime at ``624b824a`` (2026-08-21, the newest commit of ``main`` when read; ``--dump-details`` and the
+train dump also at ``d38dc29c9``, before #2266):
+
+* ``--save-debug-rollout-data TEMPLATE`` (``--dump-details D`` sets ``D/rollout_data/{rollout_id}.pt``,
+  ``slime/utils/arguments.py``): ``save_debug_rollout_data`` (``slime/observability/rollout_data_utils.py:140-153``)
+  writes ``torch.save({"rollout_id": N, "samples": [Sample.to_dict(), ...]})``. Eval rollouts go through the same
+  template with ``rollout_id="eval_N"`` (``slime/ray/rollout.py:500,522``): the path says ``eval_N`` while the dict
+  still says ``"rollout_id": N``. **Eval rollouts are never training steps**: r3lab skips them and records them
+  (file, rollout id, sample count) under ``eval_rollouts`` in the run's config; an ``eval_N`` file passed alone is
+  refused. Training samples are the rollout's flattened groups in order (``_get_rollout_data``), so a sample's
+  position in ``samples`` is its ``rollout_position``.
+* ``Sample`` (``slime/utils/types.py``): ``tokens`` (prompt + response), ``response_length``, ``loss_mask`` (over the
+  response; multi-turn tool tokens are 0), ``rollout_log_probs``, ``rollout_routed_experts`` (an int32 tensor
+  ``[len(tokens) - 1, num_layers, topk]``: all decoder layers, turns concatenated via ``routed_experts_start_len``),
+  ``reward`` (a float or a dict: ``--reward-key``), ``index`` (the global ``Sample.index``,
+  ``slime/rollout/data_source.py:110-115``), ``status`` and ``spec_info`` (a top-level dict
+  ``{spec_accept_token_num, spec_draft_token_num, spec_verify_ct, completion_token_num}``, non-zero only when
+  SGLang speculative decoding ran: that is what marks a sample speculative; keys in ``metadata`` are read too).
+* ``--save-debug-train-data``: both layouts (v2 since #2266, per-rank v1 before it) are read by
+  :mod:`r3lab.importers.train_dumps`, which gives each sample its trainer ``log_probs`` and ``advantages``.
 
 A dict reward is read at ``reward_key`` (default: the dict's ``"score"``, else its only number). Everything is
-loaded with ``torch.load(weights_only=True)`` (:func:`r3lab.importers.common.safe_torch_load`).
+loaded with ``torch.load(weights_only=True)`` (:func:`r3lab.importers.train_dumps.load_dump`): tensors, containers,
+numbers and numpy arrays/scalars (a custom rollout or reward function may leave numpy values in a ``Sample``);
+nothing that could run code.
 """
 
 from __future__ import annotations
@@ -24,46 +37,88 @@ from typing import Any
 
 import numpy as np
 
-from r3lab.importers.common import ImportFormatError, LayerMap, Sample, safe_torch_load, write_run
+from r3lab.errors import R3LabError
+from r3lab.importers.common import ImportFormatError, LayerMap, Sample, write_run
+from r3lab.importers.train_dumps import TrainDumps, TrainRollout, TrainRow, load_dump, to_numpy
 
-__all__ = ["import_slime", "rollout_files", "iter_samples", "FORMAT"]
+__all__ = ["import_slime", "rollout_files", "eval_files", "iter_samples", "detect", "OPTIONS", "FORMAT",
+           "sample_from_dict", "reward_of"]
 
 FORMAT = "slime"
-_ID = re.compile(r"(\d+)(?=\.pt$)")
-SPECULATIVE_KEYS = ("spec_accept_token_num", "spec_verify_ct", "speculative", "spec_accept_length")
-OPTIONS = {"config": "the model's config.json (maps the dump's layer axis to global layer ids; needed for routes)",
-           "train": "the --save-debug-train-data dumps (trainer log-probs) to join",
-           "reward_key": "the key of a dict reward to read (default: 'score')"}
+OPTIONS: dict[str, str] = {
+    "config": "the model's config.json (or its folder): maps the routes' layer axis to global layer ids",
+    "train": "the --save-debug-train-data folder (or one file): trainer log-probs and advantages per sample",
+    "reward_key": "which key of a dict reward to import (as slime's --reward-key); default 'score'",
+}
+_EVAL = re.compile(r"(?:^|[^A-Za-z0-9])eval_(\d+)(?:$|[^0-9])")
+_ID = re.compile(r"(\d+)$")
+SPECULATIVE_KEYS = ("spec_accept_token_num", "spec_draft_token_num", "spec_verify_ct", "spec_accept_length")
+_DETECT_MAX_BYTES = 64 << 20  # detect() opens one dump only when it is at most this large
 
 
-def detect(path: Path) -> str | None:
-    """Why ``path`` looks like a slime rollout dump (``*_<rollout_id>.pt`` files), else None."""
-    p = Path(path)
-    files = [p] if p.is_file() else list(p.glob("*.pt")) if p.is_dir() else []
-    named = [f for f in files if f.suffix == ".pt" and _ID.search(f.name)]
-    return f"{len(named)} *_<rollout_id>.pt rollout dump(s) ({named[0].name}, ...)" if named else None
+def is_eval(path: Path) -> bool:
+    """Whether a rollout dump is an eval rollout: ``eval_N`` where the template put the rollout id."""
+    return _EVAL.search(path.stem) is not None
 
 
-def rollout_files(src: str | os.PathLike) -> list[Path]:
-    """One ``.pt`` file, or every ``*_{rollout_id}.pt`` of a folder in rollout-id order."""
+def _rollout_dir(src: Path) -> Path:
+    """The folder holding the rollout dumps: SRC itself, or ``SRC/rollout_data`` (the ``--dump-details`` root)."""
+    if (src / "rollout_data").is_dir() and not any(f.suffix == ".pt" for f in src.iterdir()):
+        return src / "rollout_data"
+    return src
+
+
+def _all_dumps(src: str | os.PathLike) -> list[Path]:
     p = Path(src)
     if p.is_file():
         return [p]
     if not p.is_dir():
         raise ImportFormatError(f"{str(p)!r} is neither a dump file nor a folder of them")
-    files = [f for f in p.iterdir() if f.suffix == ".pt" or f.suffix.lower() in (".pkl", ".pickle")]
+    d = _rollout_dir(p)
+    files = [f for f in d.iterdir() if f.is_file() and f.suffix == ".pt"]
     if not files:
-        raise ImportFormatError(f"no .pt rollout dumps in {str(p)!r}")
-    return sorted(files, key=lambda f: (int(m.group(1)) if (m := _ID.search(f.name)) else -1, f.name))
+        raise ImportFormatError(f"no .pt rollout dumps in {str(d)!r}")
+    return files
+
+
+def _id_of(f: Path) -> int:
+    m = _EVAL.search(f.stem) or _ID.search(f.stem)
+    return int(m.group(1)) if m else -1
+
+
+def rollout_files(src: str | os.PathLike) -> list[Path]:
+    """One training rollout dump, or every training ``*{rollout_id}.pt`` of a folder in rollout-id order."""
+    files = _all_dumps(src)
+    if len(files) == 1 and Path(src).is_file() and is_eval(files[0]):
+        raise ImportFormatError(f"{str(src)!r} is an eval rollout (eval_N in its name: slime saves eval rollouts "
+                                "with the training template); eval samples are not training steps, so r3lab does "
+                                "not import them as one. Pass the training rollout dumps")
+    train = [f for f in files if not is_eval(f)]
+    if not train:
+        raise ImportFormatError(f"only eval rollouts (eval_N) in {str(src)!r}; r3lab imports training rollouts")
+    return sorted(train, key=lambda f: (_id_of(f), f.name))
+
+
+def eval_files(src: str | os.PathLike) -> list[Path]:
+    """The eval rollouts (``eval_N``) beside the training dumps, which r3lab skips."""
+    if Path(src).is_file():
+        return []
+    return sorted((f for f in _all_dumps(src) if is_eval(f)), key=lambda f: (_id_of(f), f.name))
+
+
+def default_train_dir(src: str | os.PathLike) -> Path | None:
+    """``SRC/train_data`` when SRC is a ``--dump-details`` root (``rollout_data/`` beside ``train_data/``)."""
+    p = Path(src)
+    if p.is_dir() and _rollout_dir(p) != p and (p / "train_data").is_dir():
+        return p / "train_data"
+    return None
 
 
 def _array(v: Any, where: str, name: str, dtype: Any) -> np.ndarray | None:
     if v is None:
         return None
-    if hasattr(v, "detach"):  # a torch tensor
-        v = v.detach().cpu().numpy()
     try:
-        a = np.asarray(v)
+        a = to_numpy(v)
     except ValueError as e:  # ragged nested lists
         raise ImportFormatError(f"{where}: {name} is ragged: {e}") from e
     if a.dtype == object:
@@ -95,6 +150,15 @@ def reward_of(v: Any, where: str, reward_key: str | None = None) -> float | None
     return float(v)
 
 
+def is_speculative(d: dict[str, Any]) -> bool:
+    """slime's ``spec_info`` (top level) is all zeros unless SGLang's speculative decoding ran."""
+    spec = d.get("spec_info")
+    if isinstance(spec, dict) and any(isinstance(x, int | float) and x > 0 for x in spec.values()):
+        return True
+    meta = d.get("metadata")
+    return isinstance(meta, dict) and any(k in meta for k in SPECULATIVE_KEYS)
+
+
 def sample_from_dict(d: Any, step: int, where: str, reward_key: str | None = None) -> Sample:
     """One ``Sample.to_dict()`` as an r3lab :class:`~r3lab.importers.common.Sample`."""
     if not isinstance(d, dict):
@@ -103,70 +167,170 @@ def sample_from_dict(d: Any, step: int, where: str, reward_key: str | None = Non
         if key not in d:
             raise ImportFormatError(f"{where}: sample has no {key!r} (keys {sorted(d)})")
     tokens = _array(d["tokens"], where, "tokens", "i")
+    if tokens is None:
+        raise ImportFormatError(f"{where}: sample tokens are None")
     R = int(d["response_length"])
-    meta = d.get("metadata") or {}
     status = d.get("status")
     status = getattr(status, "value", status)
     lp = _array(d.get("rollout_log_probs"), where, "rollout_log_probs", "f")
     mask = _array(d.get("loss_mask"), where, "loss_mask", None)
     routes = _array(d.get("rollout_routed_experts"), where, "rollout_routed_experts", "i")
+    index = d.get("index")
     return Sample(step=step, tokens=tokens, response_length=R, logp_infer=lp, loss_mask=mask, routes=routes,
-                  reward=reward_of(d.get("reward"), where, reward_key), index=d.get("index"),
-                  status=None if status is None else str(status),
-                  speculative=isinstance(meta, dict) and any(k in meta for k in SPECULATIVE_KEYS), where=where)
+                  reward=reward_of(d.get("reward"), where, reward_key), index=None if index is None else int(index),
+                  status=None if status is None else str(status), speculative=is_speculative(d), where=where)
 
 
-def _train_logps(train_files: Sequence[Path], numpy_arrays: bool) -> dict[int, dict[int, np.ndarray]]:
-    """rollout_id -> {sample position: trainer log-probs} from slime train dumps."""
-    out: dict[int, dict[int, np.ndarray]] = {}
-    by_rollout: dict[int, list[tuple[int, Any]]] = {}
-    for f in train_files:
-        obj = safe_torch_load(f, numpy_arrays=numpy_arrays)
-        if not isinstance(obj, dict) or "rollout_data" not in obj or "rollout_id" not in obj:
-            raise ImportFormatError(f"{str(f)!r} is not a slime train dump (no rollout_id/rollout_data)")
-        by_rollout.setdefault(int(obj["rollout_id"]), []).append((int(obj.get("rank", 0)), obj["rollout_data"]))
-    for rid, parts in by_rollout.items():
-        pos = 0
-        for _, data in sorted(parts, key=lambda x: x[0]):
-            if "log_probs" not in data:
-                raise ImportFormatError(f"train dump of rollout {rid} has no 'log_probs' (keys {sorted(data)})")
-            idx = data.get("sample_indices")
-            for j, lp in enumerate(data["log_probs"]):
-                key = int(idx[j]) if idx is not None else pos
-                out.setdefault(rid, {})[key] = _array(lp, f"train dump of rollout {rid}", "log_probs", "f")
-                pos += 1
-    return out
+def _load_rollout(f: Path, numpy_arrays: bool) -> dict[str, Any]:
+    obj = load_dump(f, numpy_arrays=numpy_arrays)
+    if isinstance(obj, dict) and "samples" not in obj and ("rollout_data" in obj or "format_version" in obj):
+        raise ImportFormatError(f"{str(f)!r} is a train dump (--save-debug-train-data), not a rollout dump: pass "
+                                "its folder with --train and the rollout dumps as SRC")
+    if not isinstance(obj, dict) or "samples" not in obj or "rollout_id" not in obj:
+        raise ImportFormatError(f"{str(f)!r} is not a rollout dump: expected a dict with 'rollout_id' and "
+                                f"'samples', got {sorted(obj) if isinstance(obj, dict) else type(obj).__name__}")
+    if not isinstance(obj["samples"], list):
+        raise ImportFormatError(f"{str(f)!r}: 'samples' is a {type(obj['samples']).__name__}, not a list")
+    return obj
 
 
-def iter_samples(files: Sequence[Path], *, numpy_arrays: bool = False, train_files: Sequence[Path] = (),
+def _join(s: Sample, tr: TrainRow, where: str) -> None:
+    if tr.response_length is not None and tr.response_length != s.response_length:
+        raise ImportFormatError(f"{where}: the train dump says response length {tr.response_length}, the rollout "
+                                f"dump {s.response_length}: the dumps do not belong together")
+    if tr.tokens is not None and not np.array_equal(np.asarray(tr.tokens).reshape(-1), s.tokens):
+        raise ImportFormatError(f"{where}: the train dump's tokens differ from the rollout dump's: the dumps are "
+                                "from different runs, or the join key is wrong")
+    s.logp_train, s.advantage = tr.logp_train, tr.advantage
+
+
+def iter_samples(files: Sequence[Path], *, numpy_arrays: bool = True, train: TrainDumps | None = None,
                  reward_key: str | None = None) -> Iterator[Sample]:
-    """Every sample of the dumps, one file in memory at a time, step = the dump's ``rollout_id``."""
-    train = _train_logps(train_files, numpy_arrays) if train_files else {}
+    """Every sample of the training dumps, one file in memory at a time, step = the dump's ``rollout_id``."""
+    last: int | None = None
     for f in files:
-        obj = safe_torch_load(f, numpy_arrays=numpy_arrays)
-        if not isinstance(obj, dict) or "samples" not in obj:
-            raise ImportFormatError(f"{str(f)!r} is not a rollout dump: expected a dict with 'samples' and "
-                                    f"'rollout_id', got {type(obj).__name__}")
-        rid = int(obj.get("rollout_id", 0))
+        obj = _load_rollout(f, numpy_arrays)
+        rid = int(obj["rollout_id"])
+        if last is not None and rid <= last:
+            raise ImportFormatError(f"{str(f)!r} holds rollout {rid} after rollout {last}: two dumps of one rollout, "
+                                    "or names that do not sort by rollout id")
+        last = rid
         samples = obj["samples"]
+        tr: TrainRollout | None = None
+        if train is not None and rid in train:
+            lengths = {int(d["index"]): (len(d["tokens"]), int(d.get("response_length", 0))) for d in samples
+                       if isinstance(d, dict) and d.get("index") is not None and "tokens" in d}
+            tr = train.rollout(rid, lengths)
+            if len(tr) != len(samples):
+                raise ImportFormatError(f"{f.name}: the train dump of rollout {rid} has {len(tr)} samples, the rollout "
+                                        f"dump {len(samples)}")
+        seen: set[int] = set()
         for i, d in enumerate(samples):
-            s = sample_from_dict(d, rid, f"{f.name} sample {i}", reward_key)
-            if rid in train:
-                if i not in train[rid]:
-                    raise ImportFormatError(f"{f.name} sample {i}: no trainer log-probs in the train dump")
-                s.logp_train = train[rid][i]
+            where = f"{f.name} sample {i}"
+            s = sample_from_dict(d, rid, where, reward_key)
+            if tr is not None:
+                if tr.layout != "slime v2" and s.index is not None:
+                    if s.index in seen:
+                        raise ImportFormatError(f"{where}: Sample.index {s.index} appears twice in the rollout; the "
+                                                f"{tr.layout} train dump is joined on it")
+                    seen.add(s.index)
+                _join(s, tr.row(i, s.index, where), where)
             samples[i] = None  # free each sample as it is handed on
             yield s
         del obj, samples
 
 
+def _eval_summary(files: Sequence[Path], numpy_arrays: bool) -> dict[str, Any]:
+    per: dict[str, int] = {}
+    ids = []
+    for f in files:
+        obj = _load_rollout(f, numpy_arrays)
+        per[f.name] = len(obj["samples"])
+        ids.append(int(obj["rollout_id"]))
+        del obj
+    return {"imported": False, "rollout_ids": ids, "samples": sum(per.values()), "files": per,
+            "note": "eval rollouts (eval_N) are not training steps; r3lab leaves them out of the run"}
+
+
 def import_slime(src: str | os.PathLike, out: str | os.PathLike, *, config: str | os.PathLike | None = None,
                  train: str | os.PathLike | None = None, reward_key: str | None = None,
-                 source_format: str = FORMAT, numpy_arrays: bool = False) -> Path:
-    """Import slime rollout dumps (a file or a folder) into the run folder ``out``; returns its path."""
+                 source_format: str = FORMAT, numpy_arrays: bool = True) -> Path:
+    """Import slime rollout dumps (a file or a folder) into the run folder ``out``; returns its path.
+
+    Eval rollouts (``eval_N``) are skipped and listed under ``eval_rollouts`` in the run config. ``train`` (or
+    ``SRC/train_data`` when SRC is a ``--dump-details`` folder) adds trainer log-probs and advantages.
+    """
     files = rollout_files(src)
-    train_files = rollout_files(train) if train is not None else []
+    evals = eval_files(src)
+    train_src = train if train is not None else default_train_dir(src)
+    dumps = TrainDumps(train_src, numpy_arrays=numpy_arrays) if train_src is not None else None
     lmap = LayerMap.from_config(config) if config is not None else None
-    return write_run(iter_samples(files, numpy_arrays=numpy_arrays, train_files=train_files, reward_key=reward_key),
-                     out, source_format=source_format, files=[*files, *train_files], layer_map=lmap,
-                     extra={"config_json": None if config is None else str(config)})
+    extra: dict[str, Any] = {"config_json": None if config is None else str(config)}
+    if evals:
+        extra["eval_rollouts"] = _eval_summary(evals, numpy_arrays)
+    if dumps is not None:
+        ids = sorted(_id_of(f) for f in files)
+        extra["train_dump"] = {"path": str(train_src), "files": len(dumps.files),
+                               "rollouts_without_train_dump": [i for i in ids if i not in dumps]}
+    return write_run(iter_samples(files, numpy_arrays=numpy_arrays, train=dumps, reward_key=reward_key),
+                     out, source_format=source_format,
+                     files=[*files, *evals, *(dumps.files if dumps else [])], layer_map=lmap, extra=extra)
+
+
+def detect(path: Path) -> str | None:
+    """A reason when ``path`` looks like a slime dump, else None (names first; at most one small file opened)."""
+    return _detect(Path(path), "slime")
+
+
+def _detect(p: Path, kind: str) -> str | None:
+    """Shared by slime and Miles: ``kind`` is the framework asked about."""
+    if p.is_dir():
+        root_miles = (p / "dashboard_columns").is_dir() or (p.parent / "dashboard_columns").is_dir()
+        d = _rollout_dir(p)
+        pts = sorted((f for f in d.iterdir() if f.is_file() and f.suffix == ".pt"), key=lambda f: f.stat().st_size)
+        if not pts:
+            if (p / "train_data").is_dir() or p.name == "train_data":
+                pts = sorted((f for f in (p / "train_data" if (p / "train_data").is_dir() else p).iterdir()
+                              if f.suffix == ".pt"), key=lambda f: f.stat().st_size)
+            if not pts:
+                return None
+        probe = pts[0]
+    elif p.is_file() and p.suffix == ".pt":
+        root_miles = (p.parent.parent / "dashboard_columns").is_dir()
+        probe = p
+    else:
+        return None
+    if not (_ID.search(probe.stem) or is_eval(probe)):
+        return None
+    if probe.stat().st_size > _DETECT_MAX_BYTES:  # too large to open: the names are all there is
+        if root_miles:
+            return f"{probe.name} beside dashboard_columns/ (Miles --dump-details)" if kind == "miles" else None
+        return f"numbered .pt dumps ({probe.name}); slime and Miles name them alike"
+    what = _probe(probe)
+    if what is None:  # opened, and not a slime/Miles dump
+        return None
+    framework, reason = what
+    return reason if framework == kind else None
+
+
+def _probe(f: Path) -> tuple[str, str] | None:
+    try:
+        obj = load_dump(f)
+    except (R3LabError, OSError):  # detection never raises: a file it cannot read is simply not recognised
+        return None
+    if not isinstance(obj, dict):
+        return None
+    keys = set(obj)
+    if {"rollout_id", "samples", "metadata"} <= keys and "format_version" not in keys:
+        return "miles", f"{f.name} holding {{'rollout_id','metadata','samples'}} (Miles --save-debug-rollout-data)"
+    if keys == {"rollout_id", "samples"}:
+        return "slime", f"{f.name} holding {{'rollout_id','samples'}} (slime --save-debug-rollout-data)"
+    if obj.get("format_version") == 2 and "samples" in keys:
+        return "slime", f"{f.name} holding format_version 2 (slime --save-debug-train-data since #2266)"
+    if {"rollout_id", "rank", "rollout_data", "cp_rank", "cp_size", "qkv_format"} <= keys:
+        return "miles", f"{f.name} holding {{'rollout_id','rank','rollout_data','cp_rank','cp_size','qkv_format'}} " \
+                        "(Miles --save-debug-train-data)"
+    if keys == {"rollout_id", "rank", "rollout_data"}:
+        return "slime", f"{f.name} holding {{'rollout_id','rank','rollout_data'}} (slime --save-debug-train-data " \
+                        "before #2266)"
+    return None
