@@ -339,12 +339,12 @@ class _StepAccumulator:
         self.floats: dict[str, list[np.ndarray | None]] = {}
         self.lens: list[int] = []
         self.prompt: dict[str, list[np.ndarray]] = {}
-        self.prompt_writer = None
+        self.prompt_writer: Any = None  # pyarrow.parquet.ParquetWriter once the first chunk is written
         self.routes: list[np.ndarray] = []
         self.any_routes = False
         self.n = 0
         self.ntok = 0
-        self.pq_writer = None
+        self.pq_writer: Any = None
         self.lt: list[np.ndarray] = []  # log-probs of masked tokens for the step's metrics (float64, 16 B/token)
         self.li: list[np.ndarray] = []
         self.missing = 0  # loss-masked tokens with a log-prob missing (NaN) on either side
@@ -409,7 +409,7 @@ class _StepAccumulator:
 
     def _float_columns(self) -> dict[str, np.ndarray]:
         """The chunk's float columns, NaN where a sample lacks one that others (or the table so far) have."""
-        have = set(self.pq_writer.schema.names) if self.pq_writer is not None else set()
+        have: set[str] = set(self.pq_writer.schema.names) if self.pq_writer is not None else set()
         out = {}
         for name in FLOAT_COLUMNS:
             vals = self.floats.get(name, [])

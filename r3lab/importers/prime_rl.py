@@ -278,6 +278,7 @@ def import_prime_rl(src: str | os.PathLike, out: str | os.PathLike, *,
         extra["note"] += f"; steps {unfinished} skipped: no STABLE marker (still being written)"
     if lmap is not None and not with_routes:
         extra["model"] = layout_config(lmap)
-    bins = sorted(f for s in steps for f in (output / "rollouts" / f"step_{s}").glob("rank_*.bin")) if with_routes else []
+    bins = sorted(f for s in steps for f in (output / "rollouts" / f"step_{s}").glob("rank_*.bin")) if with_routes \
+        else []
     return write_run(iter_samples(files, output if with_routes else None), out, source_format=FORMAT,
                      files=[f for _, f in files] + bins, layer_map=lmap if with_routes else None, extra=extra)
