@@ -249,8 +249,8 @@ def _prime_sample(rng: np.random.Generator, vocab: int, all_moe: bool, multi_tur
 
 def _micro_batch(samples: list[dict], pad_to: int, with_routes: bool) -> list:
     """``MicroBatch`` as msgspec encodes an ``array_like`` struct (``transports/rollouts/types.py`` at 559b4477):
-    its fields in declaration order, trailing defaults left out; the pack padded as ``trainer/batch.py``'s
-    ``pad_micro_batch`` pads (ids 1, mask False, env "" and zero route rows)."""
+    its 16 fields in declaration order (checked once against msgspec 0.23.0's encoder); the pack padded as
+    ``trainer/batch.py``'s ``pad_micro_batch`` pads (ids 1, mask False, env "" and zero route rows)."""
     ids = [t for s in samples for t in s["ids"]]
     lens = [len(s["ids"]) for s in samples]
     pad = (pad_to - len(ids) % pad_to) % pad_to
@@ -259,11 +259,13 @@ def _micro_batch(samples: list[dict], pad_to: int, with_routes: bool) -> list:
           [p for s in samples for p in range(len(s["ids"]))] + list(range(pad)), lens[:-1] + [lens[-1] + pad],
           [1.0] * (len(ids) + pad), [s["env"] for s in samples for _ in s["ids"]] + [""] * pad,
           lens[:-1] + [lens[-1] + pad]]
+    re_ = None
     if with_routes:
         r = np.concatenate([s["routes"] for s in samples] + [np.zeros((pad, *samples[0]["routes"].shape[1:]),
                                                                       np.uint8)])
-        mb += [None, [r.tobytes(), list(r.shape), "uint8"]]
-    return mb
+        re_ = [r.tobytes(), list(r.shape), "uint8"]
+    # ref_logprobs, routed_experts, mm_kwargs, mm_token_type_ids, rl/ce/ref_kl weights: msgspec writes all 16
+    return mb + [None, re_, None, None, None, None, None]
 
 
 def prime_rl_dump(folder: str | Path, *, steps: int = 2, ranks: int = 2, micro_batches: int = 2, per_pack: int = 2,

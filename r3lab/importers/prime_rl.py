@@ -27,7 +27,7 @@ Routes (filesystem rollout transport only): ``src/prime_rl/transports/rollouts/f
 ``{output_dir}/rollouts/step_{S}/rank_{D}.bin`` = ``msgspec.msgpack.Encoder().encode(list[MicroBatch])`` for data
 rank ``D``, the trainer's step ``S`` reading it (``trainer/rl/data.py``). ``MicroBatch`` and ``RoutedExperts`` are
 ``array_like`` msgspec structs (``transports/rollouts/types.py``): msgpack arrays of their fields in declaration
-order, trailing defaults omitted (``input_ids, loss_mask, advantages, inference_logprobs, position_ids,
+order, ``None`` as nil (``input_ids, loss_mask, advantages, inference_logprobs, position_ids,
 sequence_lengths, temperatures, env_names, seq_lens, ref_logprobs, routed_experts, ...``; ``routed_experts`` =
 ``[data: bytes, shape: [tokens, layers, top_k], dtype]``). The row meaning is established by the source:
 
