@@ -270,7 +270,7 @@ def _micro_batch(samples: list[dict], pad_to: int, with_routes: bool) -> list:
 
 def prime_rl_dump(folder: str | Path, *, steps: int = 2, ranks: int = 2, micro_batches: int = 2, per_pack: int = 2,
                   seed: int = 0, routes_bin: bool = False, cp: int = 1, unfinished: bool = False,
-                  nulls: bool = True, qwen3: bool = False) -> Path:
+                  nulls: bool = True, qwen3: bool = False, engine_routes: bool = True) -> Path:
     """prime-rl's output folder: ``token_exports/step_S/rank_R.jsonl`` + ``STABLE`` (S from 1), and with
     ``routes_bin`` the filesystem transport's ``rollouts/step_S/rank_D.bin`` (msgpack ``list[MicroBatch]``).
 
@@ -279,7 +279,9 @@ def prime_rl_dump(folder: str | Path, *, steps: int = 2, ranks: int = 2, micro_b
     ``trainer_logprobs`` shifted right over the pack (``log(1/vocab)`` at the pack's position 0); non-finite values
     as ``null`` (``nulls``: one masked and one unmasked token per step). Each data rank's last micro-batch is a
     zero-loss dummy copy (nothing exported). With ``cp`` > 1 only CP rank 0 of each data rank exports, as world rank
-    ``D * cp``. ``unfinished`` adds a step folder without ``STABLE`` (still being written). ``qwen3``: shaped for
+    ``D * cp``. ``unfinished`` adds a step folder without ``STABLE`` (still being written);
+    ``engine_routes=False`` writes the micro-batches without ``routed_experts`` (an engine run without
+    ``enable_return_routed_experts``). ``qwen3``: shaped for
     data/models/tiny-qwen3-moe (vocab 388, all 8 layers MoE); else for :func:`model_config`.
     """
     out = Path(folder)
@@ -291,7 +293,7 @@ def prime_rl_dump(folder: str | Path, *, steps: int = 2, ranks: int = 2, micro_b
         for dp in range(ranks):
             packs = [[_prime_sample(rng, vocab, qwen3, (m + j) % 3 == 1, "gsm8k") for j in range(per_pack)]
                      for m in range(micro_batches)]
-            mbs = [_micro_batch(p, 8, routes_bin) for p in packs]
+            mbs = [_micro_batch(p, 8, engine_routes) for p in packs]
             dummy = [list(x) if isinstance(x, list) else x for x in mbs[0]]
             dummy[1] = [False] * len(dummy[1])
             dummy[2] = [0.0] * len(dummy[2])

@@ -207,6 +207,14 @@ def test_prime_rl_routes_need_config_and_a_join_that_holds(tmp_path):
         import_prime_rl(src, tmp_path / "run2", config=md.model_config(tmp_path / "m"))
 
 
+def test_prime_rl_micro_batches_without_routes_import_as_a_run_without_routes(tmp_path):
+    src = md.prime_rl_dump(tmp_path / "out", routes_bin=True, engine_routes=False)
+    assert (src / "rollouts" / "step_1" / "rank_0.bin").exists()
+    run = runs.load(import_prime_rl(src, tmp_path / "run", config=QWEN))
+    assert run.route_steps("engine") == [] and run.config["model"]["moe_layer_ids"] == list(range(8))
+    assert doctor.diagnose(run.path).ok
+
+
 def test_detect_and_options(tmp_path):
     n = md.nemo_rl_dump(tmp_path / "logs", exp_dir="exp_001")
     p = md.prime_rl_dump(tmp_path / "out", routes_bin=True)

@@ -176,7 +176,15 @@ class _Routes:
         self.chosen: dict[Path, int] = {}
 
     def has_any(self, steps: Sequence[int]) -> bool:
-        return any(any(_BIN.match(f.name) for f in (self.dir / f"step_{s}").glob("rank_*.bin")) for s in steps)
+        """Whether the rollout micro-batches carry routes: the first step with ``.bin`` files, its smallest file
+        (``routed_experts`` is None throughout when the engine ran without ``enable_return_routed_experts``)."""
+        for s in steps:
+            bins = [f for f in (self.dir / f"step_{s}").glob("rank_*.bin") if _BIN.match(f.name)]
+            if bins:
+                f = min(bins, key=lambda b: b.stat().st_size)
+                return any(len(mb) > _MB["routed_experts"] and mb[_MB["routed_experts"]] is not None
+                           for mb in read_micro_batches(f))
+        return False
 
     def _load(self, step: int) -> None:
         if step != self.step:
@@ -260,8 +268,9 @@ def import_prime_rl(src: str | os.PathLike, out: str | os.PathLike, *,
                     config: str | os.PathLike | None = None) -> Path:
     """Import prime-rl token exports (the output folder or ``token_exports/``) into the run folder ``out``.
 
-    Routes come from ``rollouts/step_S/rank_R.bin`` beside ``token_exports/`` when any finished step has them
-    (``config`` then required); otherwise the run has no routes and ``config``, if given, is recorded for the doctor.
+    Routes come from ``rollouts/step_S/rank_R.bin`` beside ``token_exports/`` when the first finished step's
+    micro-batches carry them (``config`` then required); otherwise the run has no routes and ``config``, if
+    given, is recorded for the doctor.
     """
     files, unfinished = export_files(src)
     _, output = _roots(src)
