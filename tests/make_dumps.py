@@ -391,62 +391,188 @@ def _write_train(d: Path, framework: str, layout: str, rid: int, samples: list[d
                     torch.save(obj, d / f"{rid}_{rank}.pt")
 
 
-def nemo_rl_dump(folder: str | Path, *, steps: int = 2, samples: int = 8, seed: int = 0, pad: int = 4,
-                 multi_turn: bool = True) -> Path:
-    """``train_data_step{N}.jsonl``: padded token_ids, input_lengths, token_loss_mask, both log-probs, advantages."""
-    out = Path(folder)
+QWEN_VOCAB = 388  # data/models/tiny-qwen3-moe: 8 decoder layers, all MoE, 16 experts, top-2
+
+
+def _nemo_line(d: dict) -> str:
+    """One line as NeMo-RL's ``log_batched_dict_as_jsonl`` writes it: ``make_microbatch_iterator(1)`` slices every
+    value ``[i:i+1]`` (``nemo_rl/utils/logger.py`` l.1071-1097 at 7ea279ab), then ``{**sample, "idx": i}``."""
+    i = d.pop("idx")
+    return json.dumps({**{k: [v] for k, v in d.items()}, "idx": i}, default=str) + "\n"
+
+
+def nemo_rl_dump(folder: str | Path, *, steps: int = 2, samples: int = 8, seed: int = 0, divisible: int = 8,
+                 multi_turn: bool = True, force_on_policy: bool = False, truncated: bool = True,
+                 vocab: int = 1000, exp_dir: str | None = None) -> Path:
+    """NeMo-RL GRPO's ``train_data_step{N}.jsonl``, N from 1 (``nemo_rl/algorithms/grpo.py`` ~l.3630-3655).
+
+    Per step the batch is padded to its longest sample rounded up to ``divisible`` (``batched_message_log_to_flat_
+    message``'s ``make_sequence_length_divisible_by``; pad id 0, log-probs and masks 0). ``generation_logprobs`` are
+    the engine's on assistant tokens, 0 on prompt and environment turns; ``prev_logprobs`` the trainer's on every
+    position but 0 (a prepended 0), or all zeros under ``force_on_policy``; ``advantages`` the sample's advantage
+    times the token mask. Sample 0 is multi-turn (an environment turn inside the response, loss mask 0), sample 2
+    truncated (``sample_loss_mask`` 0). ``exp_dir`` writes into that subfolder (``logs/exp_001``).
+    """
+    out = Path(folder) / exp_dir if exp_dir else Path(folder)
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     for step in range(1, steps + 1):
+        rows = []
+        for i in range(samples):
+            P, R = int(rng.integers(3, 7)), int(rng.integers(5, 10))
+            n = P + R
+            mask = [0] * P + [1] * R
+            if multi_turn and i == 0:  # an environment turn inside the response: masked out, no engine log-prob
+                mask[P + 1] = mask[P + 2] = 0
+            gen = [(-float(rng.exponential(1.0)) if m else 0.0) for m in mask]
+            prev = [0.0] + [(g + float(rng.normal(0, 0.01)) if m else -float(rng.exponential(2.0)))
+                            for g, m in zip(gen[1:], mask[1:], strict=True)]
+            if force_on_policy:
+                prev = [0.0] * n
+            adv = float(rng.normal())
+            rows.append({"tokens": rng.integers(1, vocab, n).tolist(), "mask": mask, "gen": gen, "prev": prev,
+                         "adv": [adv * m for m in mask], "reward": float(i % 2),
+                         "sample_mask": 0.0 if truncated and i == 2 else 1.0})
+        width = -(-max(len(r["tokens"]) for r in rows) // divisible) * divisible
         with open(out / f"train_data_step{step}.jsonl", "w") as f:
-            for i in range(samples):
-                P, R = int(rng.integers(3, 7)), int(rng.integers(4, 10))
-                n = P + R
-                mask = [0] * P + [1] * R
-                if multi_turn and i == 0:  # an environment turn inside the response: masked out
-                    mask[P + 1] = mask[P + 2] = 0
-                gen = [0.0] * P + (-rng.exponential(1.0, R)).tolist()
-                prev = [g + float(rng.normal(0, 0.01)) if j >= P else 0.0 for j, g in enumerate(gen)]
-                z = [0] * pad
-                f.write(json.dumps({"token_ids": rng.integers(0, 1000, n).tolist() + z, "input_lengths": n,
-                                    "token_loss_mask": mask + z, "generation_logprobs": gen + [0.0] * pad,
-                                    "prev_logprobs": prev + [0.0] * pad, "advantages": [0.5] * (n + pad),
-                                    "rewards": float(i % 2), "idx": i}) + "\n")
-    return out
+            for i, r in enumerate(rows):
+                z = width - len(r["tokens"])
+                f.write(_nemo_line({"content": [f"prompt {i}", f"response {i}"], "rewards": r["reward"],
+                                    "input_lengths": len(r["tokens"]), "token_ids": r["tokens"] + [0] * z,
+                                    "token_loss_mask": r["mask"] + [0] * z, "sample_loss_mask": r["sample_mask"],
+                                    "advantages": r["adv"] + [0.0] * z, "generation_logprobs": r["gen"] + [0.0] * z,
+                                    "prev_logprobs": r["prev"] + [0.0] * z, "idx": i}))
+        (out / f"val_data_step{step}.jsonl").write_text(_nemo_line({"content": ["val"], "rewards": 1.0, "idx": 0}))
+    return Path(folder)
 
 
 def nemo_rl_large(folder: str | Path, *, samples: int, steps: int = 4, seed: int = 0) -> Path:
-    """A large NeMo-RL dump (``samples`` in all, short sequences) for the memory test; written line by line."""
+    """A large NeMo-RL dump (``samples`` in all, 12 tokens each) for the memory test; written line by line."""
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     per = samples // steps
     tok = rng.integers(0, 1000, (per, 12)).tolist()
-    lp = np.round(-rng.exponential(1.0, (per, 12)), 4).tolist()
+    lp = np.round(-rng.exponential(1.0, (per, 12)), 4)
+    lp[:, :4] = 0.0
+    lp = lp.tolist()
     for step in range(1, steps + 1):
         with open(out / f"train_data_step{step}.jsonl", "w") as f:
             for i in range(per):
-                f.write(json.dumps({"token_ids": tok[i], "input_lengths": 12, "token_loss_mask": [0] * 4 + [1] * 8,
-                                    "generation_logprobs": lp[i], "prev_logprobs": lp[i], "rewards": 1.0}) + "\n")
+                f.write(_nemo_line({"rewards": 1.0, "input_lengths": 12, "token_ids": tok[i],
+                                    "token_loss_mask": [0] * 4 + [1] * 8, "sample_loss_mask": 1.0,
+                                    "advantages": [0.0] * 4 + [0.5] * 8, "generation_logprobs": lp[i],
+                                    "prev_logprobs": [0.0] + lp[i][1:], "idx": i}))
     return out
 
 
-def prime_rl_dump(folder: str | Path, *, steps: int = 2, ranks: int = 2, samples: int = 4, seed: int = 0) -> Path:
-    """``token_exports/step_S/rank_R.jsonl``: log-probs over the completion (the last tokens)."""
-    root = Path(folder) / "token_exports"
+def _prime_sample(rng: np.random.Generator, vocab: int, all_moe: bool, multi_turn: bool, env: str) -> dict:
+    """One prime-rl training sample (``TrainingSample``): a branch's tokens, trainable mask, engine log-probs and
+    verifiers' per-token routes (the final row a copy of the one before: ``_attribute_routed_experts``)."""
+    P, R = int(rng.integers(3, 7)), int(rng.integers(5, 10))
+    mask = [False] * P + [True] * R
+    if multi_turn:  # a tool turn (context, mask False) between two completions
+        mask = [False] * P + [True] * 3 + [False] * 2 + [True] * (R - 3)
+    n = len(mask)
+    lp = [(-float(rng.exponential(1.0)) if m else 0.0) for m in mask]
+    if all_moe:  # tiny-qwen3-moe: every decoder layer routed
+        r = np.argsort(rng.random((n - 1, LAYERS, E)), axis=2)[:, :, :K].astype(np.uint8)
+    else:  # the GLM-style model_config(): every decoder layer, dense layer 0 all zeros
+        r = routes(rng, n - 1).astype(np.uint8)
+    r = np.concatenate([r, r[-1:]])
+    adv = float(rng.normal())
+    return {"ids": rng.integers(1, vocab, n).tolist(), "mask": mask, "lp": lp, "routes": r,
+            "adv": [adv if m else 0.0 for m in mask], "env": env}
+
+
+def _micro_batch(samples: list[dict], pad_to: int, with_routes: bool) -> list:
+    """``MicroBatch`` as msgspec encodes an ``array_like`` struct (``transports/rollouts/types.py`` at 559b4477):
+    its 16 fields in declaration order (checked once against msgspec 0.23.0's encoder); the pack padded as
+    ``trainer/batch.py``'s ``pad_micro_batch`` pads (ids 1, mask False, env "" and zero route rows)."""
+    ids = [t for s in samples for t in s["ids"]]
+    lens = [len(s["ids"]) for s in samples]
+    pad = (pad_to - len(ids) % pad_to) % pad_to
+    mb = [ids + [1] * pad, [m for s in samples for m in s["mask"]] + [False] * pad,
+          [a for s in samples for a in s["adv"]] + [0.0] * pad, [x for s in samples for x in s["lp"]] + [0.0] * pad,
+          [p for s in samples for p in range(len(s["ids"]))] + list(range(pad)), lens[:-1] + [lens[-1] + pad],
+          [1.0] * (len(ids) + pad), [s["env"] for s in samples for _ in s["ids"]] + [""] * pad,
+          lens[:-1] + [lens[-1] + pad]]
+    re_ = None
+    if with_routes:
+        r = np.concatenate([s["routes"] for s in samples] + [np.zeros((pad, *samples[0]["routes"].shape[1:]),
+                                                                      np.uint8)])
+        re_ = [r.tobytes(), list(r.shape), "uint8"]
+    # ref_logprobs, routed_experts, mm_kwargs, mm_token_type_ids, rl/ce/ref_kl weights: msgspec writes all 16
+    return mb + [None, re_, None, None, None, None, None]
+
+
+def prime_rl_dump(folder: str | Path, *, steps: int = 2, ranks: int = 2, micro_batches: int = 2, per_pack: int = 2,
+                  seed: int = 0, routes_bin: bool = False, cp: int = 1, unfinished: bool = False,
+                  nulls: bool = True, qwen3: bool = False, engine_routes: bool = True) -> Path:
+    """prime-rl's output folder: ``token_exports/step_S/rank_R.jsonl`` + ``STABLE`` (S from 1), and with
+    ``routes_bin`` the filesystem transport's ``rollouts/step_S/rank_D.bin`` (msgpack ``list[MicroBatch]``).
+
+    The token export follows ``trainer/rl/token_export.py`` at 559b4477: per micro-batch, each packed sequence with
+    a loss-masked token is a line, its trailing padding trimmed; every array as long as ``token_ids``;
+    ``trainer_logprobs`` shifted right over the pack (``log(1/vocab)`` at the pack's position 0); non-finite values
+    as ``null`` (``nulls``: one masked and one unmasked token per step). Each data rank's last micro-batch is a
+    zero-loss dummy copy (nothing exported). With ``cp`` > 1 only CP rank 0 of each data rank exports, as world rank
+    ``D * cp``. ``unfinished`` adds a step folder without ``STABLE`` (still being written);
+    ``engine_routes=False`` writes the micro-batches without ``routed_experts`` (an engine run without
+    ``enable_return_routed_experts``). ``qwen3``: shaped for
+    data/models/tiny-qwen3-moe (vocab 388, all 8 layers MoE); else for :func:`model_config`.
+    """
+    out = Path(folder)
+    vocab = QWEN_VOCAB if qwen3 else 1000
     rng = np.random.default_rng(seed)
-    for step in range(steps):
-        d = root / f"step_{step}"
-        d.mkdir(parents=True, exist_ok=True)
-        for rank in range(ranks):
-            with open(d / f"rank_{rank}.jsonl", "w") as f:
-                for _ in range(samples):
-                    P, R = int(rng.integers(3, 7)), int(rng.integers(4, 10))
-                    inf = (-rng.exponential(1.0, R)).tolist()
-                    tr = [x + float(rng.normal(0, 0.01)) for x in inf]
-                    f.write(json.dumps({"token_ids": rng.integers(0, 1000, P + R).tolist(), "inference_logprobs": inf,
-                                        "trainer_logprobs": tr, "mismatch_kl": 0.0, "reward": 1.0}) + "\n")
-    return Path(folder)
+    for step in range(1, steps + 1 + int(unfinished)):
+        ex = out / "token_exports" / f"step_{step}"
+        ex.mkdir(parents=True, exist_ok=True)
+        for dp in range(ranks):
+            packs = [[_prime_sample(rng, vocab, qwen3, (m + j) % 3 == 1, "gsm8k") for j in range(per_pack)]
+                     for m in range(micro_batches)]
+            mbs = [_micro_batch(p, 8, engine_routes) for p in packs]
+            dummy = [list(x) if isinstance(x, list) else x for x in mbs[0]]
+            dummy[1] = [False] * len(dummy[1])
+            dummy[2] = [0.0] * len(dummy[2])
+            mbs.append(dummy)
+            if routes_bin:
+                import msgpack
+
+                rd = out / "rollouts" / f"step_{step}"
+                rd.mkdir(parents=True, exist_ok=True)
+                (rd / f"rank_{dp}.bin").write_bytes(msgpack.packb(mbs, use_bin_type=True))
+            lines = []
+            for m, mb in enumerate(mbs):
+                ids, mask, adv, inf = mb[0], mb[1], mb[2], mb[3]
+                tr = [x + float(rng.normal(0, 0.02)) if k else -float(rng.exponential(2.0))
+                      for x, k in zip(inf, mask, strict=True)]
+                tr[0] = float(np.log(1.0 / vocab))  # shift_tensor_right's pad at the pack's position 0
+                start = 0
+                for j, L in enumerate(mb[5]):
+                    raw_end = end = start + L
+                    while end > start and mb[7][end - 1] == "" and not mask[end - 1]:
+                        end -= 1
+                    if end > start and any(mask[start:end]):
+                        rec = {"schema_version": 1, "step": step, "rank": dp * cp, "micro_step": m,
+                               "micro_sequence_idx": j, "export_sequence_idx": len(lines), "env_name": mb[7][start],
+                               "token_ids": ids[start:end], "position_ids": mb[4][start:end],
+                               "loss_mask": mask[start:end], "advantages": adv[start:end],
+                               "inference_logprobs": inf[start:end], "trainer_logprobs": tr[start:end],
+                               "entropy": [1.0] * (end - start), "mismatch_kl": [0.0] * (end - start),
+                               "is_masked": [None] * (end - start), "rl_weights": [None] * (end - start)}
+                        lines.append(rec)
+                    start = raw_end
+            if nulls and dp == 0:  # a non-finite trainer log-prob on a masked token, an engine one on a prompt token
+                d = lines[0]
+                d["trainer_logprobs"][d["loss_mask"].index(True) + 1] = None
+                d["inference_logprobs"][1] = None
+            with open(ex / f"rank_{dp * cp}.jsonl", "w") as f:
+                for rec in lines:
+                    f.write(json.dumps(rec, separators=(",", ":"), allow_nan=False) + "\n")
+        if step <= steps:
+            (ex / "STABLE").touch()
+    return out
 
 
 class RunsCode:

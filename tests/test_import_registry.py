@@ -108,7 +108,8 @@ def test_auto_refuses_an_ambiguous_folder_naming_every_candidate(tmp_path, monke
     with pytest.raises(ImportFormatError, match="ambiguous") as e:
         import_run("auto", src, tmp_path / "run")
     msg = str(e.value)
-    assert re.search(r"slime \(rollout_\d+\.pt holding \{'rollout_id'", msg) and "miles (rollout dumps of Miles' layout)" in msg
+    assert re.search(r"slime \(rollout_\d+\.pt holding \{'rollout_id'", msg)
+    assert "miles (rollout dumps of Miles' layout)" in msg
     assert "r3lab import KIND SRC, KIND one of slime, miles" in msg
     assert not (tmp_path / "run").exists()
 

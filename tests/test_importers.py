@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import pickle
 import subprocess
 import sys
@@ -55,39 +54,6 @@ def test_slime_and_miles_round_trip_bit_for_bit(tmp_path, cfg, kind, layers):
             want = np.asarray(s["rollout_routed_experts"])[:, moe_cols, :]
             assert np.array_equal(routes.sequence(i).astype(np.int64), want.astype(np.int64))
         assert toks[toks["sample"] == 1]["reward"].iloc[0] == 1.0  # the dict reward's "score"
-
-
-def test_nemo_rl_round_trip(tmp_path):
-    src = md.nemo_rl_dump(tmp_path / "dump")
-    run = runs.load(import_run("nemo-rl", src, tmp_path / "run"))
-    assert run.token_steps() == [1, 2] and run.route_steps("engine") == []
-    for step in (1, 2):
-        lines = [json.loads(x) for x in (src / f"train_data_step{step}.jsonl").read_text().splitlines()]
-        toks, full = run.tokens([step]), sample_tokens(run.path, step)
-        for i, d in enumerate(lines):
-            n = d["input_lengths"]
-            P = d["token_loss_mask"].index(1)
-            t = toks[toks["sample"] == i]
-            assert full[i].tolist() == d["token_ids"][:n]
-            assert t["logp_infer"].tolist() == d["generation_logprobs"][P:n]
-            assert t["logp_train"].tolist() == d["prev_logprobs"][P:n]
-            assert t["loss_mask"].tolist() == d["token_loss_mask"][P:n]
-    multi = run.tokens([1])
-    assert multi[multi["sample"] == 0]["loss_mask"].tolist()[:3] == [1, 0, 0]  # the environment turn stays masked
-
-
-def test_prime_rl_round_trip(tmp_path):
-    src = md.prime_rl_dump(tmp_path / "dump")
-    run = runs.load(import_run("prime-rl", src, tmp_path / "run"))
-    lines = [json.loads(x) for r in (0, 1) for x in (src / "token_exports" / "step_1" / f"rank_{r}.jsonl")
-             .read_text().splitlines()]
-    toks, full = run.tokens([1]), sample_tokens(run.path, 1)
-    assert len(full) == len(lines)
-    for i, d in enumerate(lines):
-        t = toks[toks["sample"] == i]
-        assert full[i].tolist() == d["token_ids"]
-        assert t["logp_infer"].tolist() == d["inference_logprobs"]
-        assert t["logp_train"].tolist() == d["trainer_logprobs"]
 
 
 def test_config_records_source_format_and_file_hashes(tmp_path, cfg):

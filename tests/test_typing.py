@@ -24,7 +24,7 @@ KNOWN_ERRORS: dict[str, int] = {
     "r3lab/doctor.py": 4,
     "r3lab/experiments/drift.py": 4,
     "r3lab/experiments/rl.py": 11,
-    "r3lab/importers/common.py": 3,
+    "r3lab/importers/common.py": 1,
     "r3lab/importers/figures.py": 17,
     "r3lab/metrics.py": 1,
     "r3lab/rollout/_common.py": 1,

@@ -39,7 +39,7 @@ from r3lab.runs import RunWriter
 
 __all__ = ["ImportFormatError", "UnsafeFileError", "NUMPY_ALLOWLIST", "safe_torch_load", "refuse_pickles",
            "read_jsonl", "file_sha256", "LayerMap", "Sample", "CaptureLog", "write_run", "IMPORT_KIND",
-           "sample_tokens", "mtp_layer_count", "MTP_CONFIG_KEYS"]
+           "sample_tokens", "mtp_layer_count", "MTP_CONFIG_KEYS", "jsonl_samples", "layout_config", "FLOAT_COLUMNS"]
 
 IMPORT_KIND = "imported"
 REFUSED_SUFFIXES = {".pkl": "a Python pickle", ".pickle": "a Python pickle", ".dill": "a dill pickle",
@@ -212,6 +212,7 @@ class Sample:
     speculative: bool = False
     prefix_capture: bool = False  # the dump itself marks rows past len(routes) as not captured (SkyRL, verl)
     where: str = ""  # file and sample number, for messages
+    flags: tuple[str, ...] = ()  # what the importer noticed on this sample; counted per step and in the summary
 
 
 def _worst(cur: dict[str, Any] | None, score: float, **where: Any) -> dict[str, Any]:
@@ -366,20 +367,36 @@ def write_run(samples: Iterable[Sample], out: str | os.PathLike, *, source_forma
     return writer.path
 
 
+FLOAT_COLUMNS = ("logp_infer", "logp_train", "advantage")
+"""Per-token float columns a sample may lack (NaN-filled among samples that have them); NaN = missing for that token."""
+
+
 class _StepAccumulator:
+    """One step's samples into its token/prompt tables, routes and step record.
+
+    A NaN log-prob is missing for that token (prime-rl writes non-finite values as ``null``): the token stays in the
+    table, the step's mismatch metrics are over the loss-masked tokens that have both log-probs, and the loss-masked
+    tokens without are counted (``logp_missing`` in the step record, ``masked_tokens_without_logp`` in the summary).
+    A sample without one of :data:`FLOAT_COLUMNS` while others of its step have it gets NaN there.
+    """
+
     def __init__(self, step: int, writer: RunWriter, layer_map: LayerMap | None, log: CaptureLog):
         self.step, self.writer, self.layer_map, self.log = step, writer, layer_map, log
         self.cols: dict[str, list[np.ndarray]] = {}
+        self.floats: dict[str, list[np.ndarray | None]] = {}
+        self.lens: list[int] = []
         self.prompt: dict[str, list[np.ndarray]] = {}
-        self.prompt_writer = None
+        self.prompt_writer: Any = None  # pyarrow.parquet.ParquetWriter once the first chunk is written
         self.routes: list[np.ndarray] = []
         self.any_routes = False
         self.n = 0
         self.ntok = 0
-        self.pq_writer = None
+        self.pq_writer: Any = None
         self.lt: list[np.ndarray] = []  # log-probs of masked tokens for the step's metrics (float64, 16 B/token)
         self.li: list[np.ndarray] = []
+        self.missing = 0  # loss-masked tokens with a log-prob missing (NaN) on either side
         self.rewards: list[float] = []
+        self.flags: dict[str, int] = {}
 
     def add(self, s: Sample) -> None:
         R = int(s.response_length)
@@ -392,11 +409,15 @@ class _StepAccumulator:
             "response_length": np.full(R, R, np.int64)}
         for name, v in (("logp_infer", s.logp_infer), ("logp_train", s.logp_train), ("loss_mask", s.loss_mask),
                         ("advantage", s.advantage)):
-            if v is not None:
-                if v.shape != (R,):
-                    raise ImportFormatError(f"{s.where}: {name} has {v.shape[0] if v.ndim else 0} values for "
-                                            f"{R} response tokens")
-                cols[name] = v
+            if v is not None and v.shape != (R,):
+                raise ImportFormatError(f"{s.where}: {name} has {v.shape[0] if v.ndim else 0} values for "
+                                        f"{R} response tokens")
+        if s.loss_mask is not None:
+            cols["loss_mask"] = s.loss_mask
+        for name, v in (("logp_infer", s.logp_infer), ("logp_train", s.logp_train), ("advantage", s.advantage)):
+            lst = self.floats.setdefault(name, [None] * len(self.lens))
+            lst.append(None if v is None else np.asarray(v, np.float64))
+        self.lens.append(R)
         if s.reward is not None:
             cols["reward"] = np.full(R, float(s.reward), np.float64)
             self.rewards.append(float(s.reward))
@@ -409,8 +430,13 @@ class _StepAccumulator:
         self.prompt.setdefault("token", []).append(np.asarray(s.tokens[:P], dtype=np.int64))
         mask = np.ones(R, bool) if s.loss_mask is None else np.asarray(s.loss_mask) > 0
         if s.logp_infer is not None and s.logp_train is not None:
-            self.lt.append(np.asarray(s.logp_train, np.float64)[mask])
-            self.li.append(np.asarray(s.logp_infer, np.float64)[mask])
+            lt, li = np.asarray(s.logp_train, np.float64)[mask], np.asarray(s.logp_infer, np.float64)[mask]
+            both = np.isfinite(lt) & np.isfinite(li)
+            self.missing += int((~both).sum())
+            self.lt.append(lt[both])
+            self.li.append(li[both])
+        elif s.logp_infer is not None or s.logp_train is not None:
+            self.missing += int(mask.sum())
         if self.layer_map is not None:
             kept = _check_routes(s, self.n, self.layer_map, self.log)
             if kept is not None:
@@ -421,10 +447,25 @@ class _StepAccumulator:
         elif s.routes is not None:
             raise ImportFormatError(f"{s.where}: the dump has routes; pass the model's config.json (--config) so "
                                     "its layer axis can be mapped to global layer ids")
+        for flag in s.flags:
+            self.flags[flag] = self.flags.get(flag, 0) + 1
         self.n += 1
         self.ntok += R
         if self.n % _TOKEN_CHUNK == 0:
             self._flush()
+
+    def _float_columns(self) -> dict[str, np.ndarray]:
+        """The chunk's float columns, NaN where a sample lacks one that others (or the table so far) have."""
+        have: set[str] = set(self.pq_writer.schema.names) if self.pq_writer is not None else set()
+        out = {}
+        for name in FLOAT_COLUMNS:
+            vals = self.floats.get(name, [])
+            if not any(v is not None for v in vals) and name not in have:
+                continue
+            vals = vals or [None] * len(self.lens)
+            out[name] = np.concatenate([np.full(R, np.nan) if v is None else v
+                                        for v, R in zip(vals, self.lens, strict=True)])
+        return out
 
     def _flush(self) -> None:
         import pyarrow as pa
@@ -442,17 +483,18 @@ class _StepAccumulator:
         if self.lt:  # one array per chunk instead of two per sample
             self.lt, self.li = [np.concatenate(self.lt)], [np.concatenate(self.li)]
         cols = {k: np.concatenate(v) for k, v in self.cols.items()}
+        cols.update(self._float_columns())
         n = len(cols["sample"])
         table = pa.table({"step": np.full(n, self.step, np.int64), **cols})
         if self.pq_writer is None:
             out = self.writer.path / "tokens" / f"step-{self.step:06d}.parquet"
             out.parent.mkdir(exist_ok=True)
             self.pq_writer = pq.ParquetWriter(out, table.schema)
-        elif table.schema != self.pq_writer.schema:
+        elif set(table.schema.names) != set(self.pq_writer.schema.names):
             raise ImportFormatError(f"step {self.step}: samples differ in which fields they carry "
                                     f"({sorted(table.schema.names)} vs {sorted(self.pq_writer.schema.names)})")
-        self.pq_writer.write_table(table)
-        self.cols = {}
+        self.pq_writer.write_table(table.select(self.pq_writer.schema.names))
+        self.cols, self.floats, self.lens = {}, {}, []
 
     def finish(self, writer: RunWriter, totals: dict[str, int]) -> None:
         self._flush()
@@ -471,10 +513,15 @@ class _StepAccumulator:
         rec: dict[str, Any] = {"step": self.step, "samples": self.n, "tokens": self.ntok}
         if self.rewards:
             rec["reward_mean"] = float(np.mean(self.rewards))
+        for flag, k in sorted(self.flags.items()):
+            rec[f"samples_{flag}"] = k
+            totals[f"samples_{flag}"] = totals.get(f"samples_{flag}", 0) + k
+        if self.missing:
+            rec["logp_missing"] = self.missing
+            totals["masked_tokens_without_logp"] = totals.get("masked_tokens_without_logp", 0) + self.missing
         if self.lt and sum(a.size for a in self.lt):
             lt, li = np.concatenate(self.lt), np.concatenate(self.li)
-            if np.isfinite(lt - li).all():
-                rec.update({f"mismatch/{k}": v for k, v in metrics.mismatch_metrics(lt, li).items()})
+            rec.update({f"mismatch/{k}": v for k, v in metrics.mismatch_metrics(lt, li).items()})
         writer.log_step(rec)
         totals["samples"] += self.n
         totals["steps"] += 1
@@ -499,3 +546,27 @@ def _compact(lm: LayerMap) -> np.dtype:
     from r3lab.routes import compact_dtype
 
     return compact_dtype(lm.layout.num_experts)
+
+
+def layout_config(layer_map: LayerMap) -> dict[str, Any]:
+    """The run config's ``model`` block for a model layout: what the doctor needs (MoE layers, experts, top-k)
+    when an import records the model but carries no routes (``extra={"model": ...}`` with ``layer_map=None``)."""
+    lay = layer_map.layout
+    return {"model_type": lay.model_type, "architecture": lay.architecture, "num_hidden_layers": lay.num_hidden_layers,
+            "moe_layer_ids": list(lay.moe_layer_ids), "num_experts": lay.num_experts, "top_k": lay.top_k}
+
+
+def jsonl_samples(files: Iterable[tuple[int, Path]], parse: Any, *, required: tuple[str, ...], what: str
+                  ) -> Iterator[Sample]:
+    """The JSONL importers' sample loop: each line of each ``(step, file)``, its ``required`` keys checked, handed
+    to ``parse(obj, step, where)`` (a :class:`Sample`, or None to leave the line out); ``what`` names the format in
+    the error for a line that lacks a key (``"a NeMo-RL train dump"``)."""
+    for step, f in files:
+        for lineno, d in read_jsonl(f):
+            where = f"{f.parent.name}/{f.name} line {lineno}"
+            missing = [k for k in required if k not in d]
+            if missing:
+                raise ImportFormatError(f"{where}: no {missing} (keys {sorted(d)}); is this {what}?")
+            s = parse(d, step, where)
+            if s is not None:
+                yield s

@@ -1,0 +1,247 @@
+"""NeMo-RL and prime-rl importers against dumps laid out as their writers lay them out (7ea279ab, 559b4477).
+
+Oracles are the raw files, read here independently of the importers: NeMo's length-1 lists unwrapped by hand,
+prime-rl's ``null`` log-probs and its msgpack micro-batches decoded by hand, metrics from r3lab.metrics on the
+tokens the test selects itself.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+
+import make_dumps as md
+import msgpack
+import numpy as np
+import pytest
+
+from r3lab import doctor, metrics, runs
+from r3lab.importers import ImportFormatError, nemo_rl, prime_rl, sample_tokens
+from r3lab.importers.nemo_rl import import_nemo_rl
+from r3lab.importers.prime_rl import import_prime_rl
+
+ROOT = Path(__file__).resolve().parent.parent
+QWEN = ROOT / "data" / "models" / "tiny-qwen3-moe" / "config.json"
+
+
+def _nemo_lines(path: Path) -> list[dict]:
+    out = []
+    for line in path.read_text().splitlines():
+        d = json.loads(line)
+        assert all(isinstance(v, list) and len(v) == 1 for k, v in d.items() if k != "idx")  # the writer's shape
+        out.append({k: (v if k == "idx" else v[0]) for k, v in d.items()})
+    return out
+
+
+def test_nemo_rl_reads_length_1_values_steps_from_1_and_advantages(tmp_path):
+    src = md.nemo_rl_dump(tmp_path / "logs", exp_dir="exp_001")
+    run = runs.load(import_nemo_rl(tmp_path / "logs", tmp_path / "run"))
+    assert run.token_steps() == [1, 2] and run.route_steps("engine") == []  # r3lab step = NeMo's N
+    assert run.summary["samples"] == 16 and "samples_trainer_logprobs_placeholder" not in run.summary
+    for rec in run.step_records:
+        step = rec["step"]
+        lines = _nemo_lines(src / "exp_001" / f"train_data_step{step}.jsonl")
+        toks, full = run.tokens([step]), sample_tokens(run.path, step)
+        assert rec["samples"] == len(lines) == len(full) == 8
+        lt, li = [], []
+        for i, d in enumerate(lines):
+            n = d["input_lengths"]
+            P = d["token_loss_mask"].index(1)
+            t = toks[toks["sample"] == i]
+            want_mask = [m * int(d["sample_loss_mask"]) for m in d["token_loss_mask"][P:n]]
+            assert full[i].tolist() == d["token_ids"][:n]
+            assert t["logp_infer"].tolist() == d["generation_logprobs"][P:n]
+            assert t["logp_train"].tolist() == d["prev_logprobs"][P:n]
+            assert t["advantage"].tolist() == d["advantages"][P:n]
+            assert t["loss_mask"].tolist() == want_mask
+            assert t["reward"].iloc[0] == d["rewards"] and t["index"].iloc[0] == d["idx"]
+            on = np.asarray(want_mask) > 0
+            lt.append(np.asarray(d["prev_logprobs"][P:n])[on])
+            li.append(np.asarray(d["generation_logprobs"][P:n])[on])
+        want = metrics.mismatch_metrics(np.concatenate(lt), np.concatenate(li))
+        assert rec["mismatch/k3_kl"] == pytest.approx(want["k3_kl"]) and rec["mismatch/tokens"] == want["tokens"]
+        sample0 = toks[toks["sample"] == 0]["loss_mask"].tolist()
+        assert sample0[:3] == [1, 0, 0]  # the environment turn stays masked
+        assert toks[toks["sample"] == 2]["loss_mask"].sum() == 0  # sample_loss_mask 0: not trained on
+
+
+def test_nemo_rl_force_on_policy_zeros_are_not_trainer_logprobs(tmp_path):
+    md.nemo_rl_dump(tmp_path / "dump", force_on_policy=True)
+    run = runs.load(import_nemo_rl(tmp_path / "dump", tmp_path / "run", config=QWEN))
+    assert "logp_train" not in run.tokens([1]).columns and "logp_infer" in run.tokens([1]).columns
+    assert run.summary["samples_trainer_logprobs_placeholder"] == 16
+    assert not any("mismatch/k3_kl" in r for r in run.step_records)
+    assert "force_on_policy_ratio" in run.config["note"]
+    report = doctor.diagnose(run.path)
+    assert report.ok and report.check("k3").status == doctor.SKIP
+
+
+def test_nemo_rl_one_placeholder_sample_among_real_ones_is_nan_not_zero(tmp_path):
+    src = md.nemo_rl_dump(tmp_path / "dump", steps=1)
+    f = src / "train_data_step1.jsonl"
+    lines = [json.loads(x) for x in f.read_text().splitlines()]
+    lines[3]["prev_logprobs"] = [[0.0] * len(lines[3]["prev_logprobs"][0])]
+    f.write_text("".join(json.dumps(d) + "\n" for d in lines))
+    run = runs.load(import_nemo_rl(src, tmp_path / "run"))
+    t = run.tokens([1])
+    assert t[t["sample"] == 3]["logp_train"].isna().all() and t[t["sample"] != 3]["logp_train"].notna().all()
+    assert run.summary["samples_trainer_logprobs_placeholder"] == 1
+    d = _nemo_lines(f)
+    on = [np.asarray(x["token_loss_mask"][x["token_loss_mask"].index(1):x["input_lengths"]]) > 0 for x in d]
+    masked3 = int(on[3].sum()) * int(d[3]["sample_loss_mask"])
+    assert run.step_records[0]["logp_missing"] == int(on[3].sum())
+    assert run.step_records[0]["mismatch/tokens"] == sum(int(o.sum()) * int(x["sample_loss_mask"])
+                                                        for o, x in zip(on, d, strict=True)) - masked3
+
+
+def test_nemo_rl_source_folders_and_refusals(tmp_path):
+    md.nemo_rl_dump(tmp_path / "logs", exp_dir="exp_001")
+    md.nemo_rl_dump(tmp_path / "logs", exp_dir="exp_002")
+    with pytest.raises(ImportFormatError, match="2 folders.*exp_001.*exp_002"):
+        import_nemo_rl(tmp_path / "logs", tmp_path / "run")
+    one = tmp_path / "logs" / "exp_002" / "train_data_step2.jsonl"
+    assert runs.load(import_nemo_rl(one, tmp_path / "run1")).token_steps() == [2]
+    bad = tmp_path / "bad" / "train_data_step1.jsonl"
+    bad.parent.mkdir()
+    d = json.loads(one.read_text().splitlines()[0])
+    bad.write_text(json.dumps({**d, "token_ids": d["token_ids"] * 2}) + "\n")
+    with pytest.raises(ImportFormatError, match="token_ids holds 2 sequences"):
+        import_nemo_rl(bad, tmp_path / "run2")
+    bad.write_text(json.dumps({k: v for k, v in d.items() if k != "prev_logprobs"}) + "\n")
+    with pytest.raises(ImportFormatError, match=r"line 1: no \['prev_logprobs'\]"):
+        import_nemo_rl(bad, tmp_path / "run3")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ImportFormatError, match="no train_data_step"):
+        import_nemo_rl(tmp_path / "empty", tmp_path / "run4")
+
+
+def _prime_lines(root: Path, step: int) -> list[dict]:
+    d = root / "token_exports" / f"step_{step}"
+    files = sorted(d.glob("rank_*.jsonl"), key=lambda f: int(f.stem.split("_")[1]))
+    return [json.loads(x) for f in files for x in f.read_text().splitlines()]
+
+
+def test_prime_rl_nulls_are_missing_tokens_and_metrics_use_the_rest(tmp_path):
+    src = md.prime_rl_dump(tmp_path / "out", unfinished=True)
+    run = runs.load(import_prime_rl(src, tmp_path / "run"))
+    assert run.token_steps() == [1, 2] and run.config["unfinished_steps"] == [3]
+    missing_total = 0
+    for rec in run.step_records:
+        lines = _prime_lines(src, rec["step"])
+        toks = run.tokens([rec["step"]])
+        assert rec["samples"] == len(lines) == len(sample_tokens(run.path, rec["step"]))
+        lt, li, missing = [], [], 0
+        for i, d in enumerate(lines):
+            P = d["loss_mask"].index(True)
+            t = toks[toks["sample"] == i]
+            f = [np.nan if x is None else x for x in d["trainer_logprobs"][P:]]
+            g = [np.nan if x is None else x for x in d["inference_logprobs"][P:]]
+            np.testing.assert_array_equal(t["logp_train"].to_numpy(), np.asarray(f))
+            np.testing.assert_array_equal(t["logp_infer"].to_numpy(), np.asarray(g))
+            assert t["advantage"].tolist() == d["advantages"][P:]
+            assert t["loss_mask"].tolist() == [int(x) for x in d["loss_mask"][P:]]
+            on = np.asarray(d["loss_mask"][P:])
+            both = on & np.isfinite(f) & np.isfinite(g)
+            missing += int((on & ~both).sum())
+            lt.append(np.asarray(f)[both])
+            li.append(np.asarray(g)[both])
+        assert missing == 1 and rec.get("logp_missing", 0) == missing
+        missing_total += missing
+        want = metrics.mismatch_metrics(np.concatenate(lt), np.concatenate(li))
+        assert rec["mismatch/k3_kl"] == pytest.approx(want["k3_kl"]) and rec["mismatch/tokens"] == want["tokens"]
+    assert run.summary["masked_tokens_without_logp"] == missing_total == 2
+    assert "reward" not in run.tokens([1]).columns  # prime-rl exports no reward
+
+
+def test_prime_rl_a_step_without_stable_is_skipped_and_none_finished_is_refused(tmp_path):
+    src = md.prime_rl_dump(tmp_path / "out", steps=0, unfinished=True)
+    with pytest.raises(ImportFormatError, match=r"steps \[1\] have no STABLE"):
+        import_prime_rl(src, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def _bin_rows(src: Path, step: int, line: dict, cp: int) -> np.ndarray:
+    """The route rows of one export line, decoded here from rank_{R // cp}.bin with msgpack and field positions."""
+    mbs = msgpack.unpackb((src / "rollouts" / f"step_{step}" / f"rank_{line['rank'] // cp}.bin").read_bytes())
+    mb = mbs[line["micro_step"]]
+    off = sum(mb[5][:line["micro_sequence_idx"]])
+    n = len(line["token_ids"])
+    assert mb[0][off:off + n] == line["token_ids"]
+    data, shape, dtype = mb[10]
+    return np.frombuffer(data, dtype=dtype).reshape(shape)[off:off + n - 1]
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+@pytest.mark.parametrize("qwen3", [True, False], ids=["tiny-qwen3-moe", "glm-style"])
+def test_prime_rl_routes_from_rollout_micro_batches(tmp_path, cp, qwen3):
+    src = md.prime_rl_dump(tmp_path / "out", routes_bin=True, cp=cp, qwen3=qwen3)
+    cfg = QWEN if qwen3 else md.model_config(tmp_path / "m")
+    run = runs.load(import_prime_rl(src, tmp_path / "run", config=cfg))
+    moe = list(range(md.LAYERS)) if qwen3 else list(md.MOE)
+    assert run.route_steps("engine") == [1, 2] and run.summary["samples_without_routes"] == 0
+    for step in (1, 2):
+        r = run.routes(step, "engine")
+        lines = _prime_lines(src, step)
+        assert len(r) == len(lines) and r.layer_ids.tolist() == moe
+        for i, d in enumerate(lines):
+            want = _bin_rows(src, step, d, cp)[:, moe, :]
+            assert np.array_equal(r.sequence(i).astype(np.int64), want.astype(np.int64))
+    assert doctor.diagnose(run.path).ok
+
+
+def test_prime_rl_routes_need_config_and_a_join_that_holds(tmp_path):
+    src = md.prime_rl_dump(tmp_path / "out", routes_bin=True, steps=1)
+    with pytest.raises(ImportFormatError, match="--config"):
+        import_prime_rl(src, tmp_path / "run0")
+    b = src / "rollouts" / "step_1" / "rank_1.bin"
+    mbs = msgpack.unpackb(b.read_bytes())
+    mbs[0][0] = [t + 1 for t in mbs[0][0]]  # its input_ids no longer match the export: no join
+    b.write_bytes(msgpack.packb(mbs, use_bin_type=True))
+    run = runs.load(import_prime_rl(src, tmp_path / "run1", config=md.model_config(tmp_path / "m")))
+    lost = sum(1 for d in _prime_lines(src, 1) if d["rank"] == 1 and d["micro_step"] == 0)
+    assert lost > 0 and run.summary["samples_without_routes"] == lost
+    assert doctor.diagnose(run.path).check("route rows").status == doctor.FAIL
+    b.write_bytes(b"\xc1 not msgpack")
+    with pytest.raises(ImportFormatError, match="not a msgpack list"):
+        import_prime_rl(src, tmp_path / "run2", config=md.model_config(tmp_path / "m"))
+
+
+def test_prime_rl_micro_batches_without_routes_import_as_a_run_without_routes(tmp_path):
+    src = md.prime_rl_dump(tmp_path / "out", routes_bin=True, engine_routes=False)
+    assert (src / "rollouts" / "step_1" / "rank_0.bin").exists()
+    run = runs.load(import_prime_rl(src, tmp_path / "run", config=QWEN))
+    assert run.route_steps("engine") == [] and run.config["model"]["moe_layer_ids"] == list(range(8))
+    assert doctor.diagnose(run.path).ok
+
+
+def test_detect_and_options(tmp_path):
+    n = md.nemo_rl_dump(tmp_path / "logs", exp_dir="exp_001")
+    p = md.prime_rl_dump(tmp_path / "out", routes_bin=True)
+    assert "NeMo-RL" in nemo_rl.detect(n) and "NeMo-RL" in nemo_rl.detect(n / "exp_001")
+    assert nemo_rl.detect(n / "exp_001" / "train_data_step1.jsonl")
+    assert nemo_rl.detect(p) is None and prime_rl.detect(n) is None
+    assert "prime-rl" in prime_rl.detect(p) and "prime-rl" in prime_rl.detect(p / "token_exports")
+    for mod, fn in ((nemo_rl, import_nemo_rl), (prime_rl, import_prime_rl)):
+        kw = {k for k, v in inspect.signature(fn).parameters.items() if v.kind is v.KEYWORD_ONLY}
+        assert set(mod.OPTIONS) == kw and all(mod.OPTIONS.values())
+
+
+@pytest.mark.parametrize("kind", ["nemo-rl", "prime-rl"])
+def test_tiny_qwen3_moe_dumps_import_and_pass_the_doctor(tmp_path, capsys, kind):
+    """The held-out path: a dump shaped for data/models/tiny-qwen3-moe, imported with its config, then
+    ``r3lab doctor RUN`` on the command line with no failing check."""
+    from r3lab.cli import main
+
+    if kind == "nemo-rl":
+        src = md.nemo_rl_dump(tmp_path / "logs", exp_dir="exp_001", vocab=md.QWEN_VOCAB)
+        path = import_nemo_rl(src, tmp_path / "run", config=QWEN)
+    else:
+        src = md.prime_rl_dump(tmp_path / "out", routes_bin=True, qwen3=True, unfinished=True)
+        path = import_prime_rl(src, tmp_path / "run", config=QWEN)
+    run = runs.load(path)
+    assert run.token_steps() == [1, 2] and [r["samples"] for r in run.step_records] == [8, 8]
+    assert run.config["model"]["moe_layer_ids"] == list(range(8)) and "logp_train" in run.tokens([1]).columns
+    assert run.route_steps("engine") == ([] if kind == "nemo-rl" else [1, 2])
+    main(["doctor", str(path)])
+    assert "0 failed" in capsys.readouterr().out
