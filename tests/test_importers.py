@@ -91,8 +91,8 @@ def test_routes_need_the_model_config_and_a_matching_layer_axis(tmp_path, cfg):
     bad = md.slime_dump(tmp_path / "dump5", layers=5, train=False)
     with pytest.raises(ImportFormatError, match="layer axis of 5"):
         import_run("slime", bad, tmp_path / "run2", config=cfg)
-    with pytest.raises(ImportFormatError, match="do not apply"):
-        import_run("nemo-rl", src, tmp_path / "run3", config=cfg)
+    with pytest.raises(ImportFormatError, match=r"options \['train'\] do not apply to nemo-rl"):
+        import_run("nemo-rl", src, tmp_path / "run3", config=cfg, train=src)  # config does, train does not
     with pytest.raises(ImportFormatError, match="unknown dump kind"):
         import_run("no-such-framework", src, tmp_path / "run4")
 

@@ -48,8 +48,8 @@ def test_every_layout_round_trips_bit_for_bit_and_leaves_eval_out(tmp_path, layo
             assert ti["loss_mask"].tolist() == w["loss_mask"]
             assert np.array_equal(r.sequence(i).astype(np.int64), w["routes"].astype(np.int64))
             if train:
-                assert ti["logp_train"].to_numpy().tobytes() == w["log_probs"].tobytes()
-                assert ti["advantage"].to_numpy().tobytes() == w["advantages"].tobytes()
+                assert ti["logp_train"].to_numpy().tobytes() == w["log_probs"].astype(np.float64).tobytes()
+                assert ti["advantage"].to_numpy().tobytes() == w["advantages"].astype(np.float64).tobytes()
             else:
                 assert "logp_train" not in ti and "advantage" not in ti
         assert t[t["sample"] == 0]["loss_mask"].tolist()[2:5] == [0, 0, 0]  # the tool turn stays masked
@@ -69,14 +69,15 @@ def test_slime_v1_joins_on_the_global_sample_index_not_the_position(tmp_path):
                                train=src / "train_data"))
     t = run.tokens([1])
     for i, w in enumerate(truth[1]):
-        assert t[t["sample"] == i]["logp_train"].to_numpy().tobytes() == w["log_probs"].tobytes()
+        assert t[t["sample"] == i]["logp_train"].to_numpy().tobytes() == w["log_probs"].astype(np.float64).tobytes()
 
 
 def test_dump_details_root_as_src_finds_train_data(tmp_path):
     src, truth = md.framework_dump(tmp_path / "dump", "miles", "miles", cp=2)
     run = runs.load(import_run("miles", src, tmp_path / "run", config=md.TINY_QWEN3))
     t = run.tokens([2])
-    assert t[t["sample"] == 5]["logp_train"].to_numpy().tobytes() == truth[2][5]["log_probs"].tobytes()
+    want = truth[2][5]["log_probs"].astype(np.float64)
+    assert t[t["sample"] == 5]["logp_train"].to_numpy().tobytes() == want.tobytes()
     assert run.config["train_dump"]["rollouts_without_train_dump"] == []
 
 
@@ -155,7 +156,8 @@ def test_a_sample_with_fewer_route_rows_keeps_its_tokens_and_leaves_its_routes_o
     r = run.routes(0, "engine")
     assert r.lengths[2] == 0 and (np.delete(r.lengths, 2) > 0).all()
     t = run.tokens([0])
-    assert t[t["sample"] == 2]["logp_train"].to_numpy().tobytes() == truth[0][2]["log_probs"].tobytes()
+    want = truth[0][2]["log_probs"].astype(np.float64)
+    assert t[t["sample"] == 2]["logp_train"].to_numpy().tobytes() == want.tobytes()
     assert run.config["capture"]["counts"]["row_count"] == 3
 
 
@@ -233,4 +235,4 @@ def test_slime_v1_ranks_numbered_cp_fastest_are_still_reassembled(tmp_path):
     for rid in (0, 1, 2):
         t = run.tokens([rid])
         for i, w in enumerate(truth[rid]):
-            assert t[t["sample"] == i]["logp_train"].to_numpy().tobytes() == w["log_probs"].tobytes()
+            assert t[t["sample"] == i]["logp_train"].to_numpy().tobytes() == w["log_probs"].astype(np.float64).tobytes()
