@@ -52,15 +52,18 @@ def rng() -> np.random.Generator:
 
 @pytest.fixture(autouse=True)
 def _no_stdlib_distutils_left_behind():
-    """A test that imports pip's internals (tests/test_gpu_recipe.py) can leave the standard library's ``distutils``
-    in ``sys.modules``; setuptools' ``_distutils_hack`` then asserts on the next import of setuptools (every
-    Megatron import after it failed). Drop what the test added, so the next test imports as in a fresh process."""
+    """A test that imports pip's internals (tests/test_gpu_recipe.py, in a test or a module fixture) can leave the
+    standard library's ``distutils`` in ``sys.modules``; setuptools' ``_distutils_hack`` then asserts on the next
+    import of setuptools (every Megatron import after it failed). After each test, drop the standard library's
+    ``distutils`` (setuptools' own copy, ``setuptools/_distutils``, stays), so the next import is as in a fresh
+    process."""
     import sys
 
-    before = {name for name in sys.modules if name == "distutils" or name.startswith("distutils.")}
     yield
-    for name in [n for n in sys.modules if (n == "distutils" or n.startswith("distutils.")) and n not in before]:
-        del sys.modules[name]
+    core = sys.modules.get("distutils")
+    if core is not None and "_distutils" not in (getattr(core, "__file__", None) or ""):
+        for name in [n for n in sys.modules if n == "distutils" or n.startswith("distutils.")]:
+            del sys.modules[name]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
