@@ -91,6 +91,13 @@ METRICS: dict[str, Metric] = {
     "async/route_change_lag": _share("routes changed between behaviour and current weights"),
     "async/behaviour_weight_mean": Metric("mean behaviour -> proximal weight"),
     "async/behaviour_weight_truncated": _share("behaviour weights truncated"),
+    # multi-turn RL (turns > 1): a later turn's prefill against the routes held for earlier tokens
+    "multiturn/prefill_vs_held_decode_rows": _share("later-turn prefill differs from held routes (decode rows)"),
+    "multiturn/prefill_vs_held_prefill_rows": _share("later-turn prefill differs from held routes (prefill rows)"),
+    "multiturn/prefill_vs_held_token_any_decode": _share("decode tokens with a prefill difference in any layer"),
+    "multiturn/prefill_vs_held_rows_compared": Metric("rows compared with a later prefill", "rows", "count"),
+    "multiturn/prefix_cache_block_size": Metric("prefix cache block size (0: off)", "tokens", "count"),
+    "multiturn/longest_trajectory": Metric("longest trajectory", "tokens", "count"),
     "noise/k3_kl_engine_vs_engine": Metric("noise floor: engine vs engine k3 KL", _K3, scale="log"),
     "noise/k3_kl_trainer_vs_trainer": Metric("noise floor: trainer vs trainer k3 KL", _K3, scale="log"),
     "reward_mean": Metric("reward (mean over samples)"),

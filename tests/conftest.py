@@ -1,6 +1,18 @@
-"""Shared test fixtures; the random-routes generator lives in r3lab.testing (re-exported here for the tests)."""
+"""Shared test fixtures and the suite's tiers; the random-routes generator lives in r3lab.testing (re-exported here
+for the tests).
+
+Tiers (markers registered in pyproject.toml, ``--strict-markers``): ``engine`` (starts a vLLM engine), ``megatron``
+(spawns Megatron-core / gloo ranks), ``browser`` (Chromium and JupyterLab), ``network`` (pip and the package index),
+and ``slow``, the union of the four. They are applied here by file (:data:`TIERS`), so a new test in one of those
+files is tiered without anyone remembering; a test elsewhere that needs one marks itself
+(``@pytest.mark.engine``) and gets ``slow`` too. ``bash scripts/test.sh`` runs everything;
+``bash scripts/test.sh -m "not slow"`` is the fast tier.
+"""
 
 from __future__ import annotations
+
+import collections
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -9,10 +21,59 @@ from r3lab.testing import random_routes
 
 __all__ = ["random_routes", "rng"]
 
+SLOW_TIERS = ("engine", "megatron", "browser", "network")
+
+# file -> the slow tiers its tests belong to (every test of the file; the fast tier is what is left)
+TIERS: dict[str, tuple[str, ...]] = {
+    "test_async.py": ("engine",),
+    "test_experiments.py": ("engine",),
+    "test_multiturn.py": ("engine",),
+    "test_quant.py": ("engine",),
+    "test_rl.py": ("engine",),
+    "test_rollout.py": ("engine",),
+    "test_packaging.py": ("engine",),  # builds a wheel, installs it in a venv, runs the quick drift from it
+    "test_rescore.py": ("engine", "megatron"),
+    "test_megatron_sync.py": ("engine", "megatron"),
+    "test_trainer_megatron.py": ("engine", "megatron"),
+    "test_megatron_load.py": ("megatron",),
+    "test_slicing.py": ("megatron",),
+    "test_staging_dist.py": ("megatron",),
+    "test_trainer_megatron_bridge.py": ("megatron",),
+    "test_browser.py": ("browser",),
+    "test_browser_dashboard.py": ("browser",),
+    "test_browser_figures.py": ("browser",),
+    "test_gpu_recipe.py": ("network",),
+}
+
 
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(1234)
+
+
+@pytest.fixture(autouse=True)
+def _no_stdlib_distutils_left_behind():
+    """A test that imports pip's internals (tests/test_gpu_recipe.py, in a test or a module fixture) can leave the
+    standard library's ``distutils`` in ``sys.modules``; setuptools' ``_distutils_hack`` then asserts on the next
+    import of setuptools (every Megatron import after it failed). After each test, drop the standard library's
+    ``distutils`` (setuptools' own copy, ``setuptools/_distutils``, stays), so the next import is as in a fresh
+    process."""
+    import sys
+
+    yield
+    core = sys.modules.get("distutils")
+    if core is not None and "_distutils" not in (getattr(core, "__file__", None) or ""):
+        for name in [n for n in sys.modules if n == "distutils" or n.startswith("distutils.")]:
+            del sys.modules[name]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark each test with its file's tiers (:data:`TIERS`), and every test of a slow tier with ``slow``."""
+    for item in items:
+        for tier in TIERS.get(item.path.name, ()):
+            item.add_marker(getattr(pytest.mark, tier))
+        if any(item.get_closest_marker(t) for t in SLOW_TIERS):
+            item.add_marker(pytest.mark.slow)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -22,3 +83,33 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         import gpu_dry_run
 
         gpu_dry_run.start(*gpu_dry_run.requirements_args())
+
+
+# ---- how many vLLM engines the run started, per test file (printed at the end: the suite's main cost) --------------
+
+_ENGINE_STARTS: collections.Counter[str] = collections.Counter()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _count_engine_starts():
+    """Count ``RolloutEngine`` starts per test file (wrapping its ``__init__``; vLLM is not imported for this)."""
+    import os
+
+    from r3lab.rollout import engine as engine_module
+
+    init = engine_module.RolloutEngine.__init__
+
+    def counting_init(self, *args, **kwargs):
+        test = os.environ.get("PYTEST_CURRENT_TEST", "?").split("::")[0]
+        _ENGINE_STARTS[Path(test).name] += 1
+        return init(self, *args, **kwargs)
+
+    engine_module.RolloutEngine.__init__ = counting_init
+    yield
+    engine_module.RolloutEngine.__init__ = init
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if _ENGINE_STARTS:
+        per_file = ", ".join(f"{f} {n}" for f, n in sorted(_ENGINE_STARTS.items()))
+        terminalreporter.write_line(f"vLLM engines started: {sum(_ENGINE_STARTS.values())} ({per_file})")

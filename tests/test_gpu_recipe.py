@@ -202,9 +202,17 @@ def test_gpu_check_preflight_imports_the_extension_and_names_its_error(tmp_path)
 
 # ---- the shipped checkpoints under transformers 4 (the GPU environment's) and 5 (the project's) ----------------------
 
+def _cache_dir(request, name: str) -> Path:
+    """A folder in pytest's cache; a temporary one when the cache plugin is off (``-p no:cacheprovider``)."""
+    cache = getattr(request.config, "cache", None)
+    if cache is None:
+        return request.getfixturevalue("tmp_path_factory").mktemp(name)
+    return Path(cache.mkdir(name))
+
+
 def _cached_venv(request, name: str, *requirements: str, with_pip: bool = False) -> Path:
     """A throwaway venv with exactly these requirements, kept in pytest's cache (a marker file says it is complete)."""
-    root = Path(request.config.cache.mkdir(name))
+    root = _cache_dir(request, name)
     python = root / "bin" / "python"
     if (root / ".complete").is_file() and python.is_file():
         return python
@@ -316,7 +324,7 @@ def te_sdist(request) -> dict[str, str]:
     from pip._internal.network.session import PipSession
 
     name = f"transformer_engine_torch-{EXPECTED['transformer-engine']}.tar.gz"
-    cache = Path(request.config.cache.mkdir("te-sdist")) / name
+    cache = _cache_dir(request, "te-sdist") / name
     if not cache.is_file():
         session = PipSession()
         index = session.get("https://pypi.org/simple/transformer-engine-torch/",

@@ -68,6 +68,7 @@ def _check_exported(folder: Path) -> list[Path]:
     return files
 
 
+@pytest.mark.engine  # executes the notebook in a kernel (the dial notebook runs RL on an engine)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids)
 def test_notebook_runs_top_to_bottom_and_draws_its_figures(path, tmp_path, monkeypatch):
     """As shipped (06: its default run, the committed reference drift run), with the CI parameters."""
@@ -120,6 +121,7 @@ def test_notebook_06_opens_an_imported_run(tmp_path, monkeypatch):
 IMPORTED_EXPECT = {"02_expert_distribution": (1, 5), "03_logprob_drift": (3, 8), "04_rl_ablation": (0, 5)}
 
 
+@pytest.mark.engine  # executes the notebook in a kernel (the dial notebook runs RL on an engine)
 @pytest.mark.parametrize("name", sorted(IMPORTED_EXPECT))
 def test_notebook_takes_an_imported_run(name, tmp_path, monkeypatch):
     """Where notebooks 02-04 take a run folder they take an imported run: no error, and in place of each figure

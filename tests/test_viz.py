@@ -384,8 +384,8 @@ def test_ticks_answer_the_issue_cases():
 # --- the labels table ---------------------------------------------------------------------------------------
 
 def _record_keys() -> set[str]:
-    """Every key the RL and drift records use: read from the committed runs and from r3lab/experiments/rl.py."""
-    import re
+    """Every key the RL and drift records use: read from every committed run's steps (bench/results: the RL, drift,
+    staleness and task runs, so the async and per-update keys too), not from the writer's source text."""
     from pathlib import Path
 
     import numpy as np
@@ -395,12 +395,9 @@ def _record_keys() -> set[str]:
 
     root = Path(__file__).resolve().parent.parent
     keys: set[str] = set()
-    for steps in [*(root / "bench" / "results" / "rl").glob("*/steps.jsonl"),
-                  root / "bench" / "results" / "drift-run" / "steps.jsonl"]:
+    for steps in sorted((root / "bench" / "results").rglob("steps.jsonl")):
         for line in steps.read_bytes().splitlines():
             keys |= set(orjson.loads(line))
-    src = (root / "r3lab" / "experiments" / "rl.py").read_text()
-    keys |= set(re.findall(r'rec\["([^"]+)"\]', src))
     keys |= {f"mismatch/{k}" for k in metrics.mismatch_metrics(np.zeros(3), np.full(3, -0.1))}
     keys |= {f"mismatch/k3_kl_{n}" for n in ("flipped", "agreeing")}
     from r3lab.config import RLMetric
@@ -419,6 +416,7 @@ def test_every_metric_key_of_the_rl_and_drift_records_has_a_label_and_unit():
 
     keys = _record_keys()
     assert len(keys) > 50 and "routing/engine_max_vio" in keys and "k3_flipped_r3" in keys
+    assert {"async/behaviour_weight_mean", "async/route_change_lag", "train/grad_norm_max"} <= keys  # staleness runs
     missing = sorted(k for k in keys if not labels.is_known(k))
     assert not missing, f"keys without a label in r3lab/labels.py: {missing}"
     for k in keys:
