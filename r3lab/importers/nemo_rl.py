@@ -20,7 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from r3lab.importers.common import ImportFormatError, Sample, read_jsonl, write_run
+from r3lab.errors import ImportFormatError
+from r3lab.importers.common import Sample, read_jsonl, write_run
 
 __all__ = ["import_nemo_rl", "step_files", "iter_samples", "FORMAT"]
 

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from r3lab.importers.common import ImportFormatError, Sample, read_jsonl, write_run
+from r3lab.errors import ImportFormatError
+from r3lab.importers.common import Sample, read_jsonl, write_run
 
 __all__ = ["import_prime_rl", "export_files", "iter_samples", "FORMAT"]
 

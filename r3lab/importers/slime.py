@@ -24,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from r3lab.importers.common import ImportFormatError, LayerMap, Sample, safe_torch_load, write_run
+from r3lab.errors import ImportFormatError
+from r3lab.importers.common import LayerMap, Sample, safe_torch_load, write_run
 
 __all__ = ["import_slime", "rollout_files", "iter_samples", "FORMAT"]
 

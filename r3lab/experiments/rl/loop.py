@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from r3lab.config import MODES, RLConfig, RLMetric, run_name
+from r3lab.config import MODES, RL_SEEDS, RLConfig, RLMetric, run_name
 from r3lab.errors import ConfigError
 from r3lab.experiments.rl.batch import StepRollout, engine_noise_floor, sample_step
 from r3lab.experiments.rl.report import collapse_state, finish_run, write_step
@@ -142,7 +142,7 @@ def _run_name(config: RLConfig) -> str:
     return f"{run_name(f'rl-{config.model}', config.mode, config.seed)}-{_timestamp()}"
 
 
-def run_comparison(base: RLConfig, *, modes: Sequence[str] = MODES, seeds: Sequence[int] = (0, 1, 2),
+def run_comparison(base: RLConfig, *, modes: Sequence[str] = MODES, seeds: Sequence[int] = RL_SEEDS,
                    runs_root: Any = None, prefix: str | None = None, progress: bool = True) -> list[RLRun]:
     """Every (mode, seed) of ``base`` on one engine start, written to ``runs_root`` as ``<prefix>-<mode>-s<seed>``."""
     bad = [m for m in modes if m not in MODES]
