@@ -15,7 +15,17 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from r3lab.config import MODES, TRAINER_DTYPES, DriftConfig, RLConfig, add_config_flags, config_overrides, quick_help
+from r3lab.config import (
+    MODES,
+    RL_QUICK_SEEDS,
+    RL_SEEDS,
+    TRAINER_DTYPES,
+    DriftConfig,
+    RLConfig,
+    add_config_flags,
+    config_overrides,
+    quick_help,
+)
 from r3lab.errors import R3LabError
 
 __all__ = ["main", "BENCHMARKS"]
@@ -184,7 +194,7 @@ def _rl(args: argparse.Namespace) -> None:
     overrides = config_overrides(args, RLConfig)
     base = RLConfig.quick(**overrides) if args.quick else RLConfig(**overrides)
     model_dir(base.model, base.data)  # fail before any engine starts
-    seeds = args.seeds or ([0] if args.quick else [0, 1, 2])
+    seeds = args.seeds or list(RL_QUICK_SEEDS if args.quick else RL_SEEDS)
     root = runs_dir(args.runs, args.data)
     runs = run_comparison(base, modes=args.modes or list(MODES), seeds=seeds, runs_root=root, prefix=args.name,
                           progress=not args.no_progress)

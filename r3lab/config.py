@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from r3lab.errors import ConfigError
+from r3lab.errors import ConfigError, cli_flag
 from r3lab.paths import MODELS
 
 __all__ = [
@@ -31,6 +31,8 @@ __all__ = [
     "TRAINER_DTYPES",
     "TRAINERS",
     "RL_TRAINERS",
+    "RL_SEEDS",
+    "RL_QUICK_SEEDS",
     "megatron_dp",
     "RLConfig",
     "DriftConfig",
@@ -73,6 +75,10 @@ TRAINERS = {"hf": "a transformers trainer", "megatron": "Megatron-core GPTModel 
 RL_TRAINERS = ("hf", "megatron")  # the trainers that take policy steps
 _TRAINER_HELP = ("the trainer: hf (transformers, CPU), megatron (Megatron-core on tp*pp*dp gloo CPU ranks) or "
                  "megatron-bridge (GPU node, drift only)")
+
+# the seeds an RL comparison runs when none are given (r3lab rl, run_comparison), and with --quick (and the widgets)
+RL_SEEDS = (0, 1, 2)
+RL_QUICK_SEEDS = (0,)
 
 # config fields that the command line sweeps over: the flag takes a list and the experiment runs one per value
 _SWEEPS = {"mode": "modes", "seed": "seeds"}
@@ -168,15 +174,24 @@ class _Config:
         kw = {k: tuple(v) if _is_tuple(hints[k]) and v is not None else v for k, v in d.items()}
         return cls(**kw)
 
+    def _check_choices(self) -> None:
+        """Every field with choices (``knob(choices=...)``) holds one of them; a tuple field, each of its values."""
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            choices = f.metadata.get("choices")
+            v = getattr(self, f.name)
+            if choices is not None and any(x not in choices for x in (v if isinstance(v, tuple) else (v,))):
+                raise ConfigError(f"{{{f.name}}} must be one of {choices}, got {v!r}", field=f.name)
+
     def _check_parallel(self) -> None:
         """The Megatron layout knobs: positive, used only by ``--trainer megatron``."""
         self._check_min(("tp", "pp", "ep"))
         if self.trainer != "megatron" and (self.tp, self.pp, self.ep) != (1, 1, 1):  # type: ignore[attr-defined]
-            raise ConfigError(f"--tp/--pp/--ep set a Megatron layout: they need --trainer megatron, got "
-                              f"--trainer {self.trainer}")  # type: ignore[attr-defined]
+            raise ConfigError(f"{{tp}}/{{pp}}/{{ep}} set a Megatron layout: they need {{trainer}} megatron, got "
+                              f"{{trainer}} {self.trainer}",  # type: ignore[attr-defined]
+                              field="trainer", fields=("tp", "pp", "ep"))
         world = self.tp * self.pp * megatron_dp(self.tp, self.ep)  # type: ignore[attr-defined]
         if world > 16:
-            raise ConfigError(f"--tp x --pp x dp = {world} CPU ranks: at most 16")
+            raise ConfigError(f"{{tp}} x {{pp}} x dp = {world} CPU ranks: at most 16", fields=("tp", "pp", "ep"))
 
     @property
     def dp(self) -> int:
@@ -187,11 +202,11 @@ class _Config:
         for name in names:
             v = getattr(self, name)
             if int(v) < lo:
-                raise ConfigError(f"{_flag(name)} must be >= {lo}, got {v!r}")
+                raise ConfigError(f"{{{name}}} must be >= {lo}, got {v!r}", field=name)
 
 
 def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+    return cli_flag(name)
 
 
 @dataclass(frozen=True)
@@ -245,49 +260,42 @@ class RLConfig(_Config):
                                                "max_tokens": 16, "mini_batches": 2, "lr": 3e-3}
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ConfigError(f"--mode must be one of {MODES}, got {self.mode!r}")
+        self._check_choices()
         self._check_min(("steps", "prompts_per_step", "samples_per_prompt", "max_tokens", "prompt_words",
                          "mini_batches"))
         if self.samples_per_prompt < 2:
-            raise ConfigError("--samples-per-prompt must be >= 2 (GRPO normalizes within a group)")
+            raise ConfigError("{samples_per_prompt} must be >= 2 (GRPO normalizes within a group)",
+                              field="samples_per_prompt")
         if (self.prompts_per_step * self.samples_per_prompt) % self.mini_batches:
             raise ConfigError(f"the batch of {self.prompts_per_step * self.samples_per_prompt} samples "
-                              f"(--prompts-per-step x --samples-per-prompt) does not split into "
-                              f"{self.mini_batches} mini-batches (--mini-batches)")
+                              f"({{prompts_per_step}} x {{samples_per_prompt}}) does not split into "
+                              f"{self.mini_batches} mini-batches ({{mini_batches}})", field="mini_batches",
+                              fields=("prompts_per_step", "samples_per_prompt"))
         self._check_min(("staleness", "token_steps", "noise_every"), lo=0)
         self._check_min(("turns", "observation_words"))
-        if self.old_logprobs not in OLD_LOGPROBS:
-            raise ConfigError(f"--old-logprobs must be one of {OLD_LOGPROBS}, got {self.old_logprobs!r}")
         if self.behaviour_cap <= 1:
-            raise ConfigError(f"--behaviour-cap must be > 1, got {self.behaviour_cap}")
+            raise ConfigError(f"{{behaviour_cap}} must be > 1, got {self.behaviour_cap}", field="behaviour_cap")
         if self.tis_cap is not None and self.tis_cap <= 1:
-            raise ConfigError(f"--tis-cap must be > 1 (or off), got {self.tis_cap}")
-        if self.lr <= 0 or self.clip_eps <= 0 or self.max_grad_norm <= 0 or self.temperature <= 0:
-            raise ConfigError("--lr, --clip-eps, --max-grad-norm and --temperature must be > 0, got "
-                              f"{self.lr}, {self.clip_eps}, {self.max_grad_norm}, {self.temperature}")
-        dtypes = (self.engine_dtype, self.trainer_dtype, self.router_dtype)
-        if any(d not in DTYPES for d in dtypes):
-            raise ConfigError(f"--engine-dtype, --trainer-dtype and --router-dtype must be among {DTYPES}, "
-                              f"got {dtypes}")
+            raise ConfigError(f"{{tis_cap}} must be > 1 (or off), got {self.tis_cap}", field="tis_cap")
+        positive = ("lr", "clip_eps", "max_grad_norm", "temperature")
+        if any(getattr(self, name) <= 0 for name in positive):
+            raise ConfigError("{lr}, {clip_eps}, {max_grad_norm} and {temperature} must be > 0, got "
+                              f"{self.lr}, {self.clip_eps}, {self.max_grad_norm}, {self.temperature}",
+                              field=next(name for name in positive if getattr(self, name) <= 0), fields=positive)
         if self.trainer_dtype == "float32" and self.router_dtype != "float32":
-            raise ConfigError("an fp32 trainer has fp32 routers: --router-dtype bfloat16 needs "
-                              "--trainer-dtype bfloat16")
-        if self.engine_quant not in ENGINE_QUANTS:
-            raise ConfigError(f"--engine-quant must be one of {ENGINE_QUANTS}, got {self.engine_quant!r}")
-        if self.task not in TASKS:
-            raise ConfigError(f"--task must be one of {tuple(TASKS)}, got {self.task!r}")
-        if self.loss not in LOSSES:
-            raise ConfigError(f"--loss must be one of {LOSSES}, got {self.loss!r}")
+            raise ConfigError("an fp32 trainer has fp32 routers: {router_dtype} bfloat16 needs {trainer_dtype} "
+                              "bfloat16", field="router_dtype", fields=("trainer_dtype",))
         if not 0 < self.gspo_clip_eps < 1 or self.gspo_clip_eps_high <= 0:
-            raise ConfigError(f"--gspo-clip-eps must be in (0, 1) and --gspo-clip-eps-high > 0, got "
-                              f"{self.gspo_clip_eps}, {self.gspo_clip_eps_high}")
+            raise ConfigError(f"{{gspo_clip_eps}} must be in (0, 1) and {{gspo_clip_eps_high}} > 0, got "
+                              f"{self.gspo_clip_eps}, {self.gspo_clip_eps_high}",
+                              field="gspo_clip_eps" if not 0 < self.gspo_clip_eps < 1 else "gspo_clip_eps_high",
+                              fields=("gspo_clip_eps", "gspo_clip_eps_high"))
         if len(self.target_letter) != 1:
-            raise ConfigError(f"--target-letter must be one character, got {self.target_letter!r}")
-        if self.trainer not in RL_TRAINERS:
-            raise ConfigError(f"--trainer must be one of {RL_TRAINERS} for RL, got {self.trainer!r}")
+            raise ConfigError(f"{{target_letter}} must be one character, got {self.target_letter!r}",
+                              field="target_letter")
         if self.trainer == "megatron" and self.trainer_dtype == "bfloat16" and self.router_dtype != "float32":
-            raise ConfigError("--trainer megatron runs fp32 routers (moe_router_dtype=fp32): --router-dtype float32")
+            raise ConfigError("{trainer} megatron runs fp32 routers (moe_router_dtype=fp32): {router_dtype} float32",
+                              field="router_dtype", fields=("trainer",))
         self._check_parallel()
 
     def to_cli_args(self, *, modes: Sequence[str] | None = None, seeds: Sequence[int] | None = None) -> list[str]:
@@ -323,24 +331,19 @@ class DriftConfig(_Config):
     _quick: typing.ClassVar[dict[str, Any]] = {"prompts": 8, "max_tokens": 16, "seeds": (0,)}
 
     def __post_init__(self) -> None:
-        if not self.models:
-            raise ConfigError("--models is empty")
+        self._check_choices()
+        for name in ("models", "trainer_dtypes"):
+            if not getattr(self, name):
+                raise ConfigError(f"{{{name}}} is empty", field=name)
         self._check_min(("prompts", "max_tokens", "prompt_words"))
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
-            raise ConfigError(f"--seeds must be distinct and non-empty, got {self.seeds!r}")
+            raise ConfigError(f"{{seeds}} must be distinct and non-empty, got {self.seeds!r}", field="seeds")
         if self.temperature <= 0:
-            raise ConfigError(f"--temperature must be > 0, got {self.temperature!r}")
-        bad = [d for d in self.trainer_dtypes if d not in TRAINER_DTYPES]
-        if bad or not self.trainer_dtypes:
-            raise ConfigError(f"--trainer-dtypes must be among {sorted(TRAINER_DTYPES)}, "
-                              f"got {list(self.trainer_dtypes)}")
-        if self.trainer not in TRAINERS:
-            raise ConfigError(f"--trainer must be one of {sorted(TRAINERS)}, got {self.trainer!r}")
+            raise ConfigError(f"{{temperature}} must be > 0, got {self.temperature!r}", field="temperature")
         self._check_parallel()
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization < 1:
-            raise ConfigError(f"--gpu-memory-utilization must be in (0, 1), got {self.gpu_memory_utilization!r}")
-        if self.engine_quant not in ENGINE_QUANTS:
-            raise ConfigError(f"--engine-quant must be one of {ENGINE_QUANTS}, got {self.engine_quant!r}")
+            raise ConfigError(f"{{gpu_memory_utilization}} must be in (0, 1), got {self.gpu_memory_utilization!r}",
+                              field="gpu_memory_utilization")
 
     def to_cli_args(self) -> list[str]:
         """The ``r3lab drift`` arguments that run exactly this config."""
@@ -402,7 +405,7 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type[_Config]) -> Non
         if f.name in quick:
             default += f"; --quick: {_fmt(quick[f.name])}"
         elif cls is RLConfig and f.name == "seed":
-            default = "default: 0 1 2; --quick: 0"
+            default = f"default: {_fmt(RL_SEEDS)}; --quick: {_fmt(RL_QUICK_SEEDS)}"
         elif cls is RLConfig and f.name == "mode":
             default = f"default: {' '.join(MODES)}"
         parser.add_argument(*names, dest=dest, type=typ, nargs="+" if sweep else None, default=None,

@@ -11,10 +11,17 @@ expects), never to hide it.
 
 The modules of each stage re-export their type under the same name (``r3lab.slicing.SlicingError``
 is :class:`SlicingError`), and two former names stay as aliases: ``LayoutError`` is
-:class:`SlicingError` and ``ModelConfigError`` is :class:`ConfigError`.
+:class:`SlicingError` and ``ModelConfigError`` is :class:`ConfigError`. No exception class is defined
+anywhere else in the package (``tests/test_errors.py`` checks every subclass of :class:`R3LabError`).
+
+A :class:`ConfigError` about config fields carries their names as data (``field``, ``fields``): its
+``str()`` spells each as its command-line flag (``--samples-per-prompt``, what ``r3lab rl`` prints), and
+:meth:`ConfigError.phrase` spells them another way (a notebook's keywords, a widget's labels).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
 
 __all__ = [
     "R3LabError",
@@ -25,6 +32,14 @@ __all__ = [
     "SlicingError",
     "ReplayError",
     "StagingError",
+    "BatchError",
+    "ImportFormatError",
+    "UnsafeFileError",
+    "ImporterMissingError",
+    "MegatronLoadError",
+    "MegatronTrainerError",
+    "LaunchTimeout",
+    "cli_flag",
     "LayoutError",
     "ModelConfigError",
 ]
@@ -49,13 +64,40 @@ class RunFormatError(R3LabError, ValueError):
     """A run folder or one of its files is missing, of an unknown version, or corrupt; the message names it."""
 
 
+def cli_flag(field: str) -> str:
+    """A config field's command-line flag: ``samples_per_prompt`` -> ``--samples-per-prompt``."""
+    return "--" + field.replace("_", "-")
+
+
 class ConfigError(R3LabError, ValueError):
     """A configuration r3lab cannot run; the message names the field.
 
     Raised for: an experiment config field out of range, an unknown mode or dtype; a model
     directory that is missing, unreadable, dense, or of an unknown MoE family (formerly
     ``ModelConfigError``); a codec class that :func:`~r3lab.compaction.register_codec` cannot register.
+
+    ``field`` is the config field the error is about (None: none in particular); ``message`` writes every
+    field it names as ``{name}`` (``field`` and each of ``fields``), which ``str()`` spells with ``spell``
+    (default: the command-line flag, :func:`cli_flag`) and :meth:`phrase` with any other speller.
     """
+
+    def __init__(self, message: str, *, field: str | None = None, fields: Sequence[str] = (),
+                 spell: Callable[[str], str] = cli_flag):
+        self.template = message
+        self.field = field
+        self.fields = tuple(dict.fromkeys([*([field] if field else []), *fields]))
+        super().__init__(self.phrase(spell))
+
+    def phrase(self, spell: Callable[[str], str]) -> str:
+        """The message with each field it names written by ``spell`` (a field name in, the words to show out)."""
+        out = self.template
+        for name in self.fields:
+            out = out.replace("{" + name + "}", spell(name))
+        return out
+
+    def spelled(self, spell: Callable[[str], str]) -> ConfigError:
+        """The same error (fields kept) whose ``str()`` spells the fields with ``spell``."""
+        return ConfigError(self.template, field=self.field, fields=self.fields, spell=spell)
 
 
 class RolloutError(R3LabError, ValueError):
@@ -76,6 +118,41 @@ class StagingError(R3LabError, ValueError):
 
     Raised on every rank of the layout with the same message, which names the failing rank and chunk.
     """
+
+
+class BatchError(R3LabError, ValueError):
+    """A trainer's input data has the wrong shape: a :class:`~r3lab.trainers.TokenBatch` (no sample, prompt lengths
+    that do not fit, a width shorter than a sample) or a :class:`~r3lab.trainers.PolicyUpdate` (a field whose length
+    is not the mini-batch's, a loss mask that drops every token, GSPO's per-sample ids and advantages)."""
+
+
+class ImportFormatError(R3LabError, ValueError):
+    """A dump does not have the documented layout (a key missing, lengths that disagree); names file and sample
+    (:mod:`r3lab.importers`)."""
+
+
+class UnsafeFileError(R3LabError, ValueError):
+    """A file would run code, or load classes beyond tensors and plain containers, if it were opened
+    (:mod:`r3lab.importers`)."""
+
+
+class ImporterMissingError(ImportFormatError):
+    """The importer registry names a kind whose module is not in this r3lab (:mod:`r3lab.importers.registry`)."""
+
+
+class MegatronLoadError(R3LabError, ValueError):
+    """The checkpoint cannot be loaded into (or exported from) the Megatron model: family, name or shape
+    (:mod:`r3lab.trainers.megatron.checkpoint`)."""
+
+
+class MegatronTrainerError(R3LabError, ValueError):
+    """A trainer rank failed, died or did not answer in time (every rank was ended), or replay did not hold
+    (:mod:`r3lab.trainers.megatron.trainer`)."""
+
+
+class LaunchTimeout(R3LabError, TimeoutError, ValueError):
+    """The ranks did not all finish within the launch's timeout; all were terminated
+    (:mod:`r3lab.trainers.megatron.launch`; also a :class:`TimeoutError`)."""
 
 
 #: former name of the layout errors, now one type with the other slicing errors

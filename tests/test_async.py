@@ -11,8 +11,9 @@ import torch
 from safetensors.torch import save_file
 
 import r3lab.experiments.rl as rl
+import r3lab.experiments.rl.loop as rl_loop
 from r3lab.config import RLMetric
-from r3lab.errors import ConfigError
+from r3lab.errors import BatchError, ConfigError
 from r3lab.experiments.rl import RLConfig, run_rl
 from r3lab.paths import model_dir
 from r3lab.trainers import PolicyUpdate, TokenBatch
@@ -81,9 +82,9 @@ def test_token_weights_and_loss_mask_enter_the_loss_as_written():
     tis = clipped_policy_loss(lp, PolicyUpdate(old, adv, infer, tis_cap=1.05, token_weights=w, loss_mask=mask))
     both = np.minimum(np.exp(old - infer), 1.05) * w  # the TIS weight times the token weight
     assert tis.stats(0.2)["tis_weight_mean"] == pytest.approx(both[mask].mean(), rel=1e-6)
-    with pytest.raises(ConfigError, match="token_weights"):
+    with pytest.raises(BatchError, match="token_weights"):
         PolicyUpdate(old, adv, infer, token_weights=w[:2])
-    with pytest.raises(ConfigError, match="every token"):
+    with pytest.raises(BatchError, match="every token"):
         PolicyUpdate(old, adv, infer, loss_mask=np.zeros(4, bool))
 
 
@@ -114,7 +115,7 @@ def stale_runs(engine):
     """Matched-weights runs (no replay, then R3) at staleness 0 and 2, recording each step's batch, behaviour log-probs
     and the trainer's exported snapshots."""
     out = {}
-    step_fn, export = rl.train_step, HFTrainer.export_weights
+    step_fn, export = rl_loop.train_step, HFTrainer.export_weights  # the loop's own name for it
     for mode in ("none", "R3"):
         for st in (0, 2):
             seen: dict[str, list] = {"batch": [], "tokens": [], "exports": []}
@@ -130,12 +131,12 @@ def stale_runs(engine):
                 seen["exports"].append(w)
                 return w
 
-            rl.train_step, HFTrainer.export_weights = spy_step, spy_export
+            rl_loop.train_step, HFTrainer.export_weights = spy_step, spy_export
             try:
                 cfg = dataclasses.replace(QUICK, mode=mode, staleness=st, old_logprobs="behaviour", steps=6)
                 seen["steps"] = run_rl(cfg, engine=engine, progress=False).steps
             finally:
-                rl.train_step, HFTrainer.export_weights = step_fn, export
+                rl_loop.train_step, HFTrainer.export_weights = step_fn, export
             out[(mode, st)] = seen
     return out
 

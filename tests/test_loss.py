@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from r3lab.errors import ConfigError
+from r3lab.errors import BatchError, ConfigError
 from r3lab.trainers import PolicyUpdate
 from r3lab.trainers.loss import clipped_policy_loss, sequence_ratios
 
@@ -75,11 +75,11 @@ def test_grpo_is_the_token_level_objective():
 
 
 def test_gspo_refuses_what_it_cannot_compute():
-    with pytest.raises(ConfigError, match="token_sample"):
+    with pytest.raises(BatchError, match="token_sample"):
         clipped_policy_loss(_logp(), _update(token_sample=None))
-    with pytest.raises(ConfigError, match="one advantage per sample"):
+    with pytest.raises(BatchError, match="one advantage per sample"):
         clipped_policy_loss(_logp(), _update(advantages=np.array([1.0, 0.0, 1.0, 2.0, 2.0])))
-    with pytest.raises(ConfigError, match="skips a sample"):
+    with pytest.raises(BatchError, match="skips a sample"):
         clipped_policy_loss(_logp(), _update(token_sample=np.array([0, 0, 0, 2, 2])))
     with pytest.raises(ConfigError, match="loss must be one of"):
         clipped_policy_loss(_logp(), _update(loss="ppo2"))

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import r3lab.experiments.rl as rl
+import r3lab.experiments.rl.batch as rl_batch
 from r3lab.errors import RolloutError
 from r3lab.experiments.multiturn import Trajectory, engine_prefix_cache, prefill_vs_decode, rollout_turns
 from r3lab.experiments.rl import RLConfig, run_rl
@@ -88,11 +89,45 @@ def test_later_prefill_against_decode_routes_is_measured(engine):
     assert m["rows_compared"] > 0 and 0 <= m["decode_rows"] <= 1 and 0 <= m["prefill_rows"] <= 1
 
 
+def test_the_prefix_cache_read_from_vllm_is_what_vllm_does(engine):
+    """RolloutEngine.prefix_cache (the one read of vLLM's private cache config) against vLLM's behaviour: the same
+    prompt twice, the second request's cached tokens are whole blocks of that size (0 when the cache is off)."""
+    from vllm.inputs import TokensPrompt
+
+    cache = engine.prefix_cache()
+    assert type(cache["enabled"]) is bool and type(cache["block_size"]) is int and cache["block_size"] > 0, cache
+    assert engine_prefix_cache(engine) == cache
+    (ids,) = engine.encode_prompts(["kupi kobire reti ma lo" * 12])
+    assert len(ids) > 2 * cache["block_size"], len(ids)
+    params = SamplingConfig(max_tokens=1, seed=0).to_vllm()
+    engine._llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+    (again,) = engine._llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+    hit = again.num_cached_tokens
+    if cache["enabled"]:
+        assert hit > 0 and hit % cache["block_size"] == 0, (hit, cache)
+    else:
+        assert not hit, (hit, cache)
+
+
+def test_a_vllm_that_moved_its_cache_config_is_an_error_not_a_guess():
+    from types import SimpleNamespace
+
+    from r3lab.rollout import RolloutEngine
+
+    moved = object.__new__(RolloutEngine)
+    moved._llm = SimpleNamespace(llm_engine=SimpleNamespace(config=SimpleNamespace()))  # no vllm_config there
+    with pytest.raises(RolloutError, match="vllm_config.cache_config"):
+        moved.prefix_cache()
+    with pytest.raises(RolloutError, match="vllm_config.cache_config"):
+        engine_prefix_cache(moved)
+    assert engine_prefix_cache(SimpleNamespace()) == {"enabled": None, "block_size": None}  # an engine that can't say
+
+
 @pytest.fixture(scope="module")
 def spied(engine):
     """Quick two-turn runs in R3 and R2, recording the trajectories and every policy step's routes and loss mask."""
     out = {}
-    roll, step = rl.rollout_turns, HFTrainer.policy_step
+    roll, step = rl_batch.rollout_turns, HFTrainer.policy_step  # the name the step's sampling calls
     for mode in ("R3", "R2"):
         seen: dict[str, list] = {"trajs": [], "updates": []}
 
@@ -105,12 +140,12 @@ def spied(engine):
             seen["updates"].append((batch, update, routes))
             return step(self, batch, update, routes=routes)
 
-        rl.rollout_turns, HFTrainer.policy_step = spy_roll, spy_step
+        rl_batch.rollout_turns, HFTrainer.policy_step = spy_roll, spy_step
         try:
             seen["steps"] = run_rl(dataclasses.replace(QUICK, mode=mode, steps=2, turns=2), engine=engine,
                                    progress=False).steps
         finally:
-            rl.rollout_turns, HFTrainer.policy_step = roll, step
+            rl_batch.rollout_turns, HFTrainer.policy_step = roll, step
         out[mode] = seen
     return out
 

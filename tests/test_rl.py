@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import r3lab.experiments.rl as rl
-from r3lab.errors import ConfigError
+from r3lab.errors import BatchError, ConfigError
 from r3lab.experiments.rl import RLConfig, comparison_rows, comparison_table, run_rl
 from r3lab.paths import model_dir
 from r3lab.rollout import RolloutEngine, SamplingConfig
@@ -138,9 +138,9 @@ def test_a_mini_batch_is_scored_at_the_whole_batchs_width():
         assert np.array_equal(whole[[0, 2]].numpy(), part.numpy())
     assert batch.response_lengths.tolist() == [4, 2, 1] and batch.token_sample.tolist() == [0, 0, 0, 0, 1, 1, 2]
     assert resp.sum(1).tolist() == [4, 2, 1]  # each sample's tokens after its prompt are scored
-    with pytest.raises(ConfigError, match="prompt length"):
+    with pytest.raises(BatchError, match="prompt length"):
         TokenBatch.from_ids([[1, 2]], [2])
-    with pytest.raises(ConfigError, match="width"):
+    with pytest.raises(BatchError, match="width"):
         TokenBatch.from_ids([[1, 2, 3]], [1], width=2)
 
 

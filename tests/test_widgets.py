@@ -278,6 +278,11 @@ def test_the_dashboards_megatron_choice_yields_its_layout_in_the_cli_args(tmp_pa
             dash.controls_config()
         dash._guarded(dash.run)
         assert dash.job is None and "at most 16" in html.unescape(dash.status.value)
+        # the config error names its fields as data: the status line says the controls' labels, not flags
+        assert "tp x pp x dp = 32 CPU ranks" in html.unescape(dash.status.value) and "--" not in dash.status.value
+        dash.samples.value, dash.trainer.value = 3, "hf"
+        dash._guarded(lambda: RLConfig.quick(samples_per_prompt=1))
+        assert "samples / prompt must be &gt;= 2" in dash.status.value, dash.status.value
     finally:
         dash.close()
     mine = AblationDashboard(tmp_path, trainer="megatron", tp=2)  # the controls start from the config given

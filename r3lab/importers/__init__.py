@@ -16,14 +16,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from r3lab.importers.common import (
-    IMPORT_KIND,
-    ImportFormatError,
-    LayerMap,
-    UnsafeFileError,
-    safe_torch_load,
-    sample_tokens,
-)
+from r3lab.errors import ImportFormatError, UnsafeFileError
+from r3lab.importers.common import IMPORT_KIND, LayerMap, safe_torch_load, sample_tokens
 from r3lab.importers.figures import (
     NotAvailable,
     column_or_note,

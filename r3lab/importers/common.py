@@ -32,12 +32,12 @@ from typing import Any
 import numpy as np
 
 from r3lab import metrics
-from r3lab.errors import R3LabError
+from r3lab.errors import ImportFormatError, UnsafeFileError
 from r3lab.moe_layout import MoELayout
 from r3lab.routes import Routes
 from r3lab.runs import RunWriter
 
-__all__ = ["ImportFormatError", "UnsafeFileError", "NUMPY_ALLOWLIST", "safe_torch_load", "refuse_pickles",
+__all__ = ["NUMPY_ALLOWLIST", "safe_torch_load", "refuse_pickles",
            "read_jsonl", "file_sha256", "LayerMap", "Sample", "CaptureLog", "write_run", "IMPORT_KIND",
            "sample_tokens", "mtp_layer_count", "MTP_CONFIG_KEYS", "jsonl_samples", "layout_config", "FLOAT_COLUMNS"]
 
@@ -45,14 +45,6 @@ IMPORT_KIND = "imported"
 REFUSED_SUFFIXES = {".pkl": "a Python pickle", ".pickle": "a Python pickle", ".dill": "a dill pickle",
                     ".joblib": "a joblib pickle"}
 _TOKEN_CHUNK = 4096  # samples per parquet row group: what an import holds of a step's token columns at once
-
-
-class ImportFormatError(R3LabError, ValueError):
-    """A dump does not have the documented layout (a key missing, lengths that disagree); names file and sample."""
-
-
-class UnsafeFileError(R3LabError, ValueError):
-    """A file would run code, or load classes beyond tensors and plain containers, if it were opened."""
 
 
 def _numpy_allowlist() -> list[Any]:

@@ -43,7 +43,8 @@ from typing import Any
 
 import numpy as np
 
-from r3lab.importers.common import ImportFormatError, LayerMap, Sample, jsonl_samples, layout_config, write_run
+from r3lab.errors import ImportFormatError
+from r3lab.importers.common import LayerMap, Sample, jsonl_samples, layout_config, write_run
 
 __all__ = ["import_nemo_rl", "step_files", "iter_samples", "detect", "FORMAT", "OPTIONS", "PLACEHOLDER_FLAG"]
 

@@ -18,15 +18,11 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from r3lab.importers.common import ImportFormatError
+from r3lab.errors import ImporterMissingError, ImportFormatError
 
 __all__ = ["ImporterSpec", "REGISTRY", "ImporterMissingError", "spec", "detect_kind", "AUTO"]
 
 AUTO = "auto"  # the kind that asks every importer's detect
-
-
-class ImporterMissingError(ImportFormatError):
-    """The registry names an importer whose module is not in this r3lab."""
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,8 @@ from typing import Any
 
 import numpy as np
 
-from r3lab.importers.common import ImportFormatError, LayerMap, Sample, UnsafeFileError, write_run
+from r3lab.errors import ImportFormatError, UnsafeFileError
+from r3lab.importers.common import LayerMap, Sample, write_run
 from r3lab.importers.unpickle import Marker, Rebuilder, numeric_dtype, restricted_load
 
 __all__ = ["import_skyrl", "step_files", "iter_samples", "load_batch", "detect", "OPTIONS", "FORMAT",

@@ -37,8 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from r3lab.errors import R3LabError
-from r3lab.importers.common import ImportFormatError, LayerMap, Sample, write_run
+from r3lab.errors import ImportFormatError, R3LabError
+from r3lab.importers.common import LayerMap, Sample, write_run
 from r3lab.importers.train_dumps import TrainDumps, TrainRollout, TrainRow, load_dump, to_numpy
 
 __all__ = ["import_slime", "rollout_files", "eval_files", "iter_samples", "detect", "OPTIONS", "FORMAT",

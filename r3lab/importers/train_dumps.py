@@ -40,7 +40,8 @@ from typing import Any
 
 import numpy as np
 
-from r3lab.importers.common import ImportFormatError, safe_torch_load
+from r3lab.errors import ImportFormatError
+from r3lab.importers.common import safe_torch_load
 
 __all__ = ["TrainRow", "TrainRollout", "TrainDumps", "cp_response_spans", "assemble_cp", "infer_cp_ranks",
            "FIELDS", "load_dump", "to_numpy"]

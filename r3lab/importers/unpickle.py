@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from r3lab.importers.common import ImportFormatError, UnsafeFileError
+from r3lab.errors import ImportFormatError, UnsafeFileError
 
 __all__ = ["RestrictedUnpickler", "restricted_load", "Marker", "Rebuilder", "NUMPY_GLOBALS", "ArrayStandIn",
            "resolve", "numeric_dtype"]

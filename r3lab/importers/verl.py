@@ -42,7 +42,8 @@ from typing import Any
 
 import numpy as np
 
-from r3lab.importers.common import ImportFormatError, LayerMap, Sample, UnsafeFileError, write_run
+from r3lab.errors import ImportFormatError, UnsafeFileError
+from r3lab.importers.common import LayerMap, Sample, write_run
 from r3lab.importers.unpickle import NUMPY_GLOBALS, Rebuilder, resolve, restricted_load
 
 __all__ = ["import_verl", "step_files", "iter_samples", "load_gen_batch", "detect", "OPTIONS", "FORMAT",

@@ -211,6 +211,17 @@ class RolloutEngine(Closing):
             result.append(_sampled_logprobs(plp[s:], ids[i][s:], where=f"sequence {i}"))
         return result
 
+    def prefix_cache(self) -> dict[str, Any]:
+        """Whether vLLM's prefix cache is on and its block size (a cached full KV block returns the routes stored
+        with it instead of a new prefill's). The one place r3lab reads vLLM's private engine config
+        (``LLM.llm_engine.vllm_config.cache_config``); a vLLM that moved it is an error that says so, never a guess."""
+        try:
+            cfg = self._llm.llm_engine.vllm_config.cache_config
+            return {"enabled": bool(cfg.enable_prefix_caching), "block_size": int(cfg.block_size)}
+        except AttributeError as e:
+            raise RolloutError(f"this vLLM has no LLM.llm_engine.vllm_config.cache_config.enable_prefix_caching / "
+                               f"block_size ({e}): RolloutEngine.prefix_cache must follow its new place") from e
+
     @staticmethod
     def stack_routes(results: Sequence[RolloutResult]) -> Routes:
         """Pack the routes of many results into one Routes (one sequence per result)."""

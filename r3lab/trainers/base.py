@@ -23,7 +23,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from r3lab.errors import ConfigError
+from r3lab.errors import BatchError
 from r3lab.routes import Routes
 
 __all__ = ["TokenBatch", "TrainerScores", "PolicyUpdate", "PolicyStepStats", "Scorer", "Trainer", "LoadsWeights"]
@@ -44,17 +44,17 @@ class TokenBatch:
 
     def __post_init__(self) -> None:
         if not self.sequences:
-            raise ConfigError("a TokenBatch needs at least one sample")
+            raise BatchError("a TokenBatch needs at least one sample")
         if len(self.prompt_lens) != len(self.sequences):
-            raise ConfigError(f"{len(self.prompt_lens)} prompt lengths for {len(self.sequences)} samples")
+            raise BatchError(f"{len(self.prompt_lens)} prompt lengths for {len(self.sequences)} samples")
         for i, (q, p) in enumerate(zip(self.sequences, self.prompt_lens, strict=True)):
             if not 1 <= p < len(q):
-                raise ConfigError(f"sample {i}: prompt length {p} must be in [1, {len(q)}) (its token count)")
+                raise BatchError(f"sample {i}: prompt length {p} must be in [1, {len(q)}) (its token count)")
         longest = max(len(q) for q in self.sequences)
         if self.width == 0:
             object.__setattr__(self, "width", longest)
         elif self.width < longest:
-            raise ConfigError(f"width {self.width} is shorter than the longest sample ({longest} tokens)")
+            raise BatchError(f"width {self.width} is shorter than the longest sample ({longest} tokens)")
 
     @classmethod
     def from_ids(cls, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], width: int = 0) -> TokenBatch:
@@ -118,9 +118,9 @@ class PolicyUpdate:
         for name in ("loss_mask", "token_weights"):
             v = getattr(self, name)
             if v is not None and np.shape(v) != n:
-                raise ConfigError(f"PolicyUpdate.{name} has shape {np.shape(v)}; the old log-probs have {n}")
+                raise BatchError(f"PolicyUpdate.{name} has shape {np.shape(v)}; the old log-probs have {n}")
         if self.loss_mask is not None and not np.asarray(self.loss_mask, dtype=bool).any():
-            raise ConfigError("PolicyUpdate.loss_mask masks out every token of the mini-batch")
+            raise BatchError("PolicyUpdate.loss_mask masks out every token of the mini-batch")
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from r3lab.config import LOSSES  # token-level ratio and clipping; sequence-level ratio and clipping
-from r3lab.errors import ConfigError
+from r3lab.errors import BatchError, ConfigError
 from r3lab.trainers.base import PolicyUpdate
 
 __all__ = ["LOSSES", "ClippedLoss", "clipped_policy_loss", "sequence_ratios"]
@@ -69,16 +69,16 @@ class ClippedLoss:
 
 def _token_sample(update: PolicyUpdate, n: int, dev: torch.device) -> tuple[torch.Tensor, int]:
     if update.token_sample is None:
-        raise ConfigError("the gspo loss needs PolicyUpdate.token_sample (each scored token's sample in the "
+        raise BatchError("the gspo loss needs PolicyUpdate.token_sample (each scored token's sample in the "
                           "mini-batch, as TokenBatch.token_sample)")
     idx = torch.as_tensor(update.token_sample, dtype=torch.long).to(dev)
     if idx.shape != (n,):
-        raise ConfigError(f"PolicyUpdate.token_sample has shape {tuple(idx.shape)}, the mini-batch scores {n} tokens")
+        raise BatchError(f"PolicyUpdate.token_sample has shape {tuple(idx.shape)}, the mini-batch scores {n} tokens")
     if n == 0 or int(idx.min()) < 0:
-        raise ConfigError("PolicyUpdate.token_sample must hold sample ids >= 0 for at least one token")
+        raise BatchError("PolicyUpdate.token_sample must hold sample ids >= 0 for at least one token")
     samples = int(idx.max()) + 1
     if (torch.bincount(idx, minlength=samples) == 0).any():
-        raise ConfigError("PolicyUpdate.token_sample skips a sample id: every sample needs a scored token")
+        raise BatchError("PolicyUpdate.token_sample skips a sample id: every sample needs a scored token")
     return idx, samples
 
 
@@ -98,7 +98,7 @@ def _gspo(logprobs: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, update: 
     seq = sequence_ratios(logprobs, old, idx, samples)
     seq_adv = torch.zeros(samples, dtype=adv.dtype, device=adv.device).index_copy(0, idx, adv)
     if not torch.equal(seq_adv[idx], adv):
-        raise ConfigError("the gspo loss takes one advantage per sample: PolicyUpdate.advantages differ inside a "
+        raise BatchError("the gspo loss takes one advantage per sample: PolicyUpdate.advantages differ inside a "
                           "sample")
     # value s_i, gradient s_i * grad logp_t: GSPO-token (equal to GSPO when advantages are per sample)
     tok_ratio = torch.exp(logprobs - logprobs.detach() + torch.log(seq.detach())[idx])

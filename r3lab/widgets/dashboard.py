@@ -19,11 +19,11 @@ from r3lab.errors import ConfigError, R3LabError
 from r3lab.labels import axis_title, label
 from r3lab.moe_layout import MoELayout
 from r3lab.paths import MODELS, model_dir, runs_dir
-from r3lab.runs import RunFollower, mark_stopped
+from r3lab.runs import RunFollower
 from r3lab.viz import ONE_COLUMN, export
 from r3lab.viz.style import wrap
 from r3lab.widgets.controls import CONTROL, LABEL_WIDTH, field_help, show_errors
-from r3lab.widgets.jobs import RLJob, rl_config, start_rl
+from r3lab.widgets.jobs import RLJob, rl_config, start_rl, stop_job
 from r3lab.widgets.live import (
     DEFAULT_METRICS,
     LAYER_METRIC,
@@ -172,7 +172,16 @@ class AblationDashboard(widgets.VBox):
 
     # -- actions
     def _guarded(self, action: Callable[[], Any]) -> None:
-        show_errors(self.status, action)
+        show_errors(self.status, action, self.labels)
+
+    @property
+    def labels(self) -> dict[str, str]:
+        """RLConfig field -> the label of the control that sets it (how the status line names a field)."""
+        controls = {"model": self.model, "mode": self.modes, "temperature": self.temperature,
+                    "engine_dtype": self.dtypes, "trainer_dtype": self.dtypes, "prompts_per_step": self.prompts,
+                    "samples_per_prompt": self.samples, "steps": self.steps, "seed": self.seed,
+                    "trainer": self.trainer, "tp": self.tp, "pp": self.pp, "ep": self.ep}
+        return {name: str(w.description) for name, w in controls.items()}
 
     def run(self) -> RLJob:
         """Start the experiment the controls describe and follow it (what the Run button does)."""
@@ -222,16 +231,8 @@ class AblationDashboard(widgets.VBox):
     def stop(self) -> None:
         """End the running job (its whole process group), mark its unfinished runs stopped on disk (so the
         rows here and ``r3lab runs`` say stopped), and stop following it; the figures keep what landed."""
-        follower, job = self.follower, self.job
-        if follower is not None:
-            follower.stop()  # first: its thread's last look cannot read the killed job as a failure
-        if job is not None:
-            running = job.running
-            job.close()
-            if running:
-                for name in job.run_names:
-                    if (job.runs_root / name / "config.json").is_file():
-                        mark_stopped(job.runs_root / name, "stopped from the dashboard")
+        follower = self.follower
+        stop_job(self.job, follower, "stopped from the dashboard")
         if follower is not None and follower.state != "finished":
             follower.poll()  # the stop marks, read back: the rows say stopped as the header does
             self._refresh(follower)

@@ -25,11 +25,11 @@ from r3lab.config import ENGINE_QUANTS, PHASE_OBJECTIVES, RLConfig, RLMetric
 from r3lab.errors import ConfigError, R3LabError
 from r3lab.labels import label
 from r3lab.paths import MODELS, runs_dir
-from r3lab.runs import RunFollower, load, mark_stopped
+from r3lab.runs import RunFollower, load
 from r3lab.runs.phase import phase_objective, phase_record
 from r3lab.viz import phase_figure
 from r3lab.widgets.controls import CONTROL, LABEL_WIDTH, field_help, show_errors
-from r3lab.widgets.jobs import RLJob, rl_config, start_rl
+from r3lab.widgets.jobs import RLJob, rl_config, start_rl, stop_job
 from r3lab.widgets.live import LiveFigure, set_steps, set_traces, status_html, value
 
 __all__ = ["DialWidget", "objective_config"]
@@ -129,7 +129,13 @@ class DialWidget(widgets.VBox):
 
     # -- actions
     def _guarded(self, action: Any) -> None:
-        show_errors(self.status, action)
+        show_errors(self.status, action, self.labels)
+
+    @property
+    def labels(self) -> dict[str, str]:
+        """RLConfig field -> the label of the control that sets it (how the status line names a field)."""
+        controls = {"model": self.model, "engine_quant": self.engine_quant, "seed": self.seed, "steps": self.steps}
+        return {name: str(w.description) for name, w in controls.items()}
 
     def start(self) -> RLJob:
         """Start the run the controls describe and follow it (what the Start button does)."""
@@ -155,16 +161,7 @@ class DialWidget(widgets.VBox):
 
     def stop(self) -> None:
         """End the running job, mark its unfinished run stopped on disk, and stop following it."""
-        follower, job = self.follower, self.job
-        if follower is not None:
-            follower.stop()
-        if job is not None:
-            running = job.running
-            job.close()
-            if running:
-                for name in job.run_names:
-                    if (job.runs_root / name / "config.json").is_file():
-                        mark_stopped(job.runs_root / name, "stopped from the dial")
+        stop_job(self.job, self.follower, "stopped from the dial")
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the run is done and placed on the diagram (True) or ``timeout`` passes (False); a run that

@@ -6,7 +6,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
-import re
 import subprocess
 import sys
 import threading
@@ -16,11 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from r3lab._process import Closing, end_process_group
-from r3lab.config import MODES, RLConfig, run_names
+from r3lab.config import MODES, RL_QUICK_SEEDS, RLConfig, run_names
 from r3lab.errors import ConfigError
 from r3lab.paths import runs_dir
+from r3lab.runs import RunFollower, mark_stopped
 
-__all__ = ["RLJob", "start_rl", "rl_config"]
+__all__ = ["RLJob", "start_rl", "rl_config", "stop_job"]
 
 
 class RLJob(Closing):
@@ -74,10 +74,25 @@ class RLJob(Closing):
         self._reader.join(timeout=5)
 
 
+def stop_job(job: RLJob | None, follower: RunFollower | None, reason: str) -> None:
+    """Stop following ``job`` and end it (its whole process group); the runs it left unfinished are marked stopped
+    on disk with ``reason``, so ``r3lab runs`` and the widgets' rows say stopped (the dashboard's and the dial's
+    Stop)."""
+    if follower is not None:
+        follower.stop()  # first: its thread's last look cannot read the killed job as a failure
+    if job is not None:
+        running = job.running
+        job.close()
+        if running:
+            for name in job.run_names:
+                if (job.runs_root / name / "config.json").is_file():
+                    mark_stopped(job.runs_root / name, reason)
+
+
 def _as_keywords(e: ConfigError) -> ConfigError:
-    """RLConfig's message with its command-line flags (``--samples-per-prompt``) written as the keywords a notebook
-    passes (``samples_per_prompt``): the words the user typed."""
-    return ConfigError(re.sub(r"(?<![\w-])--([a-z][a-z0-9-]*)", lambda m: m.group(1).replace("-", "_"), str(e)))
+    """RLConfig's error with its fields written as the keywords a notebook passes (``samples_per_prompt``, not the
+    command line's ``--samples-per-prompt``): the words the user typed. The fields stay on it as data."""
+    return e.spelled(str)
 
 
 def rl_config(config: RLConfig | None = None, **knobs: Any) -> RLConfig:
@@ -97,7 +112,7 @@ def rl_config(config: RLConfig | None = None, **knobs: Any) -> RLConfig:
 
 
 def start_rl(runs_root: str | os.PathLike | None = None, *, prefix: str | None = None, modes: Sequence[str] = MODES,
-             seeds: Sequence[int] = (0,), config: RLConfig | None = None, **knobs: Any) -> RLJob:
+             seeds: Sequence[int] = RL_QUICK_SEEDS, config: RLConfig | None = None, **knobs: Any) -> RLJob:
     """Start an RL comparison (one run per mode and seed, named ``<prefix>-<mode>-s<seed>``) in a child process.
 
     The runs' knobs are ``config`` (default :meth:`RLConfig.quick`) with ``knobs`` replacing any of its fields

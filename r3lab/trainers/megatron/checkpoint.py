@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from r3lab.errors import R3LabError
+from r3lab.errors import MegatronLoadError
 from r3lab.moe_layout import MoELayout
 from r3lab.slicing import ParallelLayout
 from r3lab.trainers.megatron.cpu import CPU_CONFIG, init_parallel, local_block_spec, patch_megatron_for_cpu
@@ -62,10 +62,6 @@ __all__ = [
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
-
-
-class MegatronLoadError(R3LabError, ValueError):
-    """The checkpoint cannot be loaded into (or exported from) the Megatron model: family, name or shape."""
 
 
 class GroupRoutingMismatchWarning(UserWarning):

@@ -24,13 +24,9 @@ from typing import Any
 import torch
 
 from r3lab._process import free_port
-from r3lab.errors import R3LabError
+from r3lab.errors import LaunchTimeout, R3LabError
 
 __all__ = ["launch", "LaunchTimeout"]
-
-
-class LaunchTimeout(R3LabError, TimeoutError):
-    """The ranks did not all finish within the launch's timeout; all were terminated."""
 
 
 def _worker(rank: int, world_size: int, port: int, outdir: str, coll_s: float, fn: Callable, args: tuple) -> None:

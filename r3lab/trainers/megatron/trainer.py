@@ -40,15 +40,11 @@ from typing import Any
 import numpy as np
 
 from r3lab._process import Closing, free_port
-from r3lab.errors import ConfigError, R3LabError
+from r3lab.errors import ConfigError, MegatronTrainerError
 from r3lab.routes import Routes
 from r3lab.trainers.base import PolicyStepStats, PolicyUpdate, TokenBatch, TrainerScores
 
 __all__ = ["MegatronTrainer", "MegatronTrainerError", "derived_dp"]
-
-
-class MegatronTrainerError(R3LabError):
-    """A trainer rank failed, died or did not answer in time (every rank was ended), or replay did not hold."""
 
 
 def derived_dp(tp: int, ep: int) -> int:

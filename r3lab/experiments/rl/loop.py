@@ -1,0 +1,160 @@
+"""The RL loop: per step, sample a batch, score the engine against itself, take the policy update, push the weights
+the engine samples with next (``staleness`` updates behind), write the step; then the summary and the doctor.
+:func:`run_comparison` runs every (mode, seed) on one engine start."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from r3lab.config import MODES, RL_SEEDS, RLConfig, RLMetric, run_name
+from r3lab.errors import ConfigError
+from r3lab.experiments.rl.batch import StepRollout, engine_noise_floor, sample_step
+from r3lab.experiments.rl.report import collapse_state, finish_run, write_step
+from r3lab.experiments.rl.trainer import load_trainer, scorer_at
+from r3lab.experiments.rl.update import StepResult, train_step
+from r3lab.experiments.tasks import make_task
+from r3lab.paths import model_dir
+from r3lab.rollout import RolloutEngine
+from r3lab.runs import RunWriter
+
+__all__ = ["RLRun", "StaleWeights", "run_rl", "run_comparison", "default_prefix"]
+
+
+@dataclass
+class RLRun:
+    """What ``run_rl`` returns: the per-step records (also in the run folder) and the folder, if written."""
+
+    config: RLConfig
+    steps: list[dict[str, Any]]
+    path: Any = None
+
+
+class StaleWeights:
+    """The weights the engine samples with: the trainer's, ``staleness`` updates behind (the checkpoint until there
+    are that many updates). Holds the last ``staleness + 1`` snapshots (``export_weights``)."""
+
+    def __init__(self, engine: RolloutEngine, checkpoint: Any, staleness: int):
+        self.engine, self.staleness = engine, staleness
+        self.snapshots: list[Any] = [checkpoint]  # weights after update u, for stale rollouts
+        self.behaviour = checkpoint  # what the engine holds: the weights its rollouts are sampled with
+        engine.update_weights(checkpoint, version=0)  # a shared engine starts from the checkpoint too
+
+    def push(self, weights: Any, step: int) -> float:
+        """``weights`` (after update ``step + 1``) in; the engine gets those ``staleness`` behind. Returns the sync's
+        seconds."""
+        self.snapshots.append(weights)
+        behind = min(self.staleness, len(self.snapshots) - 1)
+        t0 = time.perf_counter()
+        self.behaviour = self.snapshots[-1 - behind]
+        self.engine.update_weights(self.behaviour, version=step + 1 - behind)
+        self.snapshots = self.snapshots[-(self.staleness + 1) :]
+        return time.perf_counter() - t0
+
+
+def _timestamp() -> str:
+    return time.strftime("%Y%m%d-%H%M%S")
+
+
+def default_prefix(model: str) -> str:
+    """The folder-name prefix of a comparison no one named: ``rl-<model>-<time>``."""
+    return f"rl-{model}-{_timestamp()}"
+
+
+def _check_engine(engine: RolloutEngine | None, config: RLConfig) -> None:
+    if engine is not None and getattr(engine, "engine_quant", "none") != config.engine_quant:
+        raise ConfigError(f"the engine given runs engine_quant={engine.engine_quant!r}, the config asks for "
+                          f"{config.engine_quant!r}: start it with RolloutEngine(..., engine_quant=...)")
+
+
+def _record(result: StepResult, rollout: StepRollout, noise: float | None, step: int, version: int) -> dict[str, Any]:
+    """The step line: the trainer's metrics, the multi-turn ones, the noise floor, the reward and the timing so far."""
+    rec = result.metrics
+    rec.update(rollout.metrics)
+    rec["noise/k3_kl_engine_vs_engine"] = noise
+    rec.update(step=step, **{RLMetric.REWARD: float(rollout.rewards.mean())}, reward_std=float(rollout.rewards.std()),
+               engine_weight_version=version, time_generate_s=rollout.seconds)
+    return rec
+
+
+def run_rl(config: RLConfig, *, engine: RolloutEngine | None = None, runs_root: Any = None, run_name: str | None = None,
+           progress: bool = True, on_step: Callable[[dict[str, Any]], None] | None = None) -> RLRun:
+    """Run one GRPO job in ``config.mode``; write it to ``runs_root/run_name`` when ``runs_root`` is given.
+
+    ``engine`` may be an engine already holding ``config.model``; its weights are reset to the checkpoint
+    first, so several runs can share one engine start.
+    """
+    import torch
+    from tqdm.auto import tqdm
+
+    path = model_dir(config.model, config.data)
+    torch.manual_seed(config.seed)
+    rng = np.random.default_rng(config.seed)
+    _check_engine(engine, config)
+    own_engine = engine is None
+    if engine is None:
+        engine = RolloutEngine(path, seed=config.seed, dtype=config.engine_dtype, engine_quant=config.engine_quant)
+    writer = trainer = behaviour = None
+    try:
+        trainer = load_trainer(config, path)
+        weights = StaleWeights(engine, trainer.export_weights(), config.staleness)
+        task = make_task(engine.tokenizer, config)
+        if runs_root is not None:
+            writer = RunWriter(runs_root, run_name or _run_name(config), "rl", config.to_dict())
+        history: list[dict[str, Any]] = []
+        for step in tqdm(range(config.steps), desc=f"rl {config.mode}", unit="step", disable=not progress):
+            t0 = time.perf_counter()
+            rollout = sample_step(engine, task, config, step)
+            noisy = config.noise_every and step % config.noise_every == 0
+            noise = engine_noise_floor(engine, rollout) if noisy else None
+            if config.old_logprobs == "behaviour":
+                behaviour = scorer_at(config, path, weights.behaviour, scorer=behaviour)
+            result = train_step(trainer, rollout.batch, config, rng, behaviour=behaviour)
+            rec = _record(result, rollout, noise, step, engine.weight_version)
+            rec["time_weight_sync_s"] = weights.push(trainer.export_weights(), step)
+            rec["time_step_s"] = time.perf_counter() - t0
+            history.append(rec)
+            rec.update(collapse_state(history))
+            if writer is not None:
+                write_step(writer, config, step, rollout, result.tokens, rec)
+            if on_step is not None:
+                on_step(rec)
+        finish_run(writer, config, history)
+        return RLRun(config, history, writer.path if writer is not None else None)
+    finally:
+        if writer is not None:
+            writer.close()
+        for held in (trainer, behaviour):  # a multi-process trainer (Megatron's ranks) ends them
+            close = getattr(held, "close", None)
+            if close is not None:
+                close()
+        if own_engine:
+            engine.close()
+
+
+def _run_name(config: RLConfig) -> str:
+    """The folder name of a run no one named: ``rl-<model>-<mode>-s<seed>-<time>``."""
+    return f"{run_name(f'rl-{config.model}', config.mode, config.seed)}-{_timestamp()}"
+
+
+def run_comparison(base: RLConfig, *, modes: Sequence[str] = MODES, seeds: Sequence[int] = RL_SEEDS,
+                   runs_root: Any = None, prefix: str | None = None, progress: bool = True) -> list[RLRun]:
+    """Every (mode, seed) of ``base`` on one engine start, written to ``runs_root`` as ``<prefix>-<mode>-s<seed>``."""
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise ConfigError(f"modes must be among {MODES}, got {list(modes)}")
+    path = model_dir(base.model, base.data)
+    prefix = prefix or default_prefix(path.name)
+    out = []
+    with RolloutEngine(path, seed=base.seed, dtype=base.engine_dtype, engine_quant=base.engine_quant) as engine:
+        for seed in seeds:
+            for mode in modes:
+                cfg = dataclasses.replace(base, mode=mode, seed=int(seed))
+                out.append(run_rl(cfg, engine=engine, runs_root=runs_root, run_name=run_name(prefix, mode, seed),
+                                  progress=progress))
+    return out

@@ -1,0 +1,119 @@
+"""The policy update of one step: ``mini_batches`` clipped-objective steps over a shuffled split of the batch, each
+replaying per the mode, with the route change of the policy, the collapse precursors and the trainer's noise floor;
+:func:`train_step` joins it to the old policy and the step's per-token table."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from r3lab import metrics
+from r3lab.config import RLConfig, RLMetric
+from r3lab.experiments.rl.batch import RolloutBatch
+from r3lab.experiments.rl.old_policy import OldPolicy, old_policy
+from r3lab.trainers import PolicyUpdate, Scorer, TokenBatch, Trainer
+
+__all__ = ["UPDATE_STATS", "StepResult", "policy_updates", "train_step"]
+
+
+UPDATE_STATS = ("loss", "clip_frac", "approx_kl", "grad_norm", "entropy", "route_change", "used_route_change",
+                 "tis_weight_mean")
+# collapse precursors on the policy side, per mini-batch (the maximum over the update is what bursts)
+_PRECURSORS = ("clip_frac", "grad_norm", "policy_abs_dlogp", "policy_is_ess")
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One RL step's trainer side: its metrics (one step line of the run) and its per-token table."""
+
+    metrics: dict[str, Any]
+    tokens: dict[str, np.ndarray]
+
+
+def policy_updates(trainer: Trainer, batch: RolloutBatch, old: OldPolicy, config: RLConfig,
+                   rng: np.random.Generator) -> tuple[dict[str, Any], np.ndarray]:
+    """``mini_batches`` clipped policy steps over a shuffled split of the batch; replays per ``config.mode``.
+
+    Returns the update's metrics (train/*, the route change of the policy, the noise floor of the trainer) and the
+    samples of the first mini-batch.
+    """
+    chunks = np.array_split(rng.permutation(len(batch.tokens)), config.mini_batches)
+    tok_sample = batch.tokens.token_sample
+    stats: dict[str, list[float]] = {k: [] for k in UPDATE_STATS}
+    precursors: dict[str, list[float]] = {k: [] for k in _PRECURSORS}
+    first_mb_gap = trainer_floor = 0.0
+    for mb, idx in enumerate(np.sort(c) for c in chunks):
+        sub = batch.tokens.take(idx)
+        sel = np.isin(tok_sample, idx)
+        # what the current policy would route natively, against the old policy's routes (what R2 freezes)
+        now = trainer.score(sub, record=True)
+        old_sub = old.native_routes.take(idx)
+        stats["route_change"].append(float(metrics.set_differs(old_sub.values, now.routes.values).mean()))
+        replay = {"R2": old_sub, "R3": batch.engine_routes.take(idx)}.get(config.mode)
+        step = trainer.policy_step(sub, _policy_update(batch, old, config, sub, sel), routes=replay)
+        # the routes this forward actually used, against the old policy's: 0 for R2 by construction
+        used = now.routes if replay is None else replay.select_layers(now.routes.layer_ids)
+        stats["used_route_change"].append(float(metrics.set_differs(old_sub.values, used.values).mean()))
+        if mb == 0:  # the policy is still the old one: R2 must equal no replay here (its definition)
+            gap = step.logprobs.astype(np.float32) - now.logprobs.astype(np.float32)  # the trainer's fp32
+            first_mb_gap = float(np.abs(gap).max())
+            trainer_floor = metrics.k3_kl(now.logprobs, old.logp_native[sel])
+        for k in ("loss", "clip_frac", "approx_kl", "grad_norm", "entropy"):
+            stats[k].append(getattr(step, k))
+        if step.tis_weight_mean is not None:
+            stats["tis_weight_mean"].append(step.tis_weight_mean)
+        # the current policy (this forward, before its step) against the old policy on these tokens
+        drift = step.logprobs - old.logp_old[sel]
+        precursors["clip_frac"].append(step.clip_frac)
+        precursors["grad_norm"].append(step.grad_norm)
+        precursors["policy_abs_dlogp"].append(float(np.abs(drift).max()))
+        precursors["policy_is_ess"].append(metrics.effective_sample_size(drift))
+    rec: dict[str, Any] = {f"train/{k}": float(np.mean(v)) if v else None for k, v in stats.items()}
+    rec[RLMetric.CLIP_FRAC_MAX] = max(precursors["clip_frac"])
+    rec["train/grad_norm_max"] = max(precursors["grad_norm"])
+    rec[RLMetric.POLICY_ABS_DIFF_MAX] = max(precursors["policy_abs_dlogp"])
+    rec[RLMetric.POLICY_IS_ESS] = min(precursors["policy_is_ess"])
+    rec["routing/route_change_first_mb"] = stats["route_change"][0]
+    rec[RLMetric.ROUTE_CHANGE_LAST_MB] = stats["route_change"][-1]
+    rec[RLMetric.USED_ROUTE_CHANGE_LAST_MB] = stats["used_route_change"][-1]
+    rec["train/first_mb_logp_gap_to_native"] = first_mb_gap
+    # the trainer against itself: the same tokens under the same weights, scored in another batch composition
+    rec["noise/k3_kl_trainer_vs_trainer"] = trainer_floor
+    return rec, np.sort(chunks[0])
+
+
+def _policy_update(batch: RolloutBatch, old: OldPolicy, config: RLConfig, sub: TokenBatch,
+                   sel: np.ndarray) -> PolicyUpdate:
+    """The loss's inputs for the mini-batch ``sub`` (its tokens ``sel`` of the batch's)."""
+    gspo = config.loss == "gspo"
+    return PolicyUpdate(old_logprobs=old.logp_old[sel], advantages=batch.advantages[batch.tokens.token_sample[sel]],
+                        infer_logprobs=batch.logp_infer[sel],
+                        clip_eps=config.gspo_clip_eps if gspo else config.clip_eps,
+                        tis_cap=config.tis_cap if old.weights is None else None,  # matched: in the weights
+                        max_grad_norm=config.max_grad_norm, loss=config.loss,
+                        clip_eps_high=config.gspo_clip_eps_high if gspo else None,
+                        token_sample=sub.token_sample,
+                        loss_mask=None if batch.loss_mask is None else batch.loss_mask[sel],
+                        token_weights=None if old.weights is None else old.weights[sel])
+
+
+def train_step(trainer: Trainer, batch: RolloutBatch, config: RLConfig, rng: np.random.Generator, *,
+               behaviour: Scorer | None = None) -> StepResult:
+    """Old log-probs and routing diagnostics, then ``mini_batches`` clipped policy updates (``behaviour``: the
+    scorer at the behaviour weights, for ``old_logprobs="behaviour"``)."""
+    old = old_policy(trainer, batch, config, behaviour=behaviour)
+    update, first_mb = policy_updates(trainer, batch, old, config, rng)
+    sample = batch.tokens.token_sample
+    tokens = {"sample": sample, "position": np.concatenate([np.arange(int(n)) for n in batch.tokens.response_lengths]),
+              "logp_infer": batch.logp_infer, "logp_old": old.logp_old, "logp_native": old.logp_native,
+              "flipped": old.tokens["flipped"], "flipped_layers": old.tokens["flipped_layers"],
+              "reward": batch.rewards[sample], "first_mb_sample": np.isin(sample, first_mb)}
+    if old.logp_behaviour is not None:
+        tokens["logp_behaviour"] = old.logp_behaviour
+        tokens["weight"] = old.weights
+    if batch.loss_mask is not None:
+        tokens["loss_mask"] = batch.loss_mask  # the doctor reads this column too
+    return StepResult({**old.metrics, **update}, tokens)
+

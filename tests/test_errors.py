@@ -1,0 +1,98 @@
+"""r3lab.errors is the list of every exception r3lab raises on purpose: each subclass of R3LabError anywhere in the
+package is defined there, listed in its __all__, and a ValueError; ConfigError carries the fields it names."""
+
+from __future__ import annotations
+
+import importlib
+import pickle
+import pkgutil
+
+import pytest
+
+import r3lab
+import r3lab.errors as errors
+from r3lab.config import RLConfig
+from r3lab.errors import ConfigError, R3LabError
+
+
+def _subclasses(cls: type) -> set[type]:
+    out = set()
+    for sub in cls.__subclasses__():
+        out |= {sub, *_subclasses(sub)}
+    return out
+
+
+def _outside_errors(classes: set[type]) -> list[str]:
+    """The r3lab exception classes not defined in r3lab.errors or not listed in its __all__."""
+    return sorted(f"{c.__module__}.{c.__qualname__}" for c in classes if c.__module__.startswith("r3lab")
+                  and (c.__module__ != "r3lab.errors" or c.__name__ not in errors.__all__))
+
+
+def _every_r3lab_exception() -> set[type]:
+    for mod in pkgutil.walk_packages(r3lab.__path__, "r3lab."):
+        if mod.name != "r3lab.__main__":
+            importlib.import_module(mod.name)  # an import that fails is a failure here, never a skip
+    return _subclasses(R3LabError)
+
+
+def test_every_r3lab_exception_is_defined_and_listed_in_errors():
+    found = _every_r3lab_exception()
+    assert not _outside_errors(found), _outside_errors(found)
+    listed = {getattr(errors, n) for n in errors.__all__ if isinstance(getattr(errors, n), type)}
+    assert listed - {R3LabError} == {c for c in found if c.__module__ == "r3lab.errors"}  # and nothing listed twice
+    assert {"BatchError", "ImportFormatError", "UnsafeFileError", "MegatronLoadError", "MegatronTrainerError",
+            "LaunchTimeout"} <= set(errors.__all__)
+
+
+def test_the_check_catches_an_exception_defined_elsewhere():
+    stray = type("StrayError", (R3LabError, ValueError), {"__module__": "r3lab.somewhere"})
+    assert _outside_errors({stray}) == ["r3lab.somewhere.StrayError"]
+
+
+def test_every_r3lab_exception_is_a_value_error_as_the_contract_says():
+    not_value = sorted(c.__name__ for c in _every_r3lab_exception() if not issubclass(c, ValueError))
+    assert not not_value, not_value
+    assert issubclass(errors.LaunchTimeout, TimeoutError)  # what a caller of launch() catches today
+
+
+def test_the_stage_modules_re_export_their_types_under_the_same_name():
+    from r3lab.importers import ImportFormatError, UnsafeFileError
+    from r3lab.trainers.megatron.checkpoint import MegatronLoadError
+    from r3lab.trainers.megatron.launch import LaunchTimeout
+    from r3lab.trainers.megatron.trainer import MegatronTrainerError
+
+    assert (ImportFormatError, UnsafeFileError, MegatronLoadError, LaunchTimeout, MegatronTrainerError) == (
+        errors.ImportFormatError, errors.UnsafeFileError, errors.MegatronLoadError, errors.LaunchTimeout,
+        errors.MegatronTrainerError)
+
+
+def test_data_shape_errors_are_batch_errors_not_config_errors():
+    from r3lab.trainers import PolicyUpdate, TokenBatch
+
+    with pytest.raises(errors.BatchError, match="prompt length") as e:
+        TokenBatch.from_ids([[1, 2]], [2])
+    assert not isinstance(e.value, ConfigError)
+    with pytest.raises(errors.BatchError, match="every token"):
+        PolicyUpdate([0.0, 0.0], [1.0, 1.0], [0.0, 0.0], loss_mask=[False, False])
+
+
+def test_a_config_error_carries_its_fields_and_each_caller_spells_them():
+    with pytest.raises(ConfigError) as e:
+        RLConfig(samples_per_prompt=1)
+    err = e.value
+    assert err.field == "samples_per_prompt" and err.fields == ("samples_per_prompt",)
+    assert str(err).startswith("--samples-per-prompt must be >= 2")  # the CLI's words
+    assert err.phrase(str).startswith("samples_per_prompt must be >= 2")  # a notebook's keywords
+    assert err.phrase({"samples_per_prompt": "samples / prompt"}.get).startswith("samples / prompt must be >= 2")
+    respelled = err.spelled(str)
+    assert str(respelled).startswith("samples_per_prompt") and respelled.field == err.field
+    assert str(pickle.loads(pickle.dumps(err))) == str(err)  # a child process's error keeps its message
+    assert str(ConfigError("a {literal} brace, no fields")) == "a {literal} brace, no fields"
+
+
+def test_errors_that_name_several_fields_spell_each():
+    with pytest.raises(ConfigError) as e:
+        RLConfig(trainer_dtype="float32", router_dtype="bfloat16")
+    assert set(e.value.fields) == {"router_dtype", "trainer_dtype"}
+    assert "--router-dtype bfloat16 needs --trainer-dtype bfloat16" in str(e.value)
+    assert "router_dtype bfloat16 needs trainer_dtype bfloat16" in e.value.phrase(str)
