@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, Self, runtime_checkable
 
 import numpy as np
 
@@ -138,7 +138,11 @@ class PolicyStepStats:
 
 @runtime_checkable
 class Scorer(Protocol):
-    """What the drift experiment needs of a trainer: scoring with native routing, replay, or recording."""
+    """What the drift experiment needs of a trainer: scoring with native routing, replay, or recording.
+
+    ``with scorer: ...`` closes it on the way out (also on exceptions); a class that subclasses this protocol
+    inherits a ``close`` that does nothing and the context-manager methods.
+    """
 
     name: str  # recorded in runs ("hf", "megatron-bridge", ...)
     batch_forward: bool  # score() runs a multi-sample batch as one forward (the drift experiment's trainer floor)
@@ -147,6 +151,15 @@ class Scorer(Protocol):
               entropy: bool = False) -> TrainerScores:
         """No-grad log-probs of the scored tokens; ``routes`` replays them, ``record`` returns the routes used."""
         ...
+
+    def close(self) -> None:
+        """Release what the scorer holds (a multi-process trainer ends its ranks); idempotent. Default: nothing."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 @runtime_checkable

@@ -42,25 +42,21 @@ import numpy as np
 from r3lab._process import Closing, free_port
 from r3lab.errors import ConfigError, R3LabError
 from r3lab.routes import Routes
-from r3lab.trainers.base import PolicyStepStats, PolicyUpdate, TokenBatch, TrainerScores
+from r3lab.trainer_registry import TrainerOptions, megatron_dp
+from r3lab.trainers.base import PolicyStepStats, PolicyUpdate, TokenBatch, Trainer, TrainerScores
 
-__all__ = ["MegatronTrainer", "MegatronTrainerError", "derived_dp"]
+__all__ = ["MegatronTrainer", "MegatronTrainerError"]
 
 
 class MegatronTrainerError(R3LabError):
     """A trainer rank failed, died or did not answer in time (every rank was ended), or replay did not hold."""
 
 
-def derived_dp(tp: int, ep: int) -> int:
-    """The fewest DP ranks that fit ``ep``: Megatron needs ``tp * dp`` divisible by ``etp * ep`` (etp = tp)."""
-    return int(ep) if ep > 1 else 1
-
-
-class MegatronTrainer(Closing):
+class MegatronTrainer(Closing, Trainer):
     """Megatron-core GPTModel shards on ``tp * pp * dp`` gloo CPU ranks as a :class:`~r3lab.trainers.base.Trainer`.
 
     ``lr`` given: every rank has an AdamW optimizer (betas and weight decay as :class:`~r3lab.trainers.hf.HFTrainer`)
-    and takes policy steps. ``dp`` defaults to :func:`derived_dp`. ``codec``: the r3lab codec routes are staged with.
+    and takes policy steps. ``dp`` defaults to :func:`~r3lab.trainer_registry.megatron_dp`. ``codec``: the r3lab codec routes are staged with.
     """
 
     name = "megatron"
@@ -85,7 +81,7 @@ class MegatronTrainer(Closing):
         self._procs: list[Any] = []
         self._conns: list[Any] = []
         self._closed = False
-        self.layout = layout_for(self.model_dir, tp=tp, pp=pp, ep=ep, dp=dp or derived_dp(tp, ep),
+        self.layout = layout_for(self.model_dir, tp=tp, pp=pp, ep=ep, dp=dp or megatron_dp(tp, ep),
                                  sequence_parallel=tp > 1, packed=False)
         cfg = json.loads((self.model_dir / "config.json").read_text())
         self.group_routing = group_routing_mismatch(cfg)  # None, or why native routes differ by construction
@@ -413,3 +409,9 @@ def _td(seconds: float):
     import datetime
 
     return datetime.timedelta(seconds=seconds)
+
+
+def load(path: str | os.PathLike, options: TrainerOptions) -> MegatronTrainer:
+    """The registry's loader (``trainer="megatron"``, :mod:`r3lab.trainer_registry`): ranks in the options' layout."""
+    return MegatronTrainer(path, tp=options.tp, pp=options.pp, ep=options.ep, dp=options.dp, dtype=options.dtype,
+                           lr=options.lr)
