@@ -75,6 +75,8 @@ from r3lab.paths import model_dir
 from r3lab.rollout import RolloutEngine, RolloutResult, SamplingConfig, append_last_row
 from r3lab.routes import Routes
 from r3lab.runs import RunWriter, Samples
+from r3lab.trainer_registry import TRAINER_REGISTRY, TrainerOptions
+from r3lab.trainer_registry import load_trainer as load_registered
 from r3lab.trainers import PolicyUpdate, Scorer, TokenBatch, Trainer
 from r3lab.trainers.base import LoadsWeights
 
@@ -176,14 +178,7 @@ class StepResult:
 def load_trainer(config: RLConfig, path: str | os.PathLike) -> Trainer:
     """The RL trainer of ``config``: transformers (``trainer_dtype`` with ``router_dtype`` routers) or Megatron-core
     on ``tp * pp * dp`` CPU ranks (``config.trainer == "megatron"``, fp32 routers), each with AdamW at ``lr``."""
-    if config.trainer == "megatron":
-        from r3lab.trainers.megatron.trainer import MegatronTrainer
-
-        return MegatronTrainer(path, tp=config.tp, pp=config.pp, ep=config.ep, dp=config.dp,
-                               dtype=config.trainer_dtype, lr=config.lr)
-    from r3lab.trainers.hf import HFTrainer
-
-    return HFTrainer.load(path, config.trainer_dtype, router_dtype=config.router_dtype, lr=config.lr)
+    return load_registered(config.trainer, path, TrainerOptions(dtype=config.trainer_dtype, router_dtype=config.router_dtype, tp=config.tp, pp=config.pp, ep=config.ep, lr=config.lr))  # noqa: E501
 
 
 def scorer_at(config: RLConfig, path: str | os.PathLike, weights: Any, *, scorer: Any = None) -> Scorer:
@@ -206,10 +201,10 @@ def scorer_at(config: RLConfig, path: str | os.PathLike, weights: Any, *, scorer
 def trainer_notes(config: Mapping[str, Any]) -> dict[str, str]:
     """What the run summary and the comparison table must say about the trainer: ``note/group_routing`` when the
     Megatron trainer routes the model natively differently from the engine by construction (group-limited routing,
-    :func:`r3lab.trainers.megatron.checkpoint.group_routing_mismatch`; the drift table says the same)."""
-    if config.get("trainer") != "megatron":
+    :func:`r3lab.families.group_routing_mismatch`; the drift table says the same)."""
+    if not getattr(TRAINER_REGISTRY.get(str(config.get("trainer"))), "group_routing_notes", False):
         return {}
-    from r3lab.trainers.megatron.checkpoint import model_group_routing
+    from r3lab.families import group_routing_note, model_group_routing
 
     try:
         why = model_group_routing(model_dir(config["model"], config.get("data")))
@@ -217,9 +212,7 @@ def trainer_notes(config: Mapping[str, Any]) -> dict[str, str]:
         return {"note/group_routing": f"{config['model']}: not checked ({e})"}
     if why is None:
         return {}
-    return {"note/group_routing": f"{Path(str(config['model'])).name}: {why}. Its \"none\" and R2 runs' "
-            "engine-trainer mismatch includes that difference between the implementations, not numerics; R3 is "
-            "unaffected."}
+    return {"note/group_routing": group_routing_note(Path(str(config["model"])).name, why, "Its \"none\" and R2 runs' engine-trainer mismatch includes")}  # noqa: E501
 
 
 def old_policy(trainer: Trainer, batch: RolloutBatch, config: RLConfig, *,
@@ -496,9 +489,8 @@ def run_rl(config: RLConfig, *, engine: RolloutEngine | None = None, runs_root: 
         if writer is not None:
             writer.close()
         for held in (trainer, behaviour):  # a multi-process trainer (Megatron's ranks) ends them
-            close = getattr(held, "close", None)
-            if close is not None:
-                close()
+            if held is not None:
+                held.close()
         if own_engine:
             engine.close()
 

@@ -41,6 +41,8 @@ import numpy as np
 
 from r3lab._process import Closing, free_port
 from r3lab.errors import ConfigError, R3LabError
+from r3lab.families import group_routing_mismatch
+from r3lab.moe_layout import MoELayout
 from r3lab.routes import Routes
 from r3lab.trainer_registry import TrainerOptions, megatron_dp
 from r3lab.trainers.base import PolicyStepStats, PolicyUpdate, TokenBatch, Trainer, TrainerScores
@@ -56,7 +58,8 @@ class MegatronTrainer(Closing, Trainer):
     """Megatron-core GPTModel shards on ``tp * pp * dp`` gloo CPU ranks as a :class:`~r3lab.trainers.base.Trainer`.
 
     ``lr`` given: every rank has an AdamW optimizer (betas and weight decay as :class:`~r3lab.trainers.hf.HFTrainer`)
-    and takes policy steps. ``dp`` defaults to :func:`~r3lab.trainer_registry.megatron_dp`. ``codec``: the r3lab codec routes are staged with.
+    and takes policy steps. ``dp`` defaults to :func:`~r3lab.trainer_registry.megatron_dp`. ``codec``: the r3lab
+    codec routes are staged with.
     """
 
     name = "megatron"
@@ -68,7 +71,7 @@ class MegatronTrainer(Closing, Trainer):
         import torch.distributed as dist
         import torch.multiprocessing as mp
 
-        from r3lab.trainers.megatron.checkpoint import GroupRoutingMismatchWarning, group_routing_mismatch, layout_for
+        from r3lab.trainers.megatron.checkpoint import GroupRoutingMismatchWarning, layout_for
         from r3lab.trainers.megatron.store_backend import StoreBackend
 
         for k, v in (("tp", tp), ("pp", pp), ("ep", ep)):
@@ -87,7 +90,7 @@ class MegatronTrainer(Closing, Trainer):
         self.group_routing = group_routing_mismatch(cfg)  # None, or why native routes differ by construction
         if self.group_routing:
             warnings.warn(f"{self.model_dir.name}: {self.group_routing}", GroupRoutingMismatchWarning, stacklevel=2)
-        self.num_experts = int(cfg.get("num_experts") or cfg.get("n_routed_experts") or cfg["num_local_experts"])
+        self.num_experts = MoELayout.from_config(cfg).num_experts  # the family's experts key (r3lab.families)
         self.replay_checked = 0  # router rows whose used ids were checked against the replayed ids
         self.replay_mismatched = 0
         self.stage_stats: list[Any] = []
