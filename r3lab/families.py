@@ -43,8 +43,10 @@ __all__ = [
 
 Config = Mapping[str, Any]
 
-#: the gate-weight rules replay knows (r3lab.replay.hf implements each, in torch)
-ROUTER_RULE_NAMES = ("softmax", "mixtral", "gpt_oss", "sigmoid")
+#: the gate-weight rules replay knows (r3lab.replay.hf implements each, in torch): softmax gathered (renormalized
+#: if norm_topk_prob), softmax gathered and always renormalized in fp32 (Mixtral), softmax over the gathered
+#: logits (GPT-OSS), sigmoid gathered (DeepSeek-V3: normalized if norm_topk_prob, scaled)
+ROUTER_RULE_NAMES = ("softmax", "softmax_renormalized", "softmax_of_topk", "sigmoid")
 
 
 @dataclass(frozen=True)
@@ -290,11 +292,11 @@ register_family(ModelFamily(
     router_rule="softmax", config_class="OlmoeConfig", architecture="OlmoeForCausalLM", tiny_config=_tiny_olmoe))
 register_family(ModelFamily(
     "mixtral", ("num_local_experts",), _every_layer, strict_experts=True, router_classes=("MixtralTopKRouter",),
-    router_rule="mixtral", config_class="MixtralConfig", architecture="MixtralForCausalLM",
+    router_rule="softmax_renormalized", config_class="MixtralConfig", architecture="MixtralForCausalLM",
     tiny_config=_tiny_mixtral))
 register_family(ModelFamily(
     "gpt_oss", ("num_local_experts",), _every_layer, strict_experts=True, router_classes=("GptOssTopKRouter",),
-    router_rule="gpt_oss", config_class="GptOssConfig", architecture="GptOssForCausalLM",
+    router_rule="softmax_of_topk", config_class="GptOssConfig", architecture="GptOssForCausalLM",
     tiny_config=_tiny_gpt_oss))
 for _name in ("phimoe", "granitemoe", "minimax"):
     register_family(ModelFamily(_name, ("num_local_experts",), _every_layer, strict_experts=True))

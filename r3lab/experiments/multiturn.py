@@ -19,6 +19,7 @@ can happen.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -118,10 +119,7 @@ def rollout_turns(engine: Any, prompts: Sequence[str], sampling: SamplingConfig,
         obs = observation_ids(engine.tokenizer, len(history), words=observation_words, seed=seed * 7919 + j,
                               data=data)
         prefixes = [h[-1].token_ids + o for h, o in zip(history, obs, strict=True)]
-        step = SamplingConfig(max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
-                              top_k=sampling.top_k, n=1, seed=None if sampling.seed is None else sampling.seed + j,
-                              ignore_eos=sampling.ignore_eos, stop_token_ids=sampling.stop_token_ids,
-                              extra=sampling.extra)
+        step = dataclasses.replace(sampling, n=1, seed=None if sampling.seed is None else sampling.seed + j)
         outs = engine.generate(prefixes, step, routes_prompt_start=0)
         for i, (h, out) in enumerate(zip(history, outs, strict=True)):
             prev = h[-1]

@@ -83,8 +83,8 @@ def _sigmoid_rule(router: torch.nn.Module, logits: torch.Tensor, ids: torch.Tens
 
 
 #: The gate-weight rules by name (r3lab.families.ROUTER_RULE_NAMES): the torch side of each family's router_rule.
-_RULES: dict[str, Rule] = {"softmax": _softmax_rule, "mixtral": _mixtral_rule, "gpt_oss": _gpt_oss_rule,
-                           "sigmoid": _sigmoid_rule}
+_RULES: dict[str, Rule] = {"softmax": _softmax_rule, "softmax_renormalized": _mixtral_rule,
+                           "softmax_of_topk": _gpt_oss_rule, "sigmoid": _sigmoid_rule}
 
 #: Router class name -> gate-weight rule, from the family table (r3lab.families: router_classes, router_rule).
 #: Every entry was checked against transformers 5.24 source.

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, Self, runtime_checkable
+from typing import Any, ClassVar, Protocol, Self, runtime_checkable
 
 import numpy as np
 
@@ -112,6 +112,16 @@ class PolicyUpdate:
     loss: str = "grpo"  # the objective (r3lab.trainers.loss.LOSSES): grpo (token ratios) or gspo (sequence ratios)
     clip_eps_high: float | None = None  # the upper clip range when it differs from clip_eps (GSPO: 4e-4 over 3e-4)
     token_sample: np.ndarray | None = None  # per scored token, its sample in the mini-batch (gspo needs it)
+
+    #: the fields that hold one value per scored token (what a slice of the mini-batch's tokens slices)
+    PER_TOKEN: ClassVar[tuple[str, ...]] = ("old_logprobs", "advantages", "infer_logprobs", "loss_mask",
+                                            "token_weights", "token_sample")
+
+    def token_slices(self, idx: Any) -> dict[str, Any]:
+        """Every per-token field (:data:`PER_TOKEN`, those set) at the tokens ``idx``: the fields of
+        ``dataclasses.replace(update, **update.token_slices(idx))``, the update of those tokens only."""
+        return {name: np.asarray(getattr(self, name))[idx] for name in self.PER_TOKEN
+                if getattr(self, name) is not None}
 
     def __post_init__(self) -> None:
         n = np.shape(self.old_logprobs)

@@ -218,10 +218,8 @@ class MegatronTrainer(Closing, Trainer):
         dp = self.layout.dp
         total = max(dp, math.ceil(n / dp) * dp)
         idx = list(range(n)) + [n - 1] * (total - n)
-        seqs = [list(batch.sequences[i]) for i in idx]
-        pls = [batch.prompt_lens[i] for i in idx]
         shares = [dp_sequence_ids(total, self.layout, d)[0].tolist() for d in range(dp)]
-        return dict(sequences=seqs, prompt_lens=pls, width=batch.width), shares, total
+        return dataclasses.asdict(batch.take(idx)), shares, total  # every TokenBatch field, at the batch's width
 
     def _stage(self, batch: TokenBatch, routes: Routes | None, total: int) -> tuple[dict | None, Any]:
         if routes is None:
@@ -333,17 +331,16 @@ class MegatronTrainer(Closing, Trainer):
         index = [np.arange(e - k, e) for e, k in zip(ends, batch.response_lengths, strict=True)]
         mask = None if update.loss_mask is None else np.asarray(update.loss_mask, dtype=bool)
         kept = batch.token_sample if mask is None else batch.token_sample[mask]
-        upd = dict(old=arrays["old_logprobs"], adv=arrays["advantages"], infer=arrays["infer_logprobs"], index=index,
-                   clip_eps=update.clip_eps, tis_cap=update.tis_cap, max_grad_norm=update.max_grad_norm,
-                   loss=update.loss, clip_eps_high=update.clip_eps_high, loss_mask=mask,
-                   token_weights=None if update.token_weights is None else np.asarray(update.token_weights,
-                                                                                    dtype=np.float64),
-                   # what the loss averages over: kept tokens (grpo) or samples with a kept token (gspo)
-                   loss_count=len(np.unique(kept)) if update.loss == "gspo" else len(kept))
+        weights = None if update.token_weights is None else np.asarray(update.token_weights, dtype=np.float64)
+        # the whole update crosses to the ranks (every field, dataclasses.asdict), its arrays as numpy
+        sent = dataclasses.replace(update, **arrays, loss_mask=mask, token_weights=weights,
+                                   token_sample=batch.token_sample)
         staged_info, staged = self._stage(batch, routes, total)
         try:
-            replies = self._call("policy_step", batch=payload, shares=shares, staged=staged_info, update=upd,
-                                 real_samples=len(batch))
+            replies = self._call("policy_step", batch=payload, shares=shares, staged=staged_info,
+                                 update=dataclasses.asdict(sent), index=index, real_samples=len(batch),
+                                 # what the loss averages over: kept tokens (grpo) or samples with a kept token (gspo)
+                                 loss_count=len(np.unique(kept)) if update.loss == "gspo" else len(kept))
         finally:
             if not self._closed:
                 self._release(staged)
