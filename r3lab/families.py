@@ -167,7 +167,7 @@ def megatron_overrides(cfg: Config) -> dict[str, Any]:
     factor and rope theta from ``rope_parameters`` (transformers 5 moved them there; mbridge reads the old
     attributes), as the private keys ``_rotary_percent`` / ``_rotary_base`` (GPTModel arguments, not config).
     """
-    rope = cfg.get("rope_parameters") or {}
+    rope: Mapping[str, Any] = cfg.get("rope_parameters") or {}
     o: dict[str, Any] = {"add_qkv_bias": bool(cfg.get("attention_bias", cfg.get("qkv_bias", False)))}
     fam = family_of(str(cfg.get("model_type", "")))
     if fam is not None and fam.megatron_overrides is not None:

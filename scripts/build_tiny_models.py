@@ -520,7 +520,8 @@ def main(argv=None) -> int:
             info = json.loads(info_path.read_text())
         else:
             log(f"training {name}")
-            info = {"name": name, "seed": args.seed, "architecture": architecture(specs[name]), "torch_threads": args.threads}
+            info = {"name": name, "seed": args.seed, "architecture": architecture(specs[name]),
+                    "torch_threads": args.threads}
             info["training"] = train_model(name, specs[name], tok, ids, args.seed, out, log)
             save_tokenizer(tok, out, max_len=specs[name]["config"]["max_position_embeddings"])
             (out / "generation_config.json").write_text(

@@ -98,7 +98,8 @@ def test_scorers_close_and_work_as_context_managers():
 
     for cls in (HFTrainer, MegatronBridgeTrainer, MegatronTrainer):
         assert callable(cls.close) and callable(cls.__enter__) and callable(cls.__exit__), cls
-    assert Trainer in HFTrainer.__mro__ and Trainer in MegatronTrainer.__mro__ and Scorer in MegatronBridgeTrainer.__mro__
+    assert Trainer in HFTrainer.__mro__ and Trainer in MegatronTrainer.__mro__
+    assert Scorer in MegatronBridgeTrainer.__mro__
     bare = MegatronBridgeTrainer(model=None)
     with bare as same:  # the protocol's default close: nothing to release
         assert same is bare
@@ -220,7 +221,8 @@ def test_every_policy_update_and_token_batch_field_reaches_the_megatron_ranks():
     n = int(batch.response_lengths.sum())
     rng = np.random.default_rng(0)
     update = PolicyUpdate(**_every_field(PolicyUpdate, dict(
-        old_logprobs=rng.normal(size=n), advantages=np.repeat(rng.normal(size=2), batch.response_lengths), infer_logprobs=rng.normal(size=n),
+        old_logprobs=rng.normal(size=n), advantages=np.repeat(rng.normal(size=2), batch.response_lengths),
+        infer_logprobs=rng.normal(size=n),
         clip_eps=0.3, tis_cap=2.5, max_grad_norm=0.7, loss_mask=np.array([True, False, True, True]),
         token_weights=rng.uniform(size=n), loss="gspo", clip_eps_high=0.4, token_sample=batch.token_sample)))
     t = _megatron_driver()

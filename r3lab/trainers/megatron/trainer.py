@@ -333,7 +333,8 @@ class MegatronTrainer(Closing, Trainer):
         kept = batch.token_sample if mask is None else batch.token_sample[mask]
         weights = None if update.token_weights is None else np.asarray(update.token_weights, dtype=np.float64)
         # the whole update crosses to the ranks (every field, dataclasses.asdict), its arrays as numpy
-        sent = dataclasses.replace(update, **arrays, loss_mask=mask, token_weights=weights,
+        sent = dataclasses.replace(update, old_logprobs=arrays["old_logprobs"], advantages=arrays["advantages"],
+                                   infer_logprobs=arrays["infer_logprobs"], loss_mask=mask, token_weights=weights,
                                    token_sample=batch.token_sample)
         staged_info, staged = self._stage(batch, routes, total)
         try:
