@@ -261,3 +261,24 @@ def test_every_sampling_field_reaches_the_engine_and_the_next_turn():
     turn = dataclasses.replace(full, n=1, seed=full.seed + 1)  # multiturn's next turn: every other field kept
     assert [getattr(turn, f.name) for f in dataclasses.fields(turn) if f.name not in ("n", "seed")] == [
         getattr(full, f.name) for f in dataclasses.fields(full) if f.name not in ("n", "seed")]
+
+
+# ---- mbridge's private API -------------------------------------------------------------------------------------------
+def test_mbridge_private_api_is_checked_and_fails_loudly_when_it_changes():
+    from r3lab.trainers.megatron import mbridge_api
+
+    registry = mbridge_api.mbridge_registry()
+    assert {"qwen3_moe", "glm4_moe"} <= set(registry)  # the shipped models' families
+    for model_type in ("qwen3_moe", "glm4_moe"):
+        mbridge_api.check_mbridge_api(mbridge_api.bridge_class(model_type))  # the installed mbridge: as pinned
+    assert mbridge_api.bridge_class("no_such_family") is None
+
+    class Renamed(registry["qwen3_moe"]):  # a release that renames one method and changes another's parameters
+        _weight_to_hf_format = None
+
+        def _weight_merge_across_tp(self, name, weights, param, extra):
+            raise NotImplementedError
+
+    with pytest.raises(mbridge_api.MbridgeAPIError, match=r"_weight_merge_across_tp.*_weight_to_hf_format is missing.*"
+                                                          r"mbridge==0\.15\.1"):
+        mbridge_api.check_mbridge_api(Renamed)
