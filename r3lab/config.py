@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 from r3lab.errors import ConfigError, cli_flag
 from r3lab.paths import MODELS
+from r3lab.trainer_registry import TRAINER_REGISTRY, megatron_dp, trainer_spec
 
 __all__ = [
     "MODES",
@@ -68,11 +69,9 @@ STALENESS_LEVELS = (0, 1, 2, 4)  # the phase diagram's staleness figure, at matc
 TASKS = {"letter": "distinct words starting with --target-letter, per response word",
          "edges": "distinct uncommon corpus transitions (not a word's most frequent successor), per transition"}
 TRAINER_DTYPES = {"bfloat16": "bf16, fp32 router", "float32": "fp32"}  # the drift experiment's trainer settings
-# the trainers (r3lab.trainers): transformers on CPU, Megatron-core GPTModel shards on gloo CPU ranks (any TP/PP/EP/DP
-# layout), and a Megatron GPTModel loaded by megatron-bridge on a GPU node (drift only, scoring only)
-TRAINERS = {"hf": "a transformers trainer", "megatron": "Megatron-core GPTModel shards on CPU ranks (--tp/--pp/--ep)",
-            "megatron-bridge": "a megatron-bridge Megatron-core GPTModel (GPU)"}
-RL_TRAINERS = ("hf", "megatron")  # the trainers that take policy steps
+# the trainers (r3lab.trainers), from their registry (r3lab.trainer_registry): name -> description
+TRAINERS = {name: spec.description for name, spec in TRAINER_REGISTRY.items()}
+RL_TRAINERS = tuple(name for name, spec in TRAINER_REGISTRY.items() if spec.policy_steps)  # take policy steps
 _TRAINER_HELP = ("the trainer: hf (transformers, CPU), megatron (Megatron-core on tp*pp*dp gloo CPU ranks) or "
                  "megatron-bridge (GPU node, drift only)")
 
@@ -144,12 +143,6 @@ def run_names(prefix: str, modes: Sequence[str], seeds: Sequence[int]) -> list[s
     return [run_name(prefix, m, s) for s in seeds for m in modes]
 
 
-def megatron_dp(tp: int, ep: int) -> int:
-    """The DP ranks a Megatron layout gets: the fewest that fit ``ep`` (Megatron: ``tp * dp`` divisible by
-    ``etp * ep``, with expert TP = tp), so the trainer runs on ``tp * pp * dp`` ranks."""
-    return int(ep) if ep > 1 else 1
-
-
 class _Config:
     """Shared behaviour of the experiment configs: validation helpers, dict and command-line round trips."""
 
@@ -185,7 +178,8 @@ class _Config:
     def _check_parallel(self) -> None:
         """The Megatron layout knobs: positive, used only by ``--trainer megatron``."""
         self._check_min(("tp", "pp", "ep"))
-        if self.trainer != "megatron" and (self.tp, self.pp, self.ep) != (1, 1, 1):  # type: ignore[attr-defined]
+        layout = trainer_spec(self.trainer).parallel_layout  # type: ignore[attr-defined]
+        if not layout and (self.tp, self.pp, self.ep) != (1, 1, 1):  # type: ignore[attr-defined]
             raise ConfigError(f"{{tp}}/{{pp}}/{{ep}} set a Megatron layout: they need {{trainer}} megatron, got "
                               f"{{trainer}} {self.trainer}",  # type: ignore[attr-defined]
                               field="trainer", fields=("tp", "pp", "ep"))
@@ -293,9 +287,10 @@ class RLConfig(_Config):
         if len(self.target_letter) != 1:
             raise ConfigError(f"{{target_letter}} must be one character, got {self.target_letter!r}",
                               field="target_letter")
-        if self.trainer == "megatron" and self.trainer_dtype == "bfloat16" and self.router_dtype != "float32":
-            raise ConfigError("{trainer} megatron runs fp32 routers (moe_router_dtype=fp32): {router_dtype} float32",
-                              field="router_dtype", fields=("trainer",))
+        if (trainer_spec(self.trainer).fp32_routers_only and self.trainer_dtype == "bfloat16"
+                and self.router_dtype != "float32"):
+            raise ConfigError(f"{{trainer}} {self.trainer} runs fp32 routers (moe_router_dtype=fp32): "
+                              "{router_dtype} float32", field="router_dtype", fields=("trainer",))
         self._check_parallel()
 
     def to_cli_args(self, *, modes: Sequence[str] | None = None, seeds: Sequence[int] | None = None) -> list[str]:

@@ -38,6 +38,7 @@ __all__ = [
     "ImporterMissingError",
     "MegatronLoadError",
     "MegatronTrainerError",
+    "MbridgeAPIError",
     "LaunchTimeout",
     "cli_flag",
     "LayoutError",
@@ -138,6 +139,11 @@ class UnsafeFileError(R3LabError, ValueError):
 
 class ImporterMissingError(ImportFormatError):
     """The importer registry names a kind whose module is not in this r3lab (:mod:`r3lab.importers.registry`)."""
+
+
+class MbridgeAPIError(R3LabError, ValueError):
+    """The installed mbridge lacks (or changed) a private name r3lab relies on: install the pinned version
+    (:mod:`r3lab.trainers.megatron.mbridge_api`)."""
 
 
 class MegatronLoadError(R3LabError, ValueError):

@@ -1,8 +1,8 @@
 """Which decoder layers of a Hugging Face config are MoE layers, and with how many experts and top-k.
 
 Engines report routes for every decoder layer (dense layers come back as rows of zeros); this module
-names the MoE ones by their global layer number, from the model's own config rules, so dense layers
-are dropped by id and never shift the MoE layers behind them.
+names the MoE ones by their global layer number, from the model's own config rules (its family's entry in
+:mod:`r3lab.families`), so dense layers are dropped by id and never shift the MoE layers behind them.
 """
 
 from __future__ import annotations
@@ -13,21 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from r3lab.errors import ModelConfigError
+from r3lab.families import family_of
 
 __all__ = ["MoELayout", "ModelConfigError"]
 
 
-# family -> (experts key, rule); rules give whether global layer l has a routed MoE block
-_QWEN = ("qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_vl_moe_text")
-_DEEPSEEK = ("deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "kimi_k2", "glm_moe_dsa")
-_ALL_LAYERS = {
-    "mixtral": "num_local_experts",
-    "gpt_oss": "num_local_experts",
-    "olmoe": "num_experts",
-    "phimoe": "num_local_experts",
-    "granitemoe": "num_local_experts",
-    "minimax": "num_local_experts",
-}
 _DENSE_HINTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
@@ -86,31 +76,19 @@ class MoELayout:
         arch = (cfg.get("architectures") or [mt])[0]
         L = _int(cfg, "num_hidden_layers", arch)
         max_pos = int(cfg.get("max_position_embeddings", 0) or 0)
-        if mt in _QWEN:
-            E = int(cfg.get("num_experts", cfg.get("num_local_experts", 0)) or 0)
-            if E <= 0:
-                raise ModelConfigError(f"{arch}: num_experts={E}; a dense model")
-            step = int(cfg.get("decoder_sparse_step", 1) or 1)
-            only = set(cfg.get("mlp_only_layers") or [])
-            ids = tuple(i for i in range(L) if i not in only and (i + 1) % step == 0)
-        elif mt in _DEEPSEEK:
-            E = int(cfg.get("n_routed_experts", 0) or 0)
-            if E <= 0:
-                raise ModelConfigError(f"{arch}: n_routed_experts={E}; a dense model")
-            first = int(cfg.get("first_k_dense_replace", 0) or 0)
-            freq = int(cfg.get("moe_layer_freq", 1) or 1)
-            ids = tuple(i for i in range(L) if i >= first and i % freq == 0)
-        elif mt in _ALL_LAYERS:
-            E = _int(cfg, _ALL_LAYERS[mt], arch)
-            ids = tuple(range(L))
+        family = family_of(mt)
+        if family is not None:
+            E = family.num_experts(cfg, arch)
+            ids = family.moe_layers(cfg, L)
         elif any(cfg.get(k) for k in _DENSE_HINTS):
             raise ModelConfigError(
                 f"{arch} (model_type {mt!r}) looks like an MoE model but r3lab has no layer rule for it; "
-                "add one to r3lab.moe_layout so dense layers are not mistaken for MoE layers"
+                "add its family to r3lab.families (docs/adding-a-model-family.md) so dense layers are not mistaken "
+                "for MoE layers"
             )
         else:
             raise ModelConfigError(f"{arch} (model_type {mt!r}) is a dense model: it has no routed experts to capture")
-        k = _int(cfg, "num_experts_per_tok", arch)
+        k = _int(cfg, family.top_k_key, arch)
         return cls(mt, arch, L, ids, E, k, max_pos)
 
 

@@ -158,7 +158,6 @@ COMMON = dict(  # r3lab.testing.tiny_moe_config arguments shared by both models
 def model_specs() -> dict[str, dict]:
     return {
         "tiny-qwen3-moe": dict(
-            arch="Qwen3MoeForCausalLM",
             family="qwen3_moe",
             config=dict(
                 COMMON,
@@ -172,7 +171,6 @@ def model_specs() -> dict[str, dict]:
             lr=3e-3,
         ),
         "tiny-glm4-moe": dict(
-            arch="Glm4MoeForCausalLM",
             family="glm4_moe",
             config=dict(
                 COMMON,
@@ -194,7 +192,6 @@ def model_specs() -> dict[str, dict]:
         # Qwen3-30B-A3B's routing shape at tiny width, halved in depth and experts (48 x 128 trains 2.5x slower
         # and is ~22 MB): 24 MoE layers, top-8 of 64 experts, expert FFN 16. Depth compounds route flips.
         "tiny-qwen3-moe-deep": dict(
-            arch="Qwen3MoeForCausalLM",
             family="qwen3_moe",
             config=dict(
                 COMMON,
@@ -213,6 +210,13 @@ def model_specs() -> dict[str, dict]:
     }
 
 
+def architecture(spec: dict) -> str:
+    """The causal-LM class of the spec's family (r3lab.families)."""
+    from r3lab.families import family_of
+
+    return family_of(spec["family"]).architecture
+
+
 def build_config(name: str, spec: dict, tok) -> object:
     from r3lab.testing import tiny_moe_config
 
@@ -224,7 +228,7 @@ def build_config(name: str, spec: dict, tok) -> object:
         eos_token_id=tok.token_to_id("<|eos|>"),
         pad_token_id=tok.token_to_id("<|pad|>"),
     )
-    config.architectures = [spec["arch"]]
+    config.architectures = [architecture(spec)]
     config.dtype = "bfloat16"
     return config
 
@@ -516,7 +520,8 @@ def main(argv=None) -> int:
             info = json.loads(info_path.read_text())
         else:
             log(f"training {name}")
-            info = {"name": name, "seed": args.seed, "architecture": specs[name]["arch"], "torch_threads": args.threads}
+            info = {"name": name, "seed": args.seed, "architecture": architecture(specs[name]),
+                    "torch_threads": args.threads}
             info["training"] = train_model(name, specs[name], tok, ids, args.seed, out, log)
             save_tokenizer(tok, out, max_len=specs[name]["config"]["max_position_embeddings"])
             (out / "generation_config.json").write_text(

@@ -26,7 +26,7 @@ from r3lab.errors import ConfigError
 from r3lab.paths import model_dir
 from r3lab.trainers import PolicyUpdate, TokenBatch, Trainer
 from r3lab.trainers.hf import HFTrainer
-from r3lab.trainers.megatron.trainer import MegatronTrainer, MegatronTrainerError, derived_dp
+from r3lab.trainers.megatron.trainer import MegatronTrainer, MegatronTrainerError
 
 TOL = 1e-4  # fp32 on both sides, different kernels and summation orders (measured ~1e-6)
 # one AdamW step from the same weights: Adam's first step moves every weight by lr * g / (|g| + eps), about lr in
@@ -175,7 +175,7 @@ def test_a_rank_that_dies_makes_the_driver_raise_and_leaves_no_process(glm_tp2):
 
 def test_the_layout_knobs_validate_and_derive_dp():
     assert DriftConfig(trainer="megatron", tp=2, pp=2).dp == 1
-    assert RLConfig(trainer="megatron", ep=2).dp == 2 == derived_dp(1, 2) == megatron_dp(1, 2)
+    assert RLConfig(trainer="megatron", ep=2).dp == 2 == megatron_dp(1, 2)
     with pytest.raises(ConfigError, match="--trainer megatron"):
         DriftConfig(tp=2)
     with pytest.raises(ConfigError, match="--tp"):

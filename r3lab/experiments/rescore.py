@@ -40,6 +40,7 @@ from r3lab.rollout import RolloutResult
 from r3lab.routes import Routes
 from r3lab.runs import Run, RunWriter, load
 from r3lab.runs.format import check_run_name
+from r3lab.trainer_registry import TRAINER_REGISTRY, trainer_spec
 
 __all__ = ["rescore_run", "rescore_table", "stored_results", "RESCORE_KINDS"]
 
@@ -94,11 +95,12 @@ def _disagreement(engine: Routes, trainer: Routes) -> float:
 
 
 def _trainer_label(cfg: dict[str, Any]) -> str:
-    t = cfg.get("trainer", "hf")
-    if t != "megatron":
-        return str(t)
-    tp, pp, ep = (int(cfg.get(k, 1)) for k in ("tp", "pp", "ep"))
-    return f"megatron tp={tp} pp={pp} ep={ep} dp={DriftConfig(trainer='megatron', tp=tp, pp=pp, ep=ep).dp}"
+    """The source run's trainer as the table names it (its layout too, for a layout trainer)."""
+    t = str(cfg.get("trainer", "hf"))
+    spec = TRAINER_REGISTRY.get(t)
+    if spec is None:  # a run of a trainer this checkout does not know: its name as written
+        return t
+    return spec.layout_label(*(int(cfg.get(k, 1)) for k in ("tp", "pp", "ep")))
 
 
 def _source_cells(run: Run, steps: Sequence[int] | None, trainer_dtype: str | None) -> list[_Cell]:
@@ -184,7 +186,7 @@ def _engine_again(run: Run, step: int, results: Sequence[RolloutResult]) -> list
 
 
 def _default_name(source: str, trainer: str, tp: int, pp: int, ep: int, trainer_dtype: str | None) -> str:
-    layout = f"-tp{tp}pp{pp}ep{ep}" if trainer == "megatron" else ""
+    layout = trainer_spec(trainer).layout_suffix(tp, pp, ep)
     dtype = {"float32": "-fp32", "bfloat16": "-bf16", None: ""}[trainer_dtype]
     return f"{source}-rescore-{trainer}{layout}{dtype}"
 
@@ -247,15 +249,10 @@ def rescore_run(run_path: str | os.PathLike[str], *, trainer: str = "hf", tp: in
                     todo = [c for c in cells if c.model == model and c.dtype == dtype]
                     if not todo:
                         continue
-                    scorer = load_scorer(layout, paths[model], dtype)
-                    try:
+                    with load_scorer(layout, paths[model], dtype) as scorer:  # a multi-process one ends its ranks
                         for c in todo:
                             rows.append(_score_cell(scorer, source, c, stored[c.source_step], writer, len(rows),
                                                     progress))
-                    finally:
-                        close = getattr(scorer, "close", None)  # a multi-process trainer (Megatron's ranks)
-                        if close is not None:
-                            close()
             writer.finish({"cells": [dict(model=r.model, trainer_dtype=r.trainer_dtype, seed=r.seed, **r.summary)
                                      for r in rows], "spread": drift_spread(rows), "rescore": config})
     finally:

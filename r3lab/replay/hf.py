@@ -39,6 +39,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from r3lab.families import FAMILIES
 from r3lab.replay.common import ReplayError, check_route_tensor
 from r3lab.routes import Routes
 
@@ -81,16 +82,14 @@ def _sigmoid_rule(router: torch.nn.Module, logits: torch.Tensor, ids: torch.Tens
     return w * router.routed_scaling_factor
 
 
-#: Router class name -> gate-weight rule. Every entry was checked against transformers 5.24 source.
-ROUTER_RULES: dict[str, Rule] = {
-    "Qwen3MoeTopKRouter": _softmax_rule,
-    "Qwen2MoeTopKRouter": _softmax_rule,
-    "OlmoeTopKRouter": _softmax_rule,
-    "MixtralTopKRouter": _mixtral_rule,
-    "GptOssTopKRouter": _gpt_oss_rule,
-    "DeepseekV3TopkRouter": _sigmoid_rule,
-    "Glm4MoeTopkRouter": _sigmoid_rule,
-}
+#: The gate-weight rules by name (r3lab.families.ROUTER_RULE_NAMES): the torch side of each family's router_rule.
+_RULES: dict[str, Rule] = {"softmax": _softmax_rule, "softmax_renormalized": _mixtral_rule,
+                           "softmax_of_topk": _gpt_oss_rule, "sigmoid": _sigmoid_rule}
+
+#: Router class name -> gate-weight rule, from the family table (r3lab.families: router_classes, router_rule).
+#: Every entry was checked against transformers 5.24 source.
+ROUTER_RULES: dict[str, Rule] = {cls: _RULES[f.router_rule] for f in FAMILIES.values() if f.router_rule is not None
+                                 for cls in f.router_classes}
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 

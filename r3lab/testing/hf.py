@@ -10,107 +10,40 @@ from typing import Any
 import numpy as np
 
 from r3lab.errors import R3LabError
+from r3lab.families import TinyShape, family_of, tiny_families
 from r3lab.moe_layout import MoELayout
 
 __all__ = ["MOE_FAMILIES", "tiny_moe_config", "permuted_experts"]
 
-#: transformers ``model_type`` of every MoE family r3lab's replay hooks support.
-MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "gpt_oss", "deepseek_v3", "glm4_moe")
-
-_SIGMOID = ("deepseek_v3", "glm4_moe")  # DeepSeek-V3 routing: one leading dense layer, grouped sigmoid routers
+#: transformers ``model_type`` of every MoE family with a tiny config (r3lab.families: replay supports each).
+MOE_FAMILIES = tiny_families()
 
 
-def tiny_moe_config(
-    family: str,
-    *,
-    num_experts: int = 8,
-    top_k: int = 2,
-    moe_layers: int = 2,
-    vocab_size: int = 64,
-    hidden_size: int = 32,
-    num_attention_heads: int = 2,
-    num_key_value_heads: int = 1,
-    head_dim: int = 16,
-    max_position_embeddings: int = 64,
-    intermediate_size: int = 64,
-    moe_intermediate_size: int = 32,
-    **overrides: Any,
-) -> Any:
+def tiny_moe_config(family: str, *, num_experts: int = 8, top_k: int = 2, moe_layers: int = 2, vocab_size: int = 64,
+                    hidden_size: int = 32, num_attention_heads: int = 2, num_key_value_heads: int = 1,
+                    head_dim: int = 16, max_position_embeddings: int = 64, intermediate_size: int = 64,
+                    moe_intermediate_size: int = 32, **overrides: Any) -> Any:
     """A tiny transformers config of one MoE ``family`` (a ``model_type`` in :data:`MOE_FAMILIES`).
 
-    ``moe_layers`` MoE decoder layers; DeepSeek-V3 and GLM-4-MoE get one leading dense layer more
+    The family's entry in :mod:`r3lab.families` (``config_class``, ``tiny_config``) says what each family adds to
+    the shared sizes: ``moe_layers`` MoE decoder layers; DeepSeek-V3 and GLM-4-MoE get one leading dense layer more
     (``first_k_dense_replace=1``), grouped routing (``n_group=2, topk_group=1``), a shared expert,
     ``routed_scaling_factor=2.5`` and ``norm_topk_prob=True``. Expert FFNs are ``moe_intermediate_size``
-    wide; dense FFNs ``intermediate_size``. Qwen3-MoE normalizes its top-k (``norm_topk_prob=True``),
-    Qwen2-MoE does not and has a shared expert; GPT-OSS alternates sliding (window 8) and full attention;
-    DeepSeek-V3 uses MLA (ranks 16, rope/nope head dims 8, two KV heads). ``overrides`` go to the config
-    class last, so any field can be set.
+    wide; dense FFNs ``intermediate_size``. ``overrides`` go to the config class last, so any field can be set.
     """
     import transformers as tf
 
-    if family not in MOE_FAMILIES:
+    spec = family_of(family)
+    if spec is None or spec.tiny_config is None or spec.config_class is None:
         raise R3LabError(f"unknown MoE family {family!r}; choose one of {list(MOE_FAMILIES)}")
-    base = dict(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        num_attention_heads=num_attention_heads,
-        max_position_embeddings=max_position_embeddings,
-    )
-    gqa = dict(base, num_key_value_heads=num_key_value_heads, head_dim=head_dim)
-    sigmoid = dict(
-        n_routed_experts=num_experts,
-        num_experts_per_tok=top_k,
-        n_group=2,
-        topk_group=1,
-        first_k_dense_replace=1,
-        n_shared_experts=1,
-        routed_scaling_factor=2.5,
-        norm_topk_prob=True,
-        num_hidden_layers=moe_layers + 1,
-        intermediate_size=intermediate_size,
-        moe_intermediate_size=moe_intermediate_size,
-    )
-    routed = dict(num_hidden_layers=moe_layers, num_experts_per_tok=top_k)
-    ffns = dict(intermediate_size=intermediate_size, moe_intermediate_size=moe_intermediate_size)
-    alternating = ["sliding_attention", "full_attention"] * (moe_layers // 2) + ["sliding_attention"] * (moe_layers % 2)
-    mla = dict(
-        num_key_value_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16
-    )
-    kv = dict(base, num_key_value_heads=num_key_value_heads)  # families whose head_dim is hidden / heads
-    cls, kw = {
-        "qwen3_moe": (tf.Qwen3MoeConfig, dict(gqa, **routed, **ffns, num_experts=num_experts, norm_topk_prob=True)),
-        "qwen2_moe": (
-            tf.Qwen2MoeConfig,
-            dict(
-                kv,
-                **routed,
-                **ffns,
-                shared_expert_intermediate_size=moe_intermediate_size,
-                num_experts=num_experts,
-                norm_topk_prob=False,
-            ),
-        ),  # fmt: skip
-        "olmoe": (tf.OlmoeConfig, dict(kv, **routed, intermediate_size=moe_intermediate_size, num_experts=num_experts)),
-        "mixtral": (
-            tf.MixtralConfig,
-            dict(gqa, **routed, intermediate_size=moe_intermediate_size, num_local_experts=num_experts),
-        ),
-        "gpt_oss": (
-            tf.GptOssConfig,
-            dict(
-                gqa,
-                **routed,
-                intermediate_size=moe_intermediate_size,
-                num_local_experts=num_experts,
-                layer_types=alternating,
-                sliding_window=8,
-            ),
-        ),  # fmt: skip
-        "deepseek_v3": (tf.DeepseekV3Config, dict(base, **mla, **sigmoid)),
-        "glm4_moe": (tf.Glm4MoeConfig, dict(gqa, **sigmoid)),
-    }[family]
+    shape = TinyShape(num_experts=num_experts, top_k=top_k, moe_layers=moe_layers, vocab_size=vocab_size,
+                      hidden_size=hidden_size, num_attention_heads=num_attention_heads,
+                      num_key_value_heads=num_key_value_heads, head_dim=head_dim,
+                      max_position_embeddings=max_position_embeddings, intermediate_size=intermediate_size,
+                      moe_intermediate_size=moe_intermediate_size)
+    kw = spec.tiny_config(shape)
     kw.update(overrides)
-    return cls(**kw)
+    return getattr(tf, spec.config_class)(**kw)
 
 
 def permuted_experts(model_dir: str | Path, layers: Sequence[int]) -> tuple[dict[str, Any], dict[str, Any], np.ndarray]:

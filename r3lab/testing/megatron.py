@@ -41,8 +41,8 @@ from r3lab.slicing import ParallelLayout
 from r3lab.trainers.megatron.cpu import (
     CPURMSNorm,
     destroy_parallel,
+    gpt_chunks,
     init_parallel,
-    local_block_spec,
     patch_megatron_for_cpu,
 )
 from r3lab.trainers.megatron.forward import causal_mask, forward_tokens, pipeline_forward
@@ -173,10 +173,6 @@ class TinyGPTSpec:
         return TransformerConfig(**kw)
 
 
-def _block_spec(config, vp_stage: int | None):
-    return local_block_spec(config, vp_stage)
-
-
 def build_tiny_gpt(spec: TinyGPTSpec, *, seed: int = 0, init_parallel: bool = True) -> list[torch.nn.Module]:
     """Build this rank's model chunks (one per virtual pipeline stage) in eval mode with deterministic weights.
 
@@ -186,29 +182,14 @@ def build_tiny_gpt(spec: TinyGPTSpec, *, seed: int = 0, init_parallel: bool = Tr
     patch_megatron_for_cpu()
     if init_parallel:
         init_cpu_parallel(spec.layout, etp=spec.etp)
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-
     config = spec.transformer_config()
-    vpp = spec.layout.vpp if spec.layout.vpp > 1 else None
-    pp_rank, pp = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
-    chunks = []
-    for vp in range(vpp or 1):
-        vp_stage = vp if vpp else None
-        model = GPTModel(
-            config=config,
-            transformer_layer_spec=_block_spec(config, vp_stage),
-            vocab_size=spec.vocab_size,
-            max_sequence_length=spec.max_sequence_length,
-            pre_process=pp_rank == 0 and vp == 0,
-            post_process=pp_rank == pp - 1 and vp == (vpp or 1) - 1,
-            position_embedding_type="learned_absolute",
-            vp_stage=vp_stage,
-        )
+
+    def prepare(model: torch.nn.Module) -> None:
         init_weights_deterministic(model, seed=seed)
         model.eval()
-        chunks.append(model)
-    return chunks
+
+    return gpt_chunks(config, spec.layout.vpp, prepare, vocab_size=spec.vocab_size,
+                      max_sequence_length=spec.max_sequence_length, position_embedding_type="learned_absolute")
 
 
 _LOCAL_EXPERT = re.compile(r"local_experts\.(\d+)\.")

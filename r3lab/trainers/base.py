@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, Self, runtime_checkable
 
 import numpy as np
 
@@ -113,6 +113,16 @@ class PolicyUpdate:
     clip_eps_high: float | None = None  # the upper clip range when it differs from clip_eps (GSPO: 4e-4 over 3e-4)
     token_sample: np.ndarray | None = None  # per scored token, its sample in the mini-batch (gspo needs it)
 
+    #: the fields that hold one value per scored token (what a slice of the mini-batch's tokens slices)
+    PER_TOKEN: ClassVar[tuple[str, ...]] = ("old_logprobs", "advantages", "infer_logprobs", "loss_mask",
+                                            "token_weights", "token_sample")
+
+    def token_slices(self, idx: Any) -> dict[str, Any]:
+        """Every per-token field (:data:`PER_TOKEN`, those set) at the tokens ``idx``: the fields of
+        ``dataclasses.replace(update, **update.token_slices(idx))``, the update of those tokens only."""
+        return {name: np.asarray(getattr(self, name))[idx] for name in self.PER_TOKEN
+                if getattr(self, name) is not None}
+
     def __post_init__(self) -> None:
         n = np.shape(self.old_logprobs)
         for name in ("loss_mask", "token_weights"):
@@ -138,7 +148,11 @@ class PolicyStepStats:
 
 @runtime_checkable
 class Scorer(Protocol):
-    """What the drift experiment needs of a trainer: scoring with native routing, replay, or recording."""
+    """What the drift experiment needs of a trainer: scoring with native routing, replay, or recording.
+
+    ``with scorer: ...`` closes it on the way out (also on exceptions); a class that subclasses this protocol
+    inherits a ``close`` that does nothing and the context-manager methods.
+    """
 
     name: str  # recorded in runs ("hf", "megatron-bridge", ...)
     batch_forward: bool  # score() runs a multi-sample batch as one forward (the drift experiment's trainer floor)
@@ -147,6 +161,15 @@ class Scorer(Protocol):
               entropy: bool = False) -> TrainerScores:
         """No-grad log-probs of the scored tokens; ``routes`` replays them, ``record`` returns the routes used."""
         ...
+
+    def close(self) -> None:
+        """Release what the scorer holds (a multi-process trainer ends its ranks); idempotent. Default: nothing."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 @runtime_checkable

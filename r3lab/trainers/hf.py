@@ -17,7 +17,8 @@ import torch
 from r3lab.errors import ConfigError
 from r3lab.replay import load_hf_model, remove_router_casts, score_batch
 from r3lab.routes import Routes
-from r3lab.trainers.base import PolicyStepStats, PolicyUpdate, TokenBatch, TrainerScores
+from r3lab.trainer_registry import TrainerOptions
+from r3lab.trainers.base import PolicyStepStats, PolicyUpdate, TokenBatch, Trainer, TrainerScores
 from r3lab.trainers.loss import clipped_policy_loss
 
 __all__ = ["HFTrainer", "padded_batch"]
@@ -40,7 +41,7 @@ def _numpy(t: torch.Tensor | None) -> np.ndarray | None:
     return None if t is None else t.detach().double().cpu().numpy()
 
 
-class HFTrainer:
+class HFTrainer(Trainer):
     """A transformers causal LM as a :class:`~r3lab.trainers.base.Trainer` (``lr`` given: with AdamW, in train mode)."""
 
     name = "hf"
@@ -134,3 +135,11 @@ def _to_model_layout(model: torch.nn.Module, weights: Mapping[str, Any]) -> dict
             value = value[0] if isinstance(value, list) else value
             out[apply_renamings(name, renamings) if isinstance(conv, WeightConverter) else name] = value
     return out
+
+
+def load(path: str | os.PathLike, options: TrainerOptions) -> HFTrainer:
+    """The registry's loader (``trainer="hf"``, :mod:`r3lab.trainer_registry`): :meth:`HFTrainer.load`."""
+    kw: dict[str, Any] = {"lr": options.lr}
+    if options.router_dtype is not None:
+        kw["router_dtype"] = options.router_dtype
+    return HFTrainer.load(path, options.dtype, **kw)

@@ -25,7 +25,8 @@ from r3lab.errors import ConfigError, R3LabError
 from r3lab.replay import megatron_replay, megatron_routers
 from r3lab.routes import Routes
 from r3lab.slicing import ParallelLayout, shard
-from r3lab.trainers.base import TokenBatch, TrainerScores
+from r3lab.trainer_registry import TrainerOptions
+from r3lab.trainers.base import Scorer, TokenBatch, TrainerScores
 
 __all__ = ["Forward", "default_forward", "megatron_token_logprobs", "MegatronBridgeTrainer", "load_bridge_model"]
 
@@ -108,7 +109,7 @@ def megatron_token_logprobs(
     return picked.double().cpu().numpy(), used
 
 
-class MegatronBridgeTrainer:
+class MegatronBridgeTrainer(Scorer):
     """A one-rank Megatron GPTModel as a :class:`~r3lab.trainers.base.Scorer`: every sample is its own forward."""
 
     name = "megatron-bridge"
@@ -182,3 +183,8 @@ def load_bridge_model(path: str | os.PathLike, dtype: str = "bfloat16") -> Any:
     if len(chunks) != 1:
         raise R3LabError(f"expected one model chunk without pipeline parallelism, got {len(chunks)}")
     return chunks[0].eval()
+
+
+def load(path: str | os.PathLike, options: TrainerOptions) -> MegatronBridgeTrainer:
+    """The registry's loader (``trainer="megatron-bridge"``, :mod:`r3lab.trainer_registry`), GPU only."""
+    return MegatronBridgeTrainer.load(path, options.dtype)

@@ -20,6 +20,7 @@ from r3lab.labels import axis_title, label
 from r3lab.moe_layout import MoELayout
 from r3lab.paths import MODELS, model_dir, runs_dir
 from r3lab.runs import RunFollower
+from r3lab.trainer_registry import TRAINER_REGISTRY
 from r3lab.viz import ONE_COLUMN, export
 from r3lab.viz.style import wrap
 from r3lab.widgets.controls import CONTROL, LABEL_WIDTH, field_help, show_errors
@@ -42,7 +43,6 @@ _SHORT = {"bfloat16": "bf16", "float32": "fp32"}
 _DTYPE_PAIRS = (("bf16 / fp32", ("bfloat16", "float32")),  # engine / trainer
                 ("bf16 / bf16, fp32 router", ("bfloat16", "bfloat16")),
                 ("fp32 / fp32", ("float32", "float32")))
-_TRAINER_LABELS = {"hf": "transformers", "megatron": "Megatron-core, CPU ranks"}
 _SLIDER_TOP = {"prompts_per_step": 32, "samples_per_prompt": 16, "steps": 200}  # the sliders' upper ends
 
 
@@ -117,7 +117,7 @@ class AblationDashboard(widgets.VBox):
                                        tooltip=f"engine: {field_help('engine_dtype')}; "
                                                f"trainer: {field_help('trainer_dtype')}",
                                        style=style, layout=widgets.Layout(**CONTROL))
-        self.trainer = widgets.Dropdown(options=[(_TRAINER_LABELS.get(t, t), t) for t in RL_TRAINERS],
+        self.trainer = widgets.Dropdown(options=[(TRAINER_REGISTRY[t].label, t) for t in RL_TRAINERS],
                                         value=cfg.trainer, description="trainer", tooltip=field_help("trainer"),
                                         style=style, layout=widgets.Layout(**CONTROL))
         small = {"description_width": "22px"}  # the Megatron layout: three fields on one 310 px row
@@ -211,7 +211,7 @@ class AblationDashboard(widgets.VBox):
         """The RLConfig the controls describe (validated by RLConfig; what **Run** starts): the dashboard's config
         with the shown knobs replaced. tp / pp / ep count only for the Megatron trainer (1 for transformers)."""
         engine_dtype, trainer_dtype = self.dtypes.value
-        megatron = self.trainer.value == "megatron"
+        megatron = TRAINER_REGISTRY[self.trainer.value].parallel_layout  # a trainer with a layout (tp / pp / ep)
         config = dataclasses.replace(self.config, model=self.model.value, temperature=float(self.temperature.value),
                                      engine_dtype=engine_dtype, trainer_dtype=trainer_dtype,
                                      prompts_per_step=int(self.prompts.value),
@@ -223,7 +223,7 @@ class AblationDashboard(widgets.VBox):
 
     def _show_parallel(self) -> None:
         """The Megatron layout fields: shown and enabled for the Megatron trainer only."""
-        megatron = self.trainer.value == "megatron"
+        megatron = TRAINER_REGISTRY[self.trainer.value].parallel_layout
         self.parallel.layout.display = "flex" if megatron else "none"
         for w in (self.tp, self.pp, self.ep):
             w.disabled = not megatron

@@ -130,9 +130,8 @@ def run_rl(config: RLConfig, *, engine: RolloutEngine | None = None, runs_root: 
         if writer is not None:
             writer.close()
         for held in (trainer, behaviour):  # a multi-process trainer (Megatron's ranks) ends them
-            close = getattr(held, "close", None)
-            if close is not None:
-                close()
+            if held is not None:
+                held.close()
         if own_engine:
             engine.close()
 

@@ -10,6 +10,8 @@ from typing import Any
 from r3lab.config import RLConfig
 from r3lab.errors import ConfigError, R3LabError
 from r3lab.paths import model_dir
+from r3lab.trainer_registry import TRAINER_REGISTRY, TrainerOptions
+from r3lab.trainer_registry import load_trainer as load_registered
 from r3lab.trainers import Scorer, Trainer
 from r3lab.trainers.base import LoadsWeights
 
@@ -19,14 +21,9 @@ __all__ = ["load_trainer", "scorer_at", "trainer_notes"]
 def load_trainer(config: RLConfig, path: str | os.PathLike) -> Trainer:
     """The RL trainer of ``config``: transformers (``trainer_dtype`` with ``router_dtype`` routers) or Megatron-core
     on ``tp * pp * dp`` CPU ranks (``config.trainer == "megatron"``, fp32 routers), each with AdamW at ``lr``."""
-    if config.trainer == "megatron":
-        from r3lab.trainers.megatron.trainer import MegatronTrainer
-
-        return MegatronTrainer(path, tp=config.tp, pp=config.pp, ep=config.ep, dp=config.dp,
-                               dtype=config.trainer_dtype, lr=config.lr)
-    from r3lab.trainers.hf import HFTrainer
-
-    return HFTrainer.load(path, config.trainer_dtype, router_dtype=config.router_dtype, lr=config.lr)
+    options = TrainerOptions(dtype=config.trainer_dtype, router_dtype=config.router_dtype, tp=config.tp, pp=config.pp,
+                             ep=config.ep, lr=config.lr)
+    return load_registered(config.trainer, path, options)
 
 
 def scorer_at(config: RLConfig, path: str | os.PathLike, weights: Any, *, scorer: Any = None) -> Scorer:
@@ -49,10 +46,10 @@ def scorer_at(config: RLConfig, path: str | os.PathLike, weights: Any, *, scorer
 def trainer_notes(config: Mapping[str, Any]) -> dict[str, str]:
     """What the run summary and the comparison table must say about the trainer: ``note/group_routing`` when the
     Megatron trainer routes the model natively differently from the engine by construction (group-limited routing,
-    :func:`r3lab.trainers.megatron.checkpoint.group_routing_mismatch`; the drift table says the same)."""
-    if config.get("trainer") != "megatron":
+    :func:`r3lab.families.group_routing_mismatch`; the drift table says the same)."""
+    if not getattr(TRAINER_REGISTRY.get(str(config.get("trainer"))), "group_routing_notes", False):
         return {}
-    from r3lab.trainers.megatron.checkpoint import model_group_routing
+    from r3lab.families import group_routing_note, model_group_routing
 
     try:
         why = model_group_routing(model_dir(config["model"], config.get("data")))
@@ -60,6 +57,5 @@ def trainer_notes(config: Mapping[str, Any]) -> dict[str, str]:
         return {"note/group_routing": f"{config['model']}: not checked ({e})"}
     if why is None:
         return {}
-    return {"note/group_routing": f"{Path(str(config['model'])).name}: {why}. Its \"none\" and R2 runs' "
-            "engine-trainer mismatch includes that difference between the implementations, not numerics; R3 is "
-            "unaffected."}
+    return {"note/group_routing": group_routing_note(Path(str(config["model"])).name, why,
+                                                     "Its \"none\" and R2 runs' engine-trainer mismatch includes")}

@@ -14,15 +14,17 @@ Engine and CUDA:
   scatter), and :func:`export_hf_state_dict` gathers the shards over TP/ETP with mbridge's merge rules and
   collects the pieces on one rank with ``gather_object`` (fine for small models; a large one should
   stream tensor by tensor, as mbridge's ``export_weights`` does on GPU nodes);
+* mbridge's private mapping methods are reached through :mod:`~r3lab.trainers.megatron.mbridge_api` only;
 * the TransformerConfig gets the CPU settings (:data:`~r3lab.trainers.megatron.cpu.CPU_CONFIG`),
-  routing replay on, load balancing off, and three corrections of mbridge's ``glm4_moe`` config:
+  routing replay on, load balancing off, and the family's corrections of mbridge's config
+  (:func:`r3lab.families.megatron_overrides`; for ``glm4_moe``:
   ``add_qkv_bias`` from the checkpoint's ``attention_bias`` (mbridge hard-codes True), the partial rotary
   factor and rope theta from ``rope_parameters`` (transformers 5 moved them there; mbridge reads the old
   attributes), the shared expert's width times ``n_shared_experts``, and the router's group settings
-  (``n_group``/``topk_group``) which mbridge leaves unset.
+  (``n_group``/``topk_group``) which mbridge leaves unset).
 
 Group-limited routing differs by construction between Megatron-core and transformers/vLLM for some
-configs (:func:`group_routing_mismatch`): Megatron scores a group by the sum of its best
+configs (:func:`r3lab.families.group_routing_mismatch`): Megatron scores a group by the sum of its best
 ``top_k // topk_group`` experts, DeepSeek-V3-style models (GLM-4-MoE included) by the sum of their best 2.
 :func:`build_model` warns (:class:`GroupRoutingMismatchWarning`) or raises, as asked; replayed routes
 are unaffected (replay bypasses selection).
@@ -41,9 +43,19 @@ from typing import Any
 import torch
 
 from r3lab.errors import MegatronLoadError
+from r3lab.families import group_routing_mismatch, megatron_overrides, model_group_routing
 from r3lab.moe_layout import MoELayout
 from r3lab.slicing import ParallelLayout
-from r3lab.trainers.megatron.cpu import CPU_CONFIG, init_parallel, local_block_spec, patch_megatron_for_cpu
+from r3lab.trainers.megatron.cpu import CPU_CONFIG, gpt_chunks, init_parallel, patch_megatron_for_cpu
+from r3lab.trainers.megatron.mbridge_api import (
+    bridge_class,
+    hf_names,
+    mbridge_registry,
+    merge_across_tp,
+    split_across_tp,
+    to_hf_format,
+    to_megatron_format,
+)
 
 __all__ = [
     "MegatronLoadError",
@@ -97,43 +109,18 @@ def layout_for(model_dir: str | Path, **parallel: Any) -> ParallelLayout:
     return ParallelLayout(num_layers=moe.num_hidden_layers, moe_layer_ids=tuple(moe.moe_layer_ids), **parallel)
 
 
-def group_routing_mismatch(cfg: dict[str, Any]) -> str | None:
-    """Why Megatron-core routes this checkpoint differently from transformers/vLLM, or None if it does not.
-
-    Megatron-core 0.16 (``moe_utils.group_limited_topk``) scores each expert group by the sum of its best
-    ``top_k // topk_group`` scores; DeepSeek-V3-style routers (transformers, vLLM) by the sum of the best 2.
-    They agree only when ``n_group <= 1``, ``topk_group >= n_group`` (no group is dropped) or
-    ``top_k // topk_group == 2``. No Megatron setting changes the 2.
-    """
-    n_group, topk_group = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
-    top_k = int(cfg.get("num_experts_per_tok") or 0)
-    if n_group <= 1 or topk_group >= n_group or top_k // max(topk_group, 1) == 2:
-        return None
-    return (
-        f"group-limited routing (n_group={n_group}, topk_group={topk_group}, top_k={top_k}): Megatron-core scores a "
-        f"group by its best top_k // topk_group = {top_k // topk_group} expert score(s), transformers and vLLM by the "
-        "sum of the best 2, so native routes differ by construction (replayed routes are unaffected)"
-    )
-
-
 def _bridge(hf_config: Any, dtype: torch.dtype):
-    try:
-        import mbridge.models  # noqa: F401  (registers the families)
-        from mbridge.core.bridge import _MODEL_REGISTRY
-    except ImportError as e:
-        raise MegatronLoadError(
-            "loading a checkpoint into Megatron needs mbridge: pip install --no-deps mbridge==0.15.1"
-        ) from e
-    cls = _MODEL_REGISTRY.get(hf_config.model_type)
+    cls = bridge_class(hf_config.model_type)
     if cls is None:
         raise MegatronLoadError(
-            f"mbridge has no mapping for model_type {hf_config.model_type!r}; known: {sorted(_MODEL_REGISTRY)}"
+            f"mbridge has no mapping for model_type {hf_config.model_type!r}; known: {sorted(mbridge_registry())}"
         )
     return cls(hf_config, dtype=dtype)
 
 
 def _config_overrides(cfg: dict[str, Any], layout: ParallelLayout) -> dict[str, Any]:
-    rope = cfg.get("rope_parameters") or {}
+    """The TransformerConfig settings: the CPU ones, replay on, load balancing off, this layout's, then what the
+    checkpoint's config and its family say (:func:`r3lab.families.megatron_overrides`)."""
     o: dict[str, Any] = dict(CPU_CONFIG)
     o.update(
         moe_enable_routing_replay=True,
@@ -146,17 +133,8 @@ def _config_overrides(cfg: dict[str, Any], layout: ParallelLayout) -> dict[str, 
         sequence_parallel=layout.sequence_parallel and layout.tp > 1,
         num_layers_in_first_pipeline_stage=layout.first_stage_layers,
         num_layers_in_last_pipeline_stage=layout.last_stage_layers,
-        add_qkv_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", False))),
     )
-    if cfg.get("model_type") == "qwen3_moe":
-        o["add_qkv_bias"] = False
-    if cfg.get("n_shared_experts"):
-        o["moe_shared_expert_intermediate_size"] = int(cfg["moe_intermediate_size"]) * int(cfg["n_shared_experts"])
-    if int(cfg.get("n_group") or 1) > 1:
-        o["moe_router_num_groups"] = int(cfg["n_group"])
-        o["moe_router_group_topk"] = int(cfg["topk_group"])
-    o["_rotary_percent"] = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
-    o["_rotary_base"] = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    o.update(megatron_overrides(cfg))
     return o
 
 
@@ -204,8 +182,6 @@ def build_model(
     if init:
         init_parallel(tp=layout.tp, pp=layout.pp, vpp=layout.vpp, cp=layout.cp, ep=layout.ep, etp=etp)
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
     from transformers import AutoConfig
 
     want = layout.world_size
@@ -220,26 +196,17 @@ def build_model(
     rotary_percent, rotary_base = over.pop("_rotary_percent"), over.pop("_rotary_base")
     bridge.set_extra_args(**over)
     config = bridge.config
-    vpp = layout.vpp if layout.vpp > 1 else None
-    pp_rank, pp = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
-    chunks = []
-    for vp in range(vpp or 1):
-        vp_stage = vp if vpp else None
-        model = GPTModel(
-            config=config,
-            transformer_layer_spec=local_block_spec(config, vp_stage),
-            vocab_size=int(cfg["vocab_size"]),
-            max_sequence_length=int(cfg["max_position_embeddings"]),
-            pre_process=pp_rank == 0 and vp == 0,
-            post_process=pp_rank == pp - 1 and vp == (vpp or 1) - 1,
-            share_embeddings_and_output_weights=bool(cfg.get("tie_word_embeddings", False)),
-            position_embedding_type="rope",
-            rotary_percent=rotary_percent,
-            rotary_base=int(rotary_base) if float(rotary_base).is_integer() else rotary_base,
-            vp_stage=vp_stage,
-        )
-        model.eval()
-        chunks.append(model)
+    chunks = gpt_chunks(
+        config,
+        layout.vpp,
+        lambda model: model.eval(),
+        vocab_size=int(cfg["vocab_size"]),
+        max_sequence_length=int(cfg["max_position_embeddings"]),
+        share_embeddings_and_output_weights=bool(cfg.get("tie_word_embeddings", False)),
+        position_embedding_type="rope",
+        rotary_percent=rotary_percent,
+        rotary_base=int(rotary_base) if float(rotary_base).is_integer() else rotary_base,
+    )
     out = MegatronModel(chunks, layout, model_dir, bridge, hf_config)
     if load:
         load_checkpoint(out)
@@ -300,7 +267,7 @@ def _mapped(model: MegatronModel):
         for name, t in _local_tensors(chunk):
             te = _te_global_name(chunk, name, per_rank, ep_rank)
             try:
-                hf = model.bridge._weight_name_mapping_mcore_to_hf(te)
+                hf = hf_names(model.bridge, te)
             except (NotImplementedError, AssertionError, IndexError) as e:
                 raise MegatronLoadError(f"mbridge maps no checkpoint name to Megatron parameter {name!r} ({te})") from e
             yield chunk, name, t, te, hf
@@ -336,11 +303,11 @@ def load_checkpoint(model: MegatronModel, files: Sequence[str | Path] | None = N
                         handles[where[h]] = safe_open(str(where[h]), "pt")
                     hf.append(handles[where[h]].get_tensor(h))
                 used.update(hf_names)
-                full = model.bridge._weight_to_mcore_format(te, hf)
+                full = to_megatron_format(model.bridge, te, hf)
                 size, rank, _ = _tp_of(te)
                 piece = full
                 if getattr(t, "tensor_model_parallel", False) and size > 1:
-                    piece = list(model.bridge._weight_split_across_tp(te, full, t, size))[rank]
+                    piece = split_across_tp(model.bridge, te, full, t, size)[rank]
                 if tuple(piece.shape) != tuple(t.shape):
                     raise MegatronLoadError(
                         f"Megatron {name!r} has shape {tuple(t.shape)}, the checkpoint gives {tuple(piece.shape)} "
@@ -373,10 +340,10 @@ def export_hf_state_dict(model: MegatronModel, *, dst: int = 0) -> dict[str, tor
             if getattr(t, "tensor_model_parallel", False) and size > 1:
                 parts = [torch.empty_like(full) for _ in range(size)]
                 dist.all_gather(parts, full.contiguous(), group=group)
-                full = model.bridge._weight_merge_across_tp(te, parts, t)
+                full = merge_across_tp(model.bridge, te, parts, t)
             if not (owner_expert if _is_expert(te) else owner_dense):
                 continue
-            names, tensors = model.bridge._weight_to_hf_format(te, full)
+            names, tensors = to_hf_format(model.bridge, te, full)
             for n, x in zip(names, tensors, strict=True):
                 mine[n] = x.detach().clone().contiguous()
     got: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == dst else None  # type: ignore[assignment]
@@ -401,11 +368,6 @@ def checkpoint_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
         with safe_open(str(f), "pt") as h:
             out.update({k: tuple(h.get_slice(k).get_shape()) for k in h.keys()})
     return dict(sorted(out.items()))
-
-
-def model_group_routing(model_dir: str | Path) -> str | None:
-    """:func:`group_routing_mismatch` of the checkpoint in ``model_dir`` (its config.json)."""
-    return group_routing_mismatch(_read_config(Path(model_dir)))
 
 
 def checkpoint_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:

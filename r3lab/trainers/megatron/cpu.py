@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import os
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,6 +35,7 @@ __all__ = [
     "local_block_spec",
     "CPU_CONFIG",
     "init_parallel",
+    "gpt_chunks",
     "destroy_parallel",
 ]
 
@@ -135,6 +137,37 @@ def local_block_spec(config, vp_stage: int | None = None):
         sub = dataclasses.replace(sub, input_layernorm=CPURMSNorm, pre_mlp_layernorm=CPURMSNorm, self_attention=attn)
         layer_specs.append(dataclasses.replace(ls, submodules=sub))
     return dataclasses.replace(spec, layer_specs=layer_specs, layer_norm=CPURMSNorm)
+
+
+def gpt_chunks(config: Any, vpp: int, prepare: Callable[[torch.nn.Module], Any] | None = None,
+               **model_kwargs: Any) -> list[torch.nn.Module]:
+    """This rank's GPTModel chunks on the local spec, one per virtual pipeline stage (``vpp``; 1: one chunk).
+
+    The first chunk of the first stage embeds (``pre_process``), the last chunk of the last stage has the output
+    layer (``post_process``). ``prepare(chunk)`` runs on each chunk right after it is built, before the next one
+    (weights set in construction order); ``model_kwargs`` go to ``GPTModel``. The one chunk loop of the
+    checkpoint loader and the test models (:mod:`r3lab.testing.megatron`).
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    virtual = vpp if vpp > 1 else None
+    pp_rank, pp = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+    chunks = []
+    for vp in range(virtual or 1):
+        vp_stage = vp if virtual else None
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=local_block_spec(config, vp_stage),
+            pre_process=pp_rank == 0 and vp == 0,
+            post_process=pp_rank == pp - 1 and vp == (virtual or 1) - 1,
+            vp_stage=vp_stage,
+            **model_kwargs,
+        )
+        if prepare is not None:
+            prepare(model)
+        chunks.append(model)
+    return chunks
 
 
 def init_parallel(

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from r3lab.errors import R3LabError
 
-__all__ = ["causal_mask", "forward_tokens", "pipeline_forward", "gather_vocab", "token_logprobs"]
+__all__ = ["causal_mask", "forward_tokens", "pipeline_forward", "gather_vocab", "vocab_log_softmax", "token_logprobs",
+           "token_entropy", "response_values"]
 
 
 def causal_mask(seq_len: int, segment_ids: torch.Tensor | None = None, batch: int = 1) -> torch.Tensor:
@@ -120,8 +122,28 @@ def gather_vocab(logits: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def vocab_log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """fp32 log-softmax over the full vocabulary at positions 0..S-2, ``[B, S - 1, V]``, from this rank's
+    ``[B, S, V/tp]`` (a TP collective: every TP rank of the stage takes part). Position t scores token t + 1."""
+    full = gather_vocab(logits).float()
+    return torch.log_softmax(full[:, :-1], dim=-1)
+
+
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """fp32 ``log p(tokens[:, t] | tokens[:, :t])`` for t >= 1, ``[B, S - 1]``, from this rank's ``[B, S, V/tp]``."""
-    full = gather_vocab(logits).float()
-    lp = torch.log_softmax(full[:, :-1], dim=-1)
-    return lp.gather(2, tokens[:, 1:, None].long())[..., 0]
+    return vocab_log_softmax(logits).gather(2, tokens[:, 1:, None].long())[..., 0]
+
+
+def token_entropy(log_softmax: torch.Tensor) -> torch.Tensor:
+    """The entropy of each position's distribution, ``[B, S - 1]``, from :func:`vocab_log_softmax`'s output."""
+    return -(log_softmax.exp() * log_softmax).sum(-1)
+
+
+def response_values(values: torch.Tensor, rows: Sequence[tuple[int, int]], prompt_lens: Sequence[int],
+                    sequences: Sequence[Sequence[int]]) -> dict[int, np.ndarray]:
+    """Per sample, the values ``[B, S - 1]`` (position t scores token t + 1) of its response tokens, float64.
+
+    ``rows``: (row in ``values``, sample id) pairs; sample i's response is tokens ``prompt_lens[i]`` to the end of
+    ``sequences[i]``, so its values are positions ``prompt_lens[i] - 1`` to ``len(sequences[i]) - 2``.
+    """
+    return {i: values[b, prompt_lens[i] - 1 : len(sequences[i]) - 1].detach().double().numpy() for b, i in rows}

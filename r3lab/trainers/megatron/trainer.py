@@ -41,22 +41,21 @@ import numpy as np
 
 from r3lab._process import Closing, free_port
 from r3lab.errors import ConfigError, MegatronTrainerError
+from r3lab.families import group_routing_mismatch
+from r3lab.moe_layout import MoELayout
 from r3lab.routes import Routes
-from r3lab.trainers.base import PolicyStepStats, PolicyUpdate, TokenBatch, TrainerScores
+from r3lab.trainer_registry import TrainerOptions, megatron_dp
+from r3lab.trainers.base import PolicyStepStats, PolicyUpdate, TokenBatch, Trainer, TrainerScores
 
-__all__ = ["MegatronTrainer", "MegatronTrainerError", "derived_dp"]
-
-
-def derived_dp(tp: int, ep: int) -> int:
-    """The fewest DP ranks that fit ``ep``: Megatron needs ``tp * dp`` divisible by ``etp * ep`` (etp = tp)."""
-    return int(ep) if ep > 1 else 1
+__all__ = ["MegatronTrainer", "MegatronTrainerError"]
 
 
-class MegatronTrainer(Closing):
+class MegatronTrainer(Closing, Trainer):
     """Megatron-core GPTModel shards on ``tp * pp * dp`` gloo CPU ranks as a :class:`~r3lab.trainers.base.Trainer`.
 
     ``lr`` given: every rank has an AdamW optimizer (betas and weight decay as :class:`~r3lab.trainers.hf.HFTrainer`)
-    and takes policy steps. ``dp`` defaults to :func:`derived_dp`. ``codec``: the r3lab codec routes are staged with.
+    and takes policy steps. ``dp`` defaults to :func:`~r3lab.trainer_registry.megatron_dp`. ``codec``: the r3lab
+    codec routes are staged with.
     """
 
     name = "megatron"
@@ -68,7 +67,7 @@ class MegatronTrainer(Closing):
         import torch.distributed as dist
         import torch.multiprocessing as mp
 
-        from r3lab.trainers.megatron.checkpoint import GroupRoutingMismatchWarning, group_routing_mismatch, layout_for
+        from r3lab.trainers.megatron.checkpoint import GroupRoutingMismatchWarning, layout_for
         from r3lab.trainers.megatron.store_backend import StoreBackend
 
         for k, v in (("tp", tp), ("pp", pp), ("ep", ep)):
@@ -81,13 +80,13 @@ class MegatronTrainer(Closing):
         self._procs: list[Any] = []
         self._conns: list[Any] = []
         self._closed = False
-        self.layout = layout_for(self.model_dir, tp=tp, pp=pp, ep=ep, dp=dp or derived_dp(tp, ep),
+        self.layout = layout_for(self.model_dir, tp=tp, pp=pp, ep=ep, dp=dp or megatron_dp(tp, ep),
                                  sequence_parallel=tp > 1, packed=False)
         cfg = json.loads((self.model_dir / "config.json").read_text())
         self.group_routing = group_routing_mismatch(cfg)  # None, or why native routes differ by construction
         if self.group_routing:
             warnings.warn(f"{self.model_dir.name}: {self.group_routing}", GroupRoutingMismatchWarning, stacklevel=2)
-        self.num_experts = int(cfg.get("num_experts") or cfg.get("n_routed_experts") or cfg["num_local_experts"])
+        self.num_experts = MoELayout.from_config(cfg).num_experts  # the family's experts key (r3lab.families)
         self.replay_checked = 0  # router rows whose used ids were checked against the replayed ids
         self.replay_mismatched = 0
         self.stage_stats: list[Any] = []
@@ -215,10 +214,8 @@ class MegatronTrainer(Closing):
         dp = self.layout.dp
         total = max(dp, math.ceil(n / dp) * dp)
         idx = list(range(n)) + [n - 1] * (total - n)
-        seqs = [list(batch.sequences[i]) for i in idx]
-        pls = [batch.prompt_lens[i] for i in idx]
         shares = [dp_sequence_ids(total, self.layout, d)[0].tolist() for d in range(dp)]
-        return dict(sequences=seqs, prompt_lens=pls, width=batch.width), shares, total
+        return dataclasses.asdict(batch.take(idx)), shares, total  # every TokenBatch field, at the batch's width
 
     def _stage(self, batch: TokenBatch, routes: Routes | None, total: int) -> tuple[dict | None, Any]:
         if routes is None:
@@ -330,17 +327,17 @@ class MegatronTrainer(Closing):
         index = [np.arange(e - k, e) for e, k in zip(ends, batch.response_lengths, strict=True)]
         mask = None if update.loss_mask is None else np.asarray(update.loss_mask, dtype=bool)
         kept = batch.token_sample if mask is None else batch.token_sample[mask]
-        upd = dict(old=arrays["old_logprobs"], adv=arrays["advantages"], infer=arrays["infer_logprobs"], index=index,
-                   clip_eps=update.clip_eps, tis_cap=update.tis_cap, max_grad_norm=update.max_grad_norm,
-                   loss=update.loss, clip_eps_high=update.clip_eps_high, loss_mask=mask,
-                   token_weights=None if update.token_weights is None else np.asarray(update.token_weights,
-                                                                                    dtype=np.float64),
-                   # what the loss averages over: kept tokens (grpo) or samples with a kept token (gspo)
-                   loss_count=len(np.unique(kept)) if update.loss == "gspo" else len(kept))
+        weights = None if update.token_weights is None else np.asarray(update.token_weights, dtype=np.float64)
+        # the whole update crosses to the ranks (every field, dataclasses.asdict), its arrays as numpy
+        sent = dataclasses.replace(update, old_logprobs=arrays["old_logprobs"], advantages=arrays["advantages"],
+                                   infer_logprobs=arrays["infer_logprobs"], loss_mask=mask, token_weights=weights,
+                                   token_sample=batch.token_sample)
         staged_info, staged = self._stage(batch, routes, total)
         try:
-            replies = self._call("policy_step", batch=payload, shares=shares, staged=staged_info, update=upd,
-                                 real_samples=len(batch))
+            replies = self._call("policy_step", batch=payload, shares=shares, staged=staged_info,
+                                 update=dataclasses.asdict(sent), index=index, real_samples=len(batch),
+                                 # what the loss averages over: kept tokens (grpo) or samples with a kept token (gspo)
+                                 loss_count=len(np.unique(kept)) if update.loss == "gspo" else len(kept))
         finally:
             if not self._closed:
                 self._release(staged)
@@ -409,3 +406,9 @@ def _td(seconds: float):
     import datetime
 
     return datetime.timedelta(seconds=seconds)
+
+
+def load(path: str | os.PathLike, options: TrainerOptions) -> MegatronTrainer:
+    """The registry's loader (``trainer="megatron"``, :mod:`r3lab.trainer_registry`): ranks in the options' layout."""
+    return MegatronTrainer(path, tp=options.tp, pp=options.pp, ep=options.ep, dp=options.dp, dtype=options.dtype,
+                           lr=options.lr)

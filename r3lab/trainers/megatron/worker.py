@@ -53,19 +53,19 @@ class RankState:
             self.optimizer = torch.optim.AdamW(self.params, lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
 
     # ---- inputs ------------------------------------------------------------------------------
-    def _inputs(self, batch: dict, shares: list[list[int]]):
+    def _inputs(self, batch: Any, shares: list[list[int]]):
         from r3lab.slicing import token_rows
 
         mine = shares[self.dp]
-        S = -(-int(batch["width"]) // self.layout.seq_alignment) * self.layout.seq_alignment
+        S = -(-int(batch.width) // self.layout.seq_alignment) * self.layout.seq_alignment
         lay = dataclasses.replace(self.layout, seq_length=S)
-        seqs = [batch["sequences"][i] for i in mine]
+        seqs = [batch.sequences[i] for i in mine]
         tokens = torch.zeros((len(mine), S), dtype=torch.long)
         for b, q in enumerate(seqs):
             tokens[b, : len(q)] = torch.tensor(q)
         lens = np.array([len(q) for q in seqs], dtype=np.int64)
         rows = token_rows(lens, lay, tp_rank=self.tp)  # micro-batch token index per router row, -1 = padding
-        cu_all = np.concatenate([[0], np.cumsum([len(q) for q in batch["sequences"]])]).astype(np.int64)
+        cu_all = np.concatenate([[0], np.cumsum([len(q) for q in batch.sequences])]).astype(np.int64)
         share_cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
         real = rows >= 0
         q = np.searchsorted(share_cu, rows[real], side="right") - 1
@@ -169,9 +169,11 @@ class RankState:
 
     # ---- commands ------------------------------------------------------------------------------
     def score(self, batch: dict, shares: list[list[int]], staged: dict | None, record: bool, entropy: bool) -> dict:
-        from r3lab.trainers.megatron.forward import gather_vocab
+        from r3lab.trainers.base import TokenBatch
+        from r3lab.trainers.megatron.forward import response_values, token_entropy, vocab_log_softmax
 
-        mine, lay, tokens, real, global_rows = self._inputs(batch, shares)
+        tb = TokenBatch(**batch)  # the driver's batch, every field (dataclasses.asdict)
+        mine, lay, tokens, real, global_rows = self._inputs(tb, shares)
         ids = self._replay_ids(staged, lay)
         with torch.no_grad():
             logits, used, recorded = self._forward(tokens, ids, record and ids is None)
@@ -185,31 +187,33 @@ class RankState:
             out["ids"] = {g: t.numpy()[real].astype(np.int16) for g, t in recorded.items()}
         if self.last:
             with torch.no_grad():
-                full = gather_vocab(logits).float()  # a TP collective: every TP rank of the last stage takes part
-                lsm = torch.log_softmax(full[:, :-1], dim=-1)
+                lsm = vocab_log_softmax(logits)  # a TP collective: every TP rank of the last stage takes part
                 lp = lsm.gather(2, tokens[:, 1:, None])[..., 0]
-                ent = -(lsm.exp() * lsm).sum(-1) if entropy else None
+                ent = token_entropy(lsm) if entropy else None
             if self.tp == 0:
-                pl, seqs = batch["prompt_lens"], batch["sequences"]
-                out["logprobs"] = {i: lp[b, pl[i] - 1 : len(seqs[i]) - 1].double().numpy() for b, i in enumerate(mine)}
+                rows = list(enumerate(mine))
+                out["logprobs"] = response_values(lp, rows, tb.prompt_lens, tb.sequences)
                 if ent is not None:
-                    out["entropy"] = {i: ent[b, pl[i] - 1 : len(seqs[i]) - 1].double().numpy()
-                                      for b, i in enumerate(mine)}
+                    out["entropy"] = response_values(ent, rows, tb.prompt_lens, tb.sequences)
         return out
 
     def policy_step(self, batch: dict, shares: list[list[int]], staged: dict | None, update: dict,
-                    real_samples: int) -> dict:
+                    index: list[np.ndarray], loss_count: int, real_samples: int) -> dict:
+        """One policy step on this rank's share. ``update``: the driver's whole :class:`PolicyUpdate`
+        (``dataclasses.asdict``), per-token arrays over the mini-batch's tokens; ``index[i]``: sample i's tokens in
+        them; ``loss_count``: what the loss averages over (kept tokens, or kept samples for gspo)."""
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-        from r3lab.trainers.base import PolicyUpdate
+        from r3lab.trainers.base import PolicyUpdate, TokenBatch
         from r3lab.trainers.loss import clipped_policy_loss
-        from r3lab.trainers.megatron.forward import gather_vocab
+        from r3lab.trainers.megatron.forward import response_values, token_entropy, vocab_log_softmax
 
         if self.optimizer is None:
             raise RuntimeError("this trainer has no optimizer: build it with lr=...")
-        mine, lay, tokens, real, _ = self._inputs(batch, shares)
+        tb, whole = TokenBatch(**batch), PolicyUpdate(**update)
+        mine, lay, tokens, real, _ = self._inputs(tb, shares)
         ids = self._replay_ids(staged, lay)
-        pl, seqs = batch["prompt_lens"], batch["sequences"]
+        pl, seqs = tb.prompt_lens, tb.sequences
         keep = [(b, i) for b, i in enumerate(mine) if i < real_samples]  # filler samples carry no loss
         result: dict[str, Any] = {}
 
@@ -219,31 +223,25 @@ class RankState:
             parts = [lp[b, pl[i] - 1 : len(seqs[i]) - 1] for b, i in keep]
             loss = lp.sum() * 0.0
             if parts:
-                sel = np.concatenate([update["index"][i] for _, i in keep])
-                sample = np.repeat(np.arange(len(keep)), [len(update["index"][i]) for _, i in keep])
-                mask = np.ones(len(sel), dtype=bool) if update["loss_mask"] is None else update["loss_mask"][sel]
+                sel = np.concatenate([index[i] for _, i in keep])
+                sample = np.repeat(np.arange(len(keep)), [len(index[i]) for _, i in keep])
+                mask = np.ones(len(sel), dtype=bool) if whole.loss_mask is None else whole.loss_mask[sel]
                 if mask.any():  # the loss mask applied here, as clipped_policy_loss applies it (same terms)
                     cur = torch.cat(parts)[torch.from_numpy(mask)]
                     sel, sample = sel[mask], np.unique(sample[mask], return_inverse=True)[1]
-                    weights = update["token_weights"]
-                    mb = PolicyUpdate(old_logprobs=update["old"][sel], advantages=update["adv"][sel],
-                                      infer_logprobs=update["infer"][sel], clip_eps=update["clip_eps"],
-                                      tis_cap=update["tis_cap"], max_grad_norm=update["max_grad_norm"],
-                                      token_weights=None if weights is None else weights[sel], loss=update["loss"],
-                                      clip_eps_high=update["clip_eps_high"], token_sample=sample)
+                    # this rank's kept tokens: every per-token field sliced, the mask applied already
+                    mb = dataclasses.replace(whole, **{**whole.token_slices(sel), "loss_mask": None,
+                                                       "token_sample": sample})
                     # this rank's share of the mini-batch's mean (over kept tokens, or kept samples for gspo):
                     # the DP all-reduce sums the shares' gradients into the gradient of the whole mean
-                    share = (int(sample.max()) + 1 if update["loss"] == "gspo" else len(sel)) / update["loss_count"]
+                    share = (int(sample.max()) + 1 if whole.loss == "gspo" else len(sel)) / loss_count
                     loss = clipped_policy_loss(cur, mb).loss * share
             loss.backward()
             with torch.no_grad():
-                full = gather_vocab(y.detach()).float()
-                lsm = torch.log_softmax(full[:, :-1], dim=-1)
-                ent = -(lsm.exp() * lsm).sum(-1)
+                ent = token_entropy(vocab_log_softmax(y.detach()))
             if self.tp == 0:
-                result["logprobs"] = {i: lp[b, pl[i] - 1 : len(seqs[i]) - 1].detach().double().numpy()
-                                      for b, i in keep}
-                result["entropy"] = {i: ent[b, pl[i] - 1 : len(seqs[i]) - 1].double().numpy() for b, i in keep}
+                result["logprobs"] = response_values(lp, keep, pl, seqs)
+                result["entropy"] = response_values(ent, keep, pl, seqs)
 
         self.optimizer.zero_grad(set_to_none=False)
         for p in self.params:
@@ -251,7 +249,7 @@ class RankState:
                 p.grad = torch.zeros_like(p)
         _, used, _ = self._forward(tokens, ids, False, grad_fn=loss_of)
         result["checked"], result["mismatched"] = self._check_replay(ids, used, real) if ids is not None else (0, 0)
-        norm = self._reduce_and_clip(float(update["max_grad_norm"]))
+        norm = self._reduce_and_clip(float(whole.max_grad_norm))
         self.optimizer.step()
         result["grad_norm"] = norm
         return result

