@@ -319,6 +319,9 @@ class DriftConfig(_Config):
     gpu_memory_utilization: float | None = knob(None, "the engine's GPU memory share (a GPU trainer shares the GPU "
                                                 "after it)", unset="the engine's default")
     data: str | None = knob(None, "the data folder with models/ and corpus/", unset="the checkout's data/")
+    engine_url: str | None = knob(None, "a running vLLM server to sample from (started with "
+                                  "--enable-return-routed-experts; its API key from $R3LAB_ENGINE_API_KEY); "
+                                  "--models names the local checkpoint it serves", unset="start a local engine")
 
     _quick: typing.ClassVar[dict[str, Any]] = {"prompts": 8, "max_tokens": 16, "seeds": (0,)}
 
@@ -341,6 +344,14 @@ class DriftConfig(_Config):
             raise ConfigError(f"--gpu-memory-utilization must be in (0, 1), got {self.gpu_memory_utilization!r}")
         if self.engine_quant not in ENGINE_QUANTS:
             raise ConfigError(f"--engine-quant must be one of {ENGINE_QUANTS}, got {self.engine_quant!r}")
+        if self.engine_url is not None:
+            if not self.engine_url.startswith(("http://", "https://")):
+                raise ConfigError(f"--engine-url must start with http:// or https://, got {self.engine_url!r}")
+            if len(self.models) != 1:
+                raise ConfigError(f"--engine-url serves one model; give one local checkpoint in --models, "
+                                  f"got {list(self.models)}")
+            if self.engine_quant != "none":
+                raise ConfigError("--engine-quant applies to a local engine; quantise the attached server yourself")
 
     def to_cli_args(self) -> list[str]:
         """The ``r3lab drift`` arguments that run exactly this config."""

@@ -159,6 +159,15 @@ def _engine_options(config: DriftConfig) -> dict[str, Any]:
     return opts
 
 
+def _engine(config: DriftConfig, path: Any) -> Any:
+    """The local engine, or the attached server at ``config.engine_url`` (handshake against ``path``)."""
+    if config.engine_url is not None:
+        from r3lab.rollout import connect
+
+        return connect(config.engine_url, model=path)
+    return RolloutEngine(path, **_engine_options(config))
+
+
 def _release_device() -> None:
     import torch
 
@@ -196,7 +205,7 @@ def run_drift(
     try:
         for name in tqdm(config.models, desc="models", unit="model", disable=not progress):
             path = model_dir(name, config.data)
-            with RolloutEngine(path, **_engine_options(config)) as engine:
+            with _engine(config, path) as engine:
                 results = {s: engine.generate(*seed_inputs(config, s)) for s in config.seeds}
                 again = {s: engine.score([r.token_ids for r in res], start=[len(r.prompt_ids) for r in res])
                          for s, res in results.items()}

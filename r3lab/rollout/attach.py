@@ -105,11 +105,19 @@ class CompletionsClient(Closing):
         """POST ``body`` to ``/v1/completions`` and return the parsed JSON (HTTP errors raise RolloutError)."""
         return self._http("/v1/completions", body, timeout)
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig | None = None, *,
+    def encode_prompts(self, prompts: Sequence[str | Sequence[int]], max_tokens: int = 1) -> list[list[int]]:
+        """Token ids of each prompt, checked (strings only where a local tokenizer is known)."""
+        return check_prompts(prompts, max_tokens=max_tokens, max_model_len=self.max_model_len,
+                             tokenize=self._tokenize())
+
+    def _tokenize(self) -> Any:
+        return None
+
+    def generate(self, prompts: Sequence[str | Sequence[int]], sampling: SamplingConfig | None = None, *,
                  routes_prompt_start: int = 0) -> list[RolloutResult]:
-        """Token-id prompts in one completions request; results in prompt order, then sample order."""
+        """Prompts in one completions request; results in prompt order, then sample order."""
         sampling = sampling or SamplingConfig()
-        ids = check_prompts(prompts, max_tokens=sampling.max_tokens, max_model_len=self.max_model_len)
+        ids = self.encode_prompts(prompts, sampling.max_tokens)
         for i, p in enumerate(ids):
             if not 0 <= routes_prompt_start <= len(p):
                 raise RolloutError(f"prompt {i}: routes_prompt_start={routes_prompt_start} outside [0, {len(p)}]")
@@ -118,6 +126,36 @@ class CompletionsClient(Closing):
         resp = self.request(body)
         return parse_completion(resp, self.layout, ids, n=sampling.n, routes_prompt_start=routes_prompt_start,
                                 max_routes_bytes=self.max_routes_bytes)
+
+    def score(self, sequences: Sequence[Sequence[int]], *, start: int | Sequence[int] = 1) -> list[np.ndarray]:
+        """The server's log-probability of each token given the tokens before it (``prompt_logprobs``, prefill)."""
+        ids = self.encode_prompts(list(sequences), 1)
+        starts = [int(start)] * len(ids) if isinstance(start, int) else [int(s) for s in start]
+        if len(starts) != len(ids):
+            raise RolloutError(f"{len(starts)} starts for {len(ids)} sequences")
+        for i, (s, p) in enumerate(zip(starts, ids, strict=True)):
+            if not 1 <= s <= len(p):
+                raise RolloutError(f"sequence {i}: start={s} outside [1, {len(p)}] (token 0 has no log-prob)")
+        body = dict(SamplingConfig(max_tokens=1, temperature=0.0).to_openai(), model=self.served_name, prompt=ids,
+                    prompt_logprobs=0)
+        resp = self.request(body)
+        choices = sorted(resp.get("choices") or [], key=lambda c: int(c.get("index", 0)))
+        if len(choices) != len(ids):
+            raise RolloutError(f"server {self.url}: {len(choices)} choices for {len(ids)} scored sequences")
+        out = []
+        for i, (c, s) in enumerate(zip(choices, starts, strict=True)):
+            plp = c.get("prompt_logprobs")
+            if not isinstance(plp, list) or len(plp) != len(ids[i]):
+                raise RolloutError(f"server {self.url}: sequence {i}: no prompt_logprobs for its {len(ids[i])} tokens")
+            row = np.empty(len(ids[i]) - s, dtype=np.float32)
+            for t, tok in enumerate(ids[i][s:]):
+                d = plp[s + t] or {}
+                e = d.get(str(tok), d.get(tok))  # type: ignore[call-overload]
+                if not isinstance(e, dict) or "logprob" not in e:
+                    raise RolloutError(f"server {self.url}: sequence {i}: no logprob for token {tok} at {s + t}")
+                row[t] = float(e["logprob"])
+            out.append(row)
+        return out
 
     def update_weights(self, *_: Any, **__: Any) -> None:
         """An attached server has no weight-update path r3lab drives: refuse with the reason."""
@@ -148,6 +186,18 @@ class AttachedServer(CompletionsClient):
 
     def close(self) -> None:  # nothing to end: the server belongs to the user
         pass
+
+    def _tokenize(self) -> Any:
+        """The local checkpoint's tokenizer (the trainer's copy), loaded on first use of a text prompt."""
+        tok = self.__dict__.get("_tokenizer")
+        if tok is None:
+            if not (self.model_dir / "tokenizer.json").is_file() and not (self.model_dir / "tokenizer_config.json"
+                                                                          ).is_file():
+                return None
+            from transformers import AutoTokenizer
+
+            tok = self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        return lambda text: tok.encode(text, add_special_tokens=False)
 
     def handshake(self) -> None:
         """Served model and max length from ``/v1/models``; one probe completion whose routes fit ``model``."""
@@ -189,6 +239,11 @@ class AttachedServer(CompletionsClient):
         if moe.size and (int(moe.min()) < 0 or int(moe.max()) >= E):
             raise AttachError(f"{self.url}: probe expert ids span [{int(moe.min())}, {int(moe.max())}], the local "
                               f"config.json has {E} experts ({served}); {hint}")
+        zero = [g for g in self.layout.moe_layer_ids if raw.shape[0] >= 2 and not raw[:, g, :].any()]
+        if zero and len(zero) < len(self.layout.moe_layer_ids):
+            raise AttachError(f"{self.url}: probe routes leave layers {zero} empty (dense on the server), the local "
+                              f"config.json has MoE layers {list(self.layout.moe_layer_ids)} ({served}); "
+                              f"serve the trainer's checkpoint: {hint}")
         if moe.shape[0] >= 2 and bool((moe == moe[:1]).all()):
             raise AttachError(f"{self.url}: probe routes are constant (every row {moe[0].tolist()} over "
                               f"{moe.shape[0]} rows): the server's capture hook did not run (vLLM #33013 / #54730: "
