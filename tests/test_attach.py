@@ -163,6 +163,24 @@ def test_server_dies_mid_run(servers):
     assert url in str(e.value)
 
 
+def test_drift_run_marked_stopped_when_server_is_gone(tmp_path):
+    """A drift run whose server is gone is marked stopped (stopped.json names the server), never left half-written."""
+    import json
+
+    from r3lab.config import DriftConfig
+    from r3lab.experiments.drift import run_drift
+
+    url = f"http://127.0.0.1:{_free_port()}"
+    cfg = DriftConfig(models=(str(QWEN),), prompts=2, max_tokens=4, seeds=(0,), trainer_dtypes=("float32",),
+                      engine_url=url)
+    with pytest.raises(AttachError, match="went away"):
+        run_drift(cfg, progress=False, runs_root=tmp_path, run_name="gone")
+    run = tmp_path / "gone"
+    assert not (run / "summary.json").exists()
+    stopped = json.loads((run / "stopped.json").read_text())
+    assert stopped["state"] == "stopped" and url in stopped["reason"]
+
+
 def test_bad_url_and_unreachable_server():
     with pytest.raises(AttachError, match="http://"):
         connect("localhost:1", model=QWEN)

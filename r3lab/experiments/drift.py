@@ -26,7 +26,7 @@ from r3lab.errors import ConfigError
 from r3lab.paths import model_dir
 from r3lab.rollout import RolloutEngine, RolloutResult, SamplingConfig, append_last_row
 from r3lab.routes import Routes
-from r3lab.runs import RunWriter, Samples
+from r3lab.runs import RunWriter, Samples, mark_stopped
 from r3lab.trainers import Scorer, TokenBatch
 
 __all__ = [
@@ -230,6 +230,11 @@ def run_drift(
                 _release_device()
         if writer is not None:
             writer.finish(_run_summary(rows))
+    except BaseException as e:  # an engine gone away, Ctrl-C: the run folder says stopped and why, never half-done
+        if writer is not None and not writer.finished:
+            writer.close()
+            mark_stopped(writer.path, f"{type(e).__name__}: {e}")
+        raise
     finally:
         torch.set_num_threads(threads)
         if writer is not None:
