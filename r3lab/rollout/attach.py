@@ -150,7 +150,7 @@ class CompletionsClient(Closing):
             row = np.empty(len(ids[i]) - s, dtype=np.float32)
             for t, tok in enumerate(ids[i][s:]):
                 d = plp[s + t] or {}
-                e = d.get(str(tok), d.get(tok))  # type: ignore[call-overload]
+                e = d.get(str(tok), d.get(tok))
                 if not isinstance(e, dict) or "logprob" not in e:
                     raise RolloutError(f"server {self.url}: sequence {i}: no logprob for token {tok} at {s + t}")
                 row[t] = float(e["logprob"])
