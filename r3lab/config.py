@@ -322,6 +322,9 @@ class DriftConfig(_Config):
     gpu_memory_utilization: float | None = knob(None, "the engine's GPU memory share (a GPU trainer shares the GPU "
                                                 "after it)", unset="the engine's default")
     data: str | None = knob(None, "the data folder with models/ and corpus/", unset="the checkout's data/")
+    engine_url: str | None = knob(None, "a running vLLM server to sample from (started with "
+                                  "--enable-return-routed-experts; its API key from $R3LAB_ENGINE_API_KEY); "
+                                  "--models names the local checkpoint it serves", unset="start a local engine")
 
     _quick: typing.ClassVar[dict[str, Any]] = {"prompts": 8, "max_tokens": 16, "seeds": (0,)}
 
@@ -339,6 +342,16 @@ class DriftConfig(_Config):
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization < 1:
             raise ConfigError(f"{{gpu_memory_utilization}} must be in (0, 1), got {self.gpu_memory_utilization!r}",
                               field="gpu_memory_utilization")
+        if self.engine_url is not None:
+            if not self.engine_url.startswith(("http://", "https://")):
+                raise ConfigError(f"{{engine_url}} must start with http:// or https://, got {self.engine_url!r}",
+                                  field="engine_url")
+            if len(self.models) != 1:
+                raise ConfigError(f"{{engine_url}} serves one model; give one local checkpoint in {{models}}, "
+                                  f"got {list(self.models)}", field="engine_url", fields=("models",))
+            if self.engine_quant != "none":
+                raise ConfigError("{engine_quant} applies to a local engine; quantise the attached server yourself",
+                                  field="engine_quant", fields=("engine_url",))
 
     def to_cli_args(self) -> list[str]:
         """The ``r3lab drift`` arguments that run exactly this config."""

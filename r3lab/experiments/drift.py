@@ -27,7 +27,7 @@ from r3lab.families import group_routing_note, model_group_routing
 from r3lab.paths import model_dir
 from r3lab.rollout import RolloutEngine, RolloutResult, SamplingConfig, append_last_row
 from r3lab.routes import Routes
-from r3lab.runs import RunWriter, Samples
+from r3lab.runs import RunWriter, Samples, mark_stopped
 from r3lab.trainer_registry import TrainerOptions, load_trainer, trainer_spec
 from r3lab.trainers import Scorer, TokenBatch
 
@@ -150,6 +150,15 @@ def _engine_options(config: DriftConfig) -> dict[str, Any]:
     return opts
 
 
+def _engine(config: DriftConfig, path: Any) -> Any:
+    """The local engine, or the attached server at ``config.engine_url`` (handshake against ``path``)."""
+    if config.engine_url is not None:
+        from r3lab.rollout import connect
+
+        return connect(config.engine_url, model=path)
+    return RolloutEngine(path, **_engine_options(config))
+
+
 def _release_device() -> None:
     import torch
 
@@ -187,7 +196,7 @@ def run_drift(
     try:
         for name in tqdm(config.models, desc="models", unit="model", disable=not progress):
             path = model_dir(name, config.data)
-            with RolloutEngine(path, **_engine_options(config)) as engine:
+            with _engine(config, path) as engine:
                 results = {s: engine.generate(*seed_inputs(config, s)) for s in config.seeds}
                 again = {s: engine.score([r.token_ids for r in res], start=[len(r.prompt_ids) for r in res])
                          for s, res in results.items()}
@@ -209,6 +218,11 @@ def run_drift(
                 _release_device()
         if writer is not None:
             writer.finish(_run_summary(rows))
+    except BaseException as e:  # an engine gone away, Ctrl-C: the run folder says stopped and why, never half-done
+        if writer is not None and not writer.finished:
+            writer.close()
+            mark_stopped(writer.path, f"{type(e).__name__}: {e}")
+        raise
     finally:
         torch.set_num_threads(threads)
         if writer is not None:

@@ -13,8 +13,9 @@ and nothing here imports the trainer side (slicing, replay).
 """
 
 from r3lab.moe_layout import ModelConfigError, MoELayout
+from r3lab.rollout.attach import API_KEY_ENV, AttachedServer, AttachError, connect, parse_completion
 from r3lab.rollout.engine import RolloutEngine
-from r3lab.rollout.server import RolloutServer, parse_completion
+from r3lab.rollout.server import RolloutServer
 from r3lab.rollout.types import (
     RolloutError,
     RolloutResult,
@@ -38,4 +39,8 @@ __all__ = [
     "assemble_turns",
     "split_turn_routes",
     "parse_completion",
+    "connect",
+    "AttachedServer",
+    "AttachError",
+    "API_KEY_ENV",
 ]

@@ -16,7 +16,6 @@ is set (then vLLM logs at that level, uvicorn at its default). This module does 
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -26,38 +25,34 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
-
-import numpy as np
 
 from r3lab._process import end_process_group
-from r3lab.compaction import DEFAULT_MAX_BYTES, read_vllm_npy_base64
-from r3lab.errors import R3LabError
-from r3lab.moe_layout import MoELayout
+from r3lab.compaction import DEFAULT_MAX_BYTES
 from r3lab.rollout._common import (
     CPU_DEFAULTS,
     ENGINE_DEFAULTS,
     LOG_LEVEL_ENV,
-    Closing,
     as_cli_args,
     check_model_dir,
-    check_prompts,
     default_cpu_bind,
     free_port,
     quiet_log_level,
     vllm_env,
 )
-from r3lab.rollout.types import RolloutError, RolloutResult, SamplingConfig, validate_engine_routes
+from r3lab.rollout.attach import CompletionsClient, parse_completion
+from r3lab.rollout.types import RolloutError
 
 __all__ = ["RolloutServer", "parse_completion"]
 
 
-class RolloutServer(Closing):
+class RolloutServer(CompletionsClient):
     """Start vLLM's OpenAI-compatible server on ``host`` (loopback by default) and request completions.
 
     CPU defaults mirror :class:`~r3lab.rollout.RolloutEngine` (bf16, eager, a 128 MiB KV cache, one
     pinned OpenMP thread unless ``cpu_threads_bind`` or ``$VLLM_CPU_OMP_THREADS_BIND`` say otherwise);
     ``extra_args`` are appended to the server's command line (on GPU: ``--tensor-parallel-size 2``...).
+    Requests go through :class:`~r3lab.rollout.attach.CompletionsClient`, the same client
+    :func:`~r3lab.rollout.connect` uses for a server the user started: this class is "launch, then connect".
     """
 
     def __init__(self, model: str | os.PathLike, *, seed: int = 0, host: str = "127.0.0.1", port: int | None = None,
@@ -126,71 +121,3 @@ class RolloutServer(Closing):
         log = self.__dict__.pop("_log", None)
         if log is not None:
             log.close()
-
-    # ---- requests ---------------------------------------------------------------------------------
-    def request(self, body: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:
-        """POST ``body`` to ``/v1/completions`` and return the parsed JSON (HTTP errors raise RolloutError)."""
-        data = json.dumps(body).encode()
-        req = urllib.request.Request(self.url + "/v1/completions", data=data,
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                raw = r.read(4 * self.max_routes_bytes + (1 << 20))
-        except urllib.error.HTTPError as e:
-            detail = e.read(4000).decode(errors="replace")
-            raise RolloutError(f"server answered HTTP {e.code}: {detail}") from e
-        except (urllib.error.URLError, OSError) as e:
-            raise RolloutError(f"request to {self.url} failed: {e}") from e
-        try:
-            return json.loads(raw)
-        except ValueError as e:
-            raise RolloutError(f"server response is not JSON ({len(raw)} bytes): {e}") from e
-
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig | None = None, *,
-                 routes_prompt_start: int = 0) -> list[RolloutResult]:
-        """Token-id prompts in one completions request; results in prompt order, then sample order."""
-        sampling = sampling or SamplingConfig()
-        ids = check_prompts(prompts, max_tokens=sampling.max_tokens, max_model_len=self.max_model_len)
-        for i, p in enumerate(ids):
-            if not 0 <= routes_prompt_start <= len(p):
-                raise RolloutError(f"prompt {i}: routes_prompt_start={routes_prompt_start} outside [0, {len(p)}]")
-        body = dict(sampling.to_openai(), model=self.served_name, prompt=ids, return_token_ids=True,
-                    routed_experts_prompt_start=int(routes_prompt_start))
-        resp = self.request(body)
-        return parse_completion(resp, self.layout, ids, n=sampling.n, routes_prompt_start=routes_prompt_start,
-                                max_routes_bytes=self.max_routes_bytes)
-
-
-def parse_completion(resp: dict[str, Any], layout: MoELayout, prompts: Sequence[Sequence[int]], *, n: int = 1,
-                     routes_prompt_start: int = 0, max_routes_bytes: int = DEFAULT_MAX_BYTES) -> list[RolloutResult]:
-    """Turn a ``/v1/completions`` response into validated :class:`RolloutResult` objects."""
-    choices = resp.get("choices") if isinstance(resp, dict) else None
-    if not isinstance(choices, list) or len(choices) != len(prompts) * n:
-        got = len(choices) if isinstance(choices, list) else type(choices).__name__
-        raise RolloutError(f"expected {len(prompts) * n} choices, got {got}")
-    out: list[RolloutResult] = []
-    for c in sorted(choices, key=lambda c: int(c.get("index", 0))):
-        k = int(c.get("index", 0))
-        i, j = divmod(k, n)
-        where = f"choice {k}"
-        if c.get("prompt_token_ids") is not None and list(c["prompt_token_ids"]) != list(prompts[i]):
-            raise RolloutError(f"{where}: prompt_token_ids differ from the request's prompt {i}")
-        resp_ids = c.get("token_ids")
-        if not isinstance(resp_ids, list):
-            raise RolloutError(f"{where}: no token_ids (return_token_ids unsupported by this server?)")
-        resp_ids = [int(t) for t in resp_ids]
-        lp = (c.get("logprobs") or {}).get("token_logprobs")
-        if not isinstance(lp, list) or len(lp) != len(resp_ids) or any(v is None for v in lp):
-            raise RolloutError(f"{where}: token_logprobs missing or not one per sampled token")
-        b64 = c.get("routed_experts")
-        if not isinstance(b64, str):
-            raise RolloutError(f"{where}: no routed_experts (server started without --enable-return-routed-experts?)")
-        try:
-            raw = read_vllm_npy_base64(b64, max_bytes=max_routes_bytes)
-        except R3LabError as e:
-            raise RolloutError(f"{where}: {e}") from e
-        routes = validate_engine_routes(raw, layout, prompt_len=len(prompts[i]), response_len=len(resp_ids),
-                                        start=routes_prompt_start, where=where)
-        out.append(RolloutResult(i, j, list(prompts[i]), resp_ids, np.asarray(lp, dtype=np.float32), routes,
-                                 c.get("finish_reason"), routes_prompt_start))
-    return out

@@ -1,0 +1,301 @@
+"""Attach to a vLLM OpenAI-compatible server that the user started: a handshake, then the same ``generate``.
+
+    # on the GPU node: python -m vllm.entrypoints.openai.api_server --model PATH --enable-return-routed-experts
+    from r3lab.rollout import connect
+    with connect("http://gpu-node:8000", model="data/models/tiny-qwen3-moe") as eng:
+        results = eng.generate([[5, 6, 7]], SamplingConfig(max_tokens=16, seed=0))
+
+``model`` is the trainer's local copy of the weights (its ``config.json`` gives the MoE layout the routes
+must match). The handshake before any work: ``/v1/models`` (the served name and max length), then one probe
+completion that must return routes of the local layout (layers, top-k, id range) that are not constant (the
+all-zero class of vLLM #33013 / #54730). The API key comes from ``$R3LAB_ENGINE_API_KEY`` (or ``api_key=``),
+never from a command-line value that would land in a run's config. Requests have a timeout, connection
+failures a bounded number of retries, and at most ``max_in_flight`` requests are open at once.
+:class:`~r3lab.rollout.RolloutServer` is "launch, then this client".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from r3lab.compaction import DEFAULT_MAX_BYTES, read_vllm_npy_base64
+from r3lab.errors import R3LabError
+from r3lab.moe_layout import MoELayout
+from r3lab.rollout._common import Closing, check_model_dir, check_prompts
+from r3lab.rollout.types import RolloutError, RolloutResult, SamplingConfig, validate_engine_routes
+
+__all__ = ["API_KEY_ENV", "AttachError", "CompletionsClient", "AttachedServer", "connect", "parse_completion"]
+
+API_KEY_ENV = "R3LAB_ENGINE_API_KEY"
+START_HINT = ("start it as: python -m vllm.entrypoints.openai.api_server --model {model} "
+              "--enable-return-routed-experts")
+
+
+class AttachError(RolloutError):
+    """The attached server is not usable for r3lab (wrong model, no routes, gone away)."""
+
+
+class CompletionsClient(Closing):
+    """``/v1/completions`` with routes, for any vLLM server at ``self.url`` serving ``self.served_name``."""
+
+    url: str
+    served_name: str
+    layout: MoELayout
+    max_model_len: int
+    max_routes_bytes: int = DEFAULT_MAX_BYTES
+    api_key: str | None = None
+    timeout_s: float = 600.0
+    retries: int = 0
+    _slots: threading.BoundedSemaphore | None = None
+
+    def _headers(self) -> dict[str, str]:
+        h = {"Content-Type": "application/json"}
+        if self.api_key:
+            h["Authorization"] = f"Bearer {self.api_key}"
+        return h
+
+    def _http(self, path: str, body: dict[str, Any] | None = None, timeout: float | None = None) -> dict[str, Any]:
+        """GET (body None) or POST JSON; connection failures retried ``retries`` times, then an error naming it."""
+        data = None if body is None else json.dumps(body).encode()
+        timeout = self.timeout_s if timeout is None else timeout
+        last: BaseException | None = None
+        for attempt in range(self.retries + 1):
+            req = urllib.request.Request(self.url + path, data=data, headers=self._headers())
+            try:
+                if self._slots is not None:
+                    self._slots.acquire()
+                try:
+                    with urllib.request.urlopen(req, timeout=timeout) as r:
+                        raw = r.read(4 * self.max_routes_bytes + (1 << 20))
+                finally:
+                    if self._slots is not None:
+                        self._slots.release()
+            except urllib.error.HTTPError as e:
+                detail = e.read(4000).decode(errors="replace")
+                if e.code in (401, 403):
+                    raise AttachError(f"{self.url}{path}: HTTP {e.code} (set ${API_KEY_ENV} to the server's "
+                                      f"--api-key): {detail}") from e
+                raise RolloutError(f"server {self.url} answered HTTP {e.code} on {path}: {detail}") from e
+            except (urllib.error.URLError, OSError) as e:
+                last = e
+                if attempt < self.retries:
+                    time.sleep(min(2.0 ** attempt, 10.0))
+                    continue
+                raise AttachError(f"server {self.url} is unreachable or went away ({path}, "
+                                  f"{self.retries + 1} attempts, timeout {timeout:.0f} s): {e}") from e
+            try:
+                out = json.loads(raw)
+            except ValueError as e:
+                raise RolloutError(f"server {self.url}: {path} response is not JSON ({len(raw)} bytes): {e}") from e
+            if not isinstance(out, dict):
+                raise RolloutError(f"server {self.url}: {path} response is {type(out).__name__}, not an object")
+            return out
+        raise AttachError(f"server {self.url} unreachable: {last}")  # pragma: no cover - loop always returns/raises
+
+    def request(self, body: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        """POST ``body`` to ``/v1/completions`` and return the parsed JSON (HTTP errors raise RolloutError)."""
+        return self._http("/v1/completions", body, timeout)
+
+    def encode_prompts(self, prompts: Sequence[str | Sequence[int]], max_tokens: int = 1) -> list[list[int]]:
+        """Token ids of each prompt, checked (strings only where a local tokenizer is known)."""
+        return check_prompts(prompts, max_tokens=max_tokens, max_model_len=self.max_model_len,
+                             tokenize=self._tokenize())
+
+    def _tokenize(self) -> Any:
+        return None
+
+    def generate(self, prompts: Sequence[str | Sequence[int]], sampling: SamplingConfig | None = None, *,
+                 routes_prompt_start: int = 0) -> list[RolloutResult]:
+        """Prompts in one completions request; results in prompt order, then sample order."""
+        sampling = sampling or SamplingConfig()
+        ids = self.encode_prompts(prompts, sampling.max_tokens)
+        for i, p in enumerate(ids):
+            if not 0 <= routes_prompt_start <= len(p):
+                raise RolloutError(f"prompt {i}: routes_prompt_start={routes_prompt_start} outside [0, {len(p)}]")
+        body = dict(sampling.to_openai(), model=self.served_name, prompt=ids, return_token_ids=True,
+                    routed_experts_prompt_start=int(routes_prompt_start))
+        resp = self.request(body)
+        return parse_completion(resp, self.layout, ids, n=sampling.n, routes_prompt_start=routes_prompt_start,
+                                max_routes_bytes=self.max_routes_bytes)
+
+    def score(self, sequences: Sequence[Sequence[int]], *, start: int | Sequence[int] = 1) -> list[np.ndarray]:
+        """The server's log-probability of each token given the tokens before it (``prompt_logprobs``, prefill)."""
+        ids = self.encode_prompts(list(sequences), 1)
+        starts = [int(start)] * len(ids) if isinstance(start, int) else [int(s) for s in start]
+        if len(starts) != len(ids):
+            raise RolloutError(f"{len(starts)} starts for {len(ids)} sequences")
+        for i, (s, p) in enumerate(zip(starts, ids, strict=True)):
+            if not 1 <= s <= len(p):
+                raise RolloutError(f"sequence {i}: start={s} outside [1, {len(p)}] (token 0 has no log-prob)")
+        body = dict(SamplingConfig(max_tokens=1, temperature=0.0).to_openai(), model=self.served_name, prompt=ids,
+                    prompt_logprobs=0)
+        resp = self.request(body)
+        choices = sorted(resp.get("choices") or [], key=lambda c: int(c.get("index", 0)))
+        if len(choices) != len(ids):
+            raise RolloutError(f"server {self.url}: {len(choices)} choices for {len(ids)} scored sequences")
+        out = []
+        for i, (c, s) in enumerate(zip(choices, starts, strict=True)):
+            plp = c.get("prompt_logprobs")
+            if not isinstance(plp, list) or len(plp) != len(ids[i]):
+                raise RolloutError(f"server {self.url}: sequence {i}: no prompt_logprobs for its {len(ids[i])} tokens")
+            row = np.empty(len(ids[i]) - s, dtype=np.float32)
+            for t, tok in enumerate(ids[i][s:]):
+                d = plp[s + t] or {}
+                e = d.get(str(tok), d.get(tok))
+                if not isinstance(e, dict) or "logprob" not in e:
+                    raise RolloutError(f"server {self.url}: sequence {i}: no logprob for token {tok} at {s + t}")
+                row[t] = float(e["logprob"])
+            out.append(row)
+        return out
+
+    def update_weights(self, *_: Any, **__: Any) -> None:
+        """An attached server has no weight-update path r3lab drives: refuse with the reason."""
+        raise AttachError(f"the engine at {self.url} was started outside r3lab; r3lab cannot push the trainer's "
+                          "weights into it (vLLM's OpenAI server has no weight-update endpoint r3lab implements). "
+                          "Run RL with a local engine (no --engine-url)")
+
+
+class AttachedServer(CompletionsClient):
+    """A client of a server r3lab did not start; :func:`connect` builds it and runs the handshake."""
+
+    def __init__(self, url: str, *, model: str | os.PathLike, api_key: str | None = None, timeout_s: float = 600.0,
+                 retries: int = 2, max_in_flight: int = 4, max_routes_bytes: int = DEFAULT_MAX_BYTES,
+                 handshake: bool = True):
+        self.url = url.rstrip("/")
+        if not self.url.startswith(("http://", "https://")):
+            raise AttachError(f"engine url {url!r} must start with http:// or https://")
+        self.model_dir, self.layout = check_model_dir(model, need_tokenizer=False)
+        self.api_key = api_key if api_key is not None else (os.environ.get(API_KEY_ENV) or None)
+        self.timeout_s, self.retries = float(timeout_s), int(retries)
+        if max_in_flight < 1:
+            raise AttachError(f"max_in_flight={max_in_flight}; need at least 1")
+        self._slots = threading.BoundedSemaphore(int(max_in_flight))
+        self.max_routes_bytes = int(max_routes_bytes)
+        self.served_name, self.max_model_len = "", int(self.layout.max_position_embeddings or 2048)
+        if handshake:
+            self.handshake()
+
+    def close(self) -> None:  # nothing to end: the server belongs to the user
+        pass
+
+    def _tokenize(self) -> Any:
+        """The local checkpoint's tokenizer (the trainer's copy), loaded on first use of a text prompt."""
+        tok = self.__dict__.get("_tokenizer")
+        if tok is None:
+            if not (self.model_dir / "tokenizer.json").is_file() and not (self.model_dir / "tokenizer_config.json"
+                                                                          ).is_file():
+                return None
+            from transformers import AutoTokenizer
+
+            tok = self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        return lambda text: tok.encode(text, add_special_tokens=False)
+
+    def handshake(self) -> None:
+        """Served model and max length from ``/v1/models``; one probe completion whose routes fit ``model``."""
+        hint = START_HINT.format(model=self.model_dir)
+        models = self._http("/v1/models", timeout=min(self.timeout_s, 30.0))
+        data = models.get("data")
+        if not isinstance(data, list) or not data or not isinstance(data[0], dict) or "id" not in data[0]:
+            raise AttachError(f"{self.url}/v1/models lists no model ({str(models)[:200]}); is this a vLLM server?")
+        entry = data[0]
+        self.served_name = str(entry["id"])
+        if entry.get("max_model_len"):
+            self.max_model_len = int(entry["max_model_len"])
+        probe = [1, 2, 3, 4]
+        body = dict(SamplingConfig(max_tokens=4, seed=0, temperature=1.0).to_openai(), model=self.served_name,
+                    prompt=[probe], return_token_ids=True, routed_experts_prompt_start=0)
+        resp = self.request(body, timeout=min(self.timeout_s, 120.0))
+        choices = resp.get("choices")
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            raise AttachError(f"{self.url}: the probe completion returned no choices: {str(resp)[:300]}")
+        b64 = choices[0].get("routed_experts")
+        if not isinstance(b64, str):
+            raise AttachError(f"{self.url} returned no routed_experts on the probe completion: the server was started "
+                              f"without --enable-return-routed-experts; {hint}")
+        try:
+            raw = np.asarray(read_vllm_npy_base64(b64, max_bytes=self.max_routes_bytes))
+        except R3LabError as e:
+            raise AttachError(f"{self.url}: the probe's routed_experts do not decode: {e}") from e
+        L, K, E = self.layout.num_hidden_layers, self.layout.top_k, self.layout.num_experts
+        served = f"the server serves {self.served_name!r}, the local checkpoint is {self.model_dir}"
+        if raw.ndim != 3:
+            raise AttachError(f"{self.url}: probe routes have shape {raw.shape}; expected [rows, {L}, {K}]")
+        if raw.shape[1] != L:
+            raise AttachError(f"{self.url}: probe routes have {raw.shape[1]} layers, the local config.json has {L} "
+                              f"({served}); serve the trainer's checkpoint: {hint}")
+        if raw.shape[2] != K:
+            raise AttachError(f"{self.url}: probe routes have top-k {raw.shape[2]}, the local config.json has {K} "
+                              f"({served}); {hint}")
+        moe = raw[:, list(self.layout.moe_layer_ids), :]
+        if moe.size and (int(moe.min()) < 0 or int(moe.max()) >= E):
+            raise AttachError(f"{self.url}: probe expert ids span [{int(moe.min())}, {int(moe.max())}], the local "
+                              f"config.json has {E} experts ({served}); {hint}")
+        zero = [g for g in self.layout.moe_layer_ids if raw.shape[0] >= 2 and not raw[:, g, :].any()]
+        if zero and len(zero) < len(self.layout.moe_layer_ids):
+            raise AttachError(f"{self.url}: probe routes leave layers {zero} empty (dense on the server), the local "
+                              f"config.json has MoE layers {list(self.layout.moe_layer_ids)} ({served}); "
+                              f"serve the trainer's checkpoint: {hint}")
+        if moe.shape[0] >= 2 and bool((moe == moe[:1]).all()):
+            raise AttachError(f"{self.url}: probe routes are constant (every row {moe[0].tolist()} over "
+                              f"{moe.shape[0]} rows): the server's capture hook did not run (vLLM #33013 / #54730: "
+                              "a fused MoE kernel that skips it); update vLLM "
+                              f"or start it with --enforce-eager; {hint}")
+        token_ids = choices[0].get("token_ids")
+        if not isinstance(token_ids, list):
+            raise AttachError(f"{self.url}: the probe returned no token_ids (vLLM too old for return_token_ids?)")
+        try:
+            validate_engine_routes(raw, self.layout, prompt_len=len(probe), response_len=len(token_ids),
+                                   where=f"{self.url} probe")
+        except RolloutError as e:
+            raise AttachError(f"{e} ({served}); {hint}") from e
+
+
+def connect(url: str, *, model: str | os.PathLike, api_key: str | None = None, timeout_s: float = 600.0,
+            retries: int = 2, max_in_flight: int = 4) -> AttachedServer:
+    """Attach to a running vLLM server at ``url``; ``model`` is the local checkpoint the routes must match."""
+    return AttachedServer(url, model=model, api_key=api_key, timeout_s=timeout_s, retries=retries,
+                          max_in_flight=max_in_flight)
+
+
+def parse_completion(resp: dict[str, Any], layout: MoELayout, prompts: Sequence[Sequence[int]], *, n: int = 1,
+                     routes_prompt_start: int = 0, max_routes_bytes: int = DEFAULT_MAX_BYTES) -> list[RolloutResult]:
+    """Turn a ``/v1/completions`` response into validated :class:`RolloutResult` objects."""
+    choices = resp.get("choices") if isinstance(resp, dict) else None
+    if not isinstance(choices, list) or len(choices) != len(prompts) * n:
+        got = len(choices) if isinstance(choices, list) else type(choices).__name__
+        raise RolloutError(f"expected {len(prompts) * n} choices, got {got}")
+    out: list[RolloutResult] = []
+    for c in sorted(choices, key=lambda c: int(c.get("index", 0))):
+        k = int(c.get("index", 0))
+        i, j = divmod(k, n)
+        where = f"choice {k}"
+        if c.get("prompt_token_ids") is not None and list(c["prompt_token_ids"]) != list(prompts[i]):
+            raise RolloutError(f"{where}: prompt_token_ids differ from the request's prompt {i}")
+        resp_ids = c.get("token_ids")
+        if not isinstance(resp_ids, list):
+            raise RolloutError(f"{where}: no token_ids (return_token_ids unsupported by this server?)")
+        resp_ids = [int(t) for t in resp_ids]
+        lp = (c.get("logprobs") or {}).get("token_logprobs")
+        if not isinstance(lp, list) or len(lp) != len(resp_ids) or any(v is None for v in lp):
+            raise RolloutError(f"{where}: token_logprobs missing or not one per sampled token")
+        b64 = c.get("routed_experts")
+        if not isinstance(b64, str):
+            raise RolloutError(f"{where}: no routed_experts (server started without --enable-return-routed-experts?)")
+        try:
+            raw = read_vllm_npy_base64(b64, max_bytes=max_routes_bytes)
+        except R3LabError as e:
+            raise RolloutError(f"{where}: {e}") from e
+        routes = validate_engine_routes(raw, layout, prompt_len=len(prompts[i]), response_len=len(resp_ids),
+                                        start=routes_prompt_start, where=where)
+        out.append(RolloutResult(i, j, list(prompts[i]), resp_ids, np.asarray(lp, dtype=np.float32), routes,
+                                 c.get("finish_reason"), routes_prompt_start))
+    return out
