@@ -29,6 +29,7 @@ __all__ = [
     "RunFormatError",
     "ConfigError",
     "RolloutError",
+    "AttachError",
     "SlicingError",
     "ReplayError",
     "StagingError",
@@ -103,6 +104,11 @@ class ConfigError(R3LabError, ValueError):
 
 class RolloutError(R3LabError, ValueError):
     """Bad input to the rollout engine, an engine that fails, or routes from the engine that fail validation."""
+
+
+class AttachError(RolloutError):
+    """The attached vLLM server is not usable for r3lab: wrong model, no routes, gone away
+    (:func:`r3lab.rollout.connect`)."""
 
 
 class SlicingError(R3LabError, ValueError):

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from r3lab.compaction import DEFAULT_MAX_BYTES, read_vllm_npy_base64
-from r3lab.errors import R3LabError
+from r3lab.errors import AttachError, R3LabError
 from r3lab.moe_layout import MoELayout
 from r3lab.rollout._common import Closing, check_model_dir, check_prompts
 from r3lab.rollout.types import RolloutError, RolloutResult, SamplingConfig, validate_engine_routes
@@ -38,10 +38,6 @@ __all__ = ["API_KEY_ENV", "AttachError", "CompletionsClient", "AttachedServer", 
 API_KEY_ENV = "R3LAB_ENGINE_API_KEY"
 START_HINT = ("start it as: python -m vllm.entrypoints.openai.api_server --model {model} "
               "--enable-return-routed-experts")
-
-
-class AttachError(RolloutError):
-    """The attached server is not usable for r3lab (wrong model, no routes, gone away)."""
 
 
 class CompletionsClient(Closing):
