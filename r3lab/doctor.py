@@ -361,6 +361,9 @@ def _log_tail(x: int, n: int, p: float) -> float:
     return min(0.0, x * math.log(n * p) - math.lgamma(x + 1))
 
 
+RL_KIND = "rl"  # the run kind r3lab.experiments.rl writes (the doctor reads runs, never experiments)
+
+
 def _engine_routes(f: _Facts) -> list[tuple[int, Any]]:
     return [(s, f.run.routes(s, "engine")) for s in f.engine_steps]
 
@@ -375,6 +378,9 @@ def _dummy_split(f: _Facts) -> tuple[dict[str, Any], str]:  # noqa: C901 - one p
     Steps of one model (the same layers, experts and top-k) are pooled."""
     groups: dict[tuple[Any, ...], dict[str, Any]] = {}
     where_tail = where_mid = ""
+    # an RL run of r3lab's own stores the trainer's P + R rows: each sequence ends in the arange(k) row that
+    # r3lab.rollout.append_last_row adds for the last sampled token (it routes nothing that is scored), not padding
+    own_pad = 1 if f.run.kind == RL_KIND else 0
     for s, r in _engine_routes(f):
         if not r.total_tokens:
             continue
@@ -387,7 +393,8 @@ def _dummy_split(f: _Facts) -> tuple[dict[str, Any], str]:  # noqa: C901 - one p
         g["n_rest"] = g.get("n_rest", 0) + int((~every).sum())
         tail = np.zeros(len(every), bool)
         for i in np.flatnonzero(r.lengths > 0):
-            a, b = int(r.cu_seqlens[i]), int(r.cu_seqlens[i + 1])
+            a, b = int(r.cu_seqlens[i]), int(r.cu_seqlens[i + 1]) - own_pad
+            every[b:b + own_pad] = False  # r3lab's own last-row pad: neither a padded tail nor a dummy row
             g["samples"] += 1
             t = b
             while t > a and every[t - 1]:
