@@ -148,8 +148,12 @@ class MegatronTrainer(Closing, Trainer):
                         raise self._fail(f"rank {r} closed its pipe during {what} ({type(e).__name__})") from None
                     if kind == "error":
                         dead = [d for d, p in enumerate(self._procs) if not p.is_alive()]
-                        also = f" (dead ranks: {dead})" if dead else ""
-                        raise self._fail(f"rank {r} failed during {what}{also}:\n{value}")
+                        if dead:  # the cause first: a rank that died makes its peers' collectives fail
+                            d = dead[0]
+                            raise self._fail(f"rank {d} (pid {self._procs[d].pid}) died during {what} (exit code "
+                                             f"{self._procs[d].exitcode}; dead ranks: {dead}); rank {r} failed "
+                                             f"after it:\n{value}")
+                        raise self._fail(f"rank {r} failed during {what}:\n{value}")
                     if kind != expect:
                         raise self._fail(f"rank {r} answered {kind!r} to {what}")
                     replies[r] = value
