@@ -37,6 +37,8 @@ __all__ = [
     "megatron_dp",
     "RLConfig",
     "DriftConfig",
+    "CaptureConfig",
+    "ATTACHED_RL_REASON",
     "run_name",
     "run_names",
     "RLMetric",
@@ -74,6 +76,12 @@ TRAINERS = {name: spec.description for name, spec in TRAINER_REGISTRY.items()}
 RL_TRAINERS = tuple(name for name, spec in TRAINER_REGISTRY.items() if spec.policy_steps)  # take policy steps
 _TRAINER_HELP = ("the trainer: hf (transformers, CPU), megatron (Megatron-core on tp*pp*dp gloo CPU ranks) or "
                  "megatron-bridge (GPU node, drift only)")
+
+# why RL refuses an attached server (RLConfig.engine_url; the attached client's update_weights says the same)
+ATTACHED_RL_REASON = ("the RL loop pushes the trainer's updated weights into the engine after every step, and r3lab "
+                      "has no weight-update path into a server it did not start (vLLM 0.30's dev-mode "
+                      "/update_weights moves weights over NCCL or CUDA IPC only, GPU to GPU); run RL with a local "
+                      "engine")
 
 # the seeds an RL comparison runs when none are given (r3lab rl, run_comparison), and with --quick (and the widgets)
 RL_SEEDS = (0, 1, 2)
@@ -249,6 +257,8 @@ class RLConfig(_Config):
     token_steps: int = knob(0, "also write per-token tables every this many steps (0: first and last step only)")
     noise_every: int = knob(10, "score the engine's samples again by prefill every this many steps (0: never)")
     data: str | None = knob(None, "the data folder with models/ and corpus/", unset="the checkout's data/")
+    engine_url: str | None = knob(None, "refused: RL needs an engine it can push weights into (r3lab drift and "
+                                  "r3lab capture take --engine-url)", unset="a local engine")
 
     _quick: typing.ClassVar[dict[str, Any]] = {"steps": 10, "prompts_per_step": 4, "samples_per_prompt": 8,
                                                "max_tokens": 16, "mini_batches": 2, "lr": 3e-3}
@@ -292,6 +302,10 @@ class RLConfig(_Config):
             raise ConfigError(f"{{trainer}} {self.trainer} runs fp32 routers (moe_router_dtype=fp32): "
                               "{router_dtype} float32", field="router_dtype", fields=("trainer",))
         self._check_parallel()
+        if self.engine_url is not None:
+            raise ConfigError(f"{{engine_url}} {self.engine_url!r} is refused for RL: {ATTACHED_RL_REASON} (drop "
+                              "{engine_url})",
+                              field="engine_url")
 
     def to_cli_args(self, *, modes: Sequence[str] | None = None, seeds: Sequence[int] | None = None) -> list[str]:
         """The ``r3lab rl`` arguments that run exactly this config (every field spelled out).
@@ -356,6 +370,35 @@ class DriftConfig(_Config):
     def to_cli_args(self) -> list[str]:
         """The ``r3lab drift`` arguments that run exactly this config."""
         return _to_cli_args(self, {})
+
+
+@dataclass(frozen=True)
+class CaptureConfig(_Config):
+    """Everything that decides an engine-only capture run (``r3lab capture``): which engine, how it samples."""
+
+    model: str | None = knob(None, "the local checkpoint the server serves (shipped name or model directory; its "
+                             "config.json is the MoE layout the routes must match, its tokenizer encodes text "
+                             "prompts)", unset="the server's served model, when that names a local checkpoint")
+    max_tokens: int = knob(48, "tokens sampled per completion", flag="tokens")
+    samples: int = knob(1, "completions per prompt")
+    seed: int = knob(0, "the sampling seed (every request carries it)")
+    temperature: float = knob(1.0, "sampling temperature")
+    batch: int = knob(64, "prompts per completions request")
+    engine_url: str | None = knob(None, "the running vLLM server to sample from (started with "
+                                  "--enable-return-routed-experts; its API key from $R3LAB_ENGINE_API_KEY)",
+                                  unset="start a local engine in this process (--model required)")
+    data: str | None = knob(None, "the data folder with models/ and corpus/", unset="the checkout's data/")
+
+    def __post_init__(self) -> None:
+        self._check_min(("max_tokens", "samples", "batch"))
+        if self.temperature < 0:
+            raise ConfigError(f"{{temperature}} must be >= 0, got {self.temperature!r}", field="temperature")
+        if self.engine_url is None and self.model is None:
+            raise ConfigError("a local engine needs {model} (or give {engine_url})", field="model",
+                              fields=("engine_url",))
+        if self.engine_url is not None and not self.engine_url.startswith(("http://", "https://")):
+            raise ConfigError(f"{{engine_url}} must start with http:// or https://, got {self.engine_url!r}",
+                              field="engine_url")
 
 
 # -- dataclass fields <-> command-line flags ------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from r3lab.importers.figures import (
     NotAvailable,
     column_or_note,
     drawn,
+    expert_load,
     health_figure,
     in_place,
     noise_floors,
@@ -40,8 +41,8 @@ from r3lab.importers.slime import import_slime
 __all__ = ["KINDS", "IMPORT_KIND", "import_run", "import_slime", "import_miles", "import_nemo_rl", "import_prime_rl",
            "ImportFormatError", "UnsafeFileError", "LayerMap", "safe_torch_load", "sample_tokens",
            "run_figures", "health_figure", "NotAvailable", "drawn", "in_place", "routes_or_note", "of_kind",
-           "token_logprobs", "noise_floors", "column_or_note", "rl_token_logprobs", "detect_kind", "AUTO",
-           "ImporterSpec", "ImporterMissingError"]
+           "expert_load", "token_logprobs", "noise_floors", "column_or_note", "rl_token_logprobs", "detect_kind",
+           "AUTO", "ImporterSpec", "ImporterMissingError"]
 
 KINDS: Mapping[str, ImporterSpec] = REGISTRY
 """Every dump kind by name -> its registry entry (:class:`ImporterSpec`: import function, options, detect)."""

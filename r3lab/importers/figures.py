@@ -13,9 +13,10 @@ from r3lab.doctor import HEALTH_NAMES, LOGP_TRAIN_COLUMNS, facts, health_series
 from r3lab.errors import R3LabError
 from r3lab.importers.common import IMPORT_KIND
 from r3lab.runs import Run, load
+from r3lab.runs.format import CAPTURE_KIND
 
 __all__ = ["NotAvailable", "health_figure", "run_figures", "drawn", "in_place", "routes_or_note", "of_kind",
-           "token_logprobs", "noise_floors", "column_or_note", "rl_token_logprobs"]
+           "expert_load", "token_logprobs", "noise_floors", "column_or_note", "rl_token_logprobs"]
 
 
 class NotAvailable:
@@ -137,13 +138,28 @@ def in_place(build: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return missing if missing is not None else build(*args, **kwargs)
 
 
+_PARTIAL = {IMPORT_KIND: "imported run", CAPTURE_KIND: "engine-only capture run"}  # runs that may lack a field
+
+
 def routes_or_note(run: Run, step: int, what: str) -> Any:
-    """The run's ``what`` routes (``"engine"``, ``"trainer"``) at ``step``; for an imported run without them, a
-    :class:`NotAvailable` naming them (a run made by r3lab that lacks them raises, as :meth:`Run.routes` does)."""
-    if run.kind == IMPORT_KIND and step not in run.route_steps(what):
-        return NotAvailable(f"imported run {run.name!r} has no {what} routes at step {step} (stored: "
+    """The run's ``what`` routes (``"engine"``, ``"trainer"``) at ``step``; for an imported or capture run without
+    them, a :class:`NotAvailable` naming them (a drift or RL run that lacks them raises, as :meth:`Run.routes`)."""
+    if run.kind in _PARTIAL and step not in run.route_steps(what):
+        return NotAvailable(f"{_PARTIAL[run.kind]} {run.name!r} has no {what} routes at step {step} (stored: "
                             f"{run.route_steps(what)}): the figures comparing {what} routes need them")
     return run.routes(step, what)
+
+
+def expert_load(engine: Any, trainer: Any, *, title: str = "expert load") -> Any:
+    """Engine vs trainer expert load per layer (``viz.expert_load_comparison_figure``); with no trainer routes (a
+    :class:`NotAvailable`: an imported or capture run), the engine's load alone (``viz.expert_load_figure``)."""
+    from r3lab import viz
+
+    if isinstance(engine, NotAvailable):
+        return engine
+    if isinstance(trainer, NotAvailable):
+        return viz.expert_load_figure(engine, title=f"{title} (engine only: the run has no trainer routes)")
+    return viz.expert_load_comparison_figure(engine, trainer, title=title)
 
 
 _KIND_NEEDS = {"drift": "the drift experiment's per-cell k3 of none and R3 (r3lab drift)",
@@ -155,9 +171,10 @@ def of_kind(runs: Run | Sequence[Run], kind: str) -> Any:
     ``kind`` figure needs that an imported run lacks. A run of another kind made by r3lab passes through, so the
     figure raises on it as before."""
     some = [runs] if isinstance(runs, Run) else list(runs)
-    imported = [r.name for r in some if r.kind == IMPORT_KIND]
+    imported = [r.name for r in some if r.kind in _PARTIAL]
     if imported:
-        return NotAvailable(f"imported run(s) {imported} are not {kind} runs: this figure needs {_KIND_NEEDS[kind]}")
+        return NotAvailable(f"imported or capture run(s) {imported} are not {kind} runs: this figure needs "
+                            f"{_KIND_NEEDS[kind]}")
     return runs
 
 
