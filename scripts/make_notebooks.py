@@ -44,7 +44,7 @@ rl = load_or_run(rl_runs, rl_config, modes=modes, seeds=(seed,), runs_dir=runs_d
 
 DRIFT_LOAD = """
 config = DriftConfig(models=(model,), prompts=prompts, max_tokens=max_tokens, seeds=(seed,),
-                     trainer_dtypes=(trainer_dtype,))
+                     trainer_dtypes=(trainer_dtype,), engine_url=engine_url)
 (run,) = load_or_run(drift_run, config, runs_dir=runs_dir)
 run.steps
 """
@@ -74,6 +74,8 @@ prompts = 8
 max_tokens = 32
 seed = 0
 sample = None  # the sample shown token by layer; None: the one with the most engine-trainer differences
+engine_url = None  # a running vLLM server to sample from (model: its local checkpoint); None: start one in-process
+capture_run = None  # a capture run (r3lab capture) to open instead of sampling here (model: its checkpoint)
 trainer_dtype = "bfloat16"  # the trainer scoring the same tokens: "bfloat16" (fp32 routers) or "float32"
 synthetic = {"num_experts": 64, "top_k": 4, "num_layers": 46, "tokens": 32768, "seq_len": 16384, "skew": 1.0}
 repeats = 3  # timing repeats (median)
@@ -87,6 +89,7 @@ from r3lab import viz
 from r3lab.compaction import measure_codecs
 from r3lab.corpus import corpus_prompts
 from r3lab.experiments import replay_drift
+from r3lab.experiments.capture import sample_or_load
 from r3lab.paths import model_dir
 from r3lab.rollout import RolloutEngine, SamplingConfig
 from r3lab.routes import Routes
@@ -95,10 +98,10 @@ from r3lab.workloads import workload_routes
 """),
     md("## Generate with the embedded engine (closed when the cell ends, whatever happens after)"),
     code("""
-with RolloutEngine(model_dir(model), seed=seed) as engine:
-    sampling = SamplingConfig(max_tokens=max_tokens, seed=seed + 1)
-    results = engine.generate(corpus_prompts(prompts, seed=seed), sampling)
-    tokenizer = engine.tokenizer
+sampling = SamplingConfig(max_tokens=max_tokens, seed=seed + 1)
+captured = sample_or_load(capture_run, model, corpus_prompts(prompts, seed=seed), sampling, engine_url=engine_url,
+                          seed=seed)
+results, tokenizer = captured.results, captured.tokenizer
 engine_routes = RolloutEngine.stack_routes(results)
 engine_routes
 """),
@@ -145,7 +148,8 @@ compare the modes with each other, not with zero.
 """),
     params("""
 model = "tiny-qwen3-moe"
-drift_run = None  # a drift run (r3lab drift) or an imported run (r3lab import) to load; None: run one here
+drift_run = None  # a drift run (r3lab drift), a capture run (r3lab capture) or an imported run; None: run one here
+engine_url = None  # the drift run's engine: a running vLLM server; None: start one in-process (RL always does)
 prompts = 16
 max_tokens = 32
 seed = 0
@@ -165,8 +169,7 @@ export = False
     code(DRIFT_LOAD),
     code("""
 engine, trainer = importers.routes_or_note(run, step, "engine"), importers.routes_or_note(run, step, "trainer")
-load_fig = importers.in_place(viz.expert_load_comparison_figure, engine, trainer,
-                              title=f"{run.name}, cell {step}: expert load")
+load_fig = importers.expert_load(engine, trainer, title=f"{run.name}, cell {step}: expert load")
 load_fig
 """),
     code("""
@@ -211,6 +214,7 @@ tokens, and layers whose disagreement carries the drift.
     params("""
 model = "tiny-qwen3-moe"
 drift_run = None  # a drift run or an imported run (r3lab import) to load; None: run one small here
+engine_url = None  # the drift run's engine: a running vLLM server; None: start one in-process (RL always does)
 prompts = 24
 max_tokens = 32
 seed = 0

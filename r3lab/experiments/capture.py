@@ -148,6 +148,7 @@ def run_capture(config: CaptureConfig, prompts: str | os.PathLike[str] | Sequenc
     path = _model_path(config)
     sampling = _sampling(config)
     with _engine(config, path) as engine:
+        _check_known_words(engine, items)
         cfg = {**config.to_dict(), "model": str(path), **source, "prompts": len(items),
                "engine": _engine_facts(config, engine), "trainer": None}
         writer = RunWriter(out.parent, out.name, CAPTURE_KIND, cfg)
@@ -164,6 +165,18 @@ def run_capture(config: CaptureConfig, prompts: str | os.PathLike[str] | Sequenc
                 mark_stopped(writer.path, f"{type(e).__name__}: {e}")
             raise
     return writer.path
+
+
+def _check_known_words(engine: Any, prompts: Sequence[Prompt]) -> None:
+    """A text prompt the tokenizer reads as unknown tokens only would sample from nothing: an error naming it."""
+    tok = getattr(engine, "tokenizer", None)
+    unk = getattr(tok, "unk_token_id", None)
+    if unk is None:
+        return
+    for i, p in enumerate(prompts):
+        if isinstance(p, str) and set(tok.encode(p, add_special_tokens=False)) <= {unk}:
+            raise ConfigError(f"prompt {i} ({p[:60]!r}) is all unknown tokens to {getattr(engine, 'model_dir', '')}'s "
+                              "tokenizer: is it text of this model's vocabulary?")
 
 
 def _engine_facts(config: CaptureConfig, engine: Any) -> dict[str, Any]:
