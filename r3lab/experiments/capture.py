@@ -63,12 +63,13 @@ def read_prompts(path: str | os.PathLike[str]) -> list[Prompt]:
         except ValueError as e:
             raise ConfigError(f"{p}:{i}: not JSON ({e}); a .jsonl prompts file holds one object per line") from e
         prompt = obj.get("prompt") if isinstance(obj, dict) else None
-        ids = isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                          for t in prompt)
-        if not (isinstance(prompt, str) and prompt) and not ids:
+        if isinstance(prompt, str) and prompt:
+            out.append(prompt)
+        elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):  # bool is no token id
+            out.append([int(t) for t in prompt])
+        else:
             raise ConfigError(f'{p}:{i}: needs a "prompt" that is a non-empty string or list of token ids, got '
                               f"{str(obj)[:120]}")
-        out.append(prompt)
     if not out:
         raise ConfigError(f"prompts file {str(p)!r} holds no prompt")
     return out
@@ -88,7 +89,7 @@ def _sampling(config: CaptureConfig) -> SamplingConfig:
                           n=config.samples)
 
 
-def _engine(config: CaptureConfig, path: Path | None) -> Any:
+def _engine(config: CaptureConfig, path: Path) -> Any:
     """The attached server at ``config.engine_url`` (handshake against ``path``), else a local engine."""
     if config.engine_url is not None:
         from r3lab.rollout import connect
@@ -171,7 +172,7 @@ def _check_known_words(engine: Any, prompts: Sequence[Prompt]) -> None:
     """A text prompt the tokenizer reads as unknown tokens only would sample from nothing: an error naming it."""
     tok = getattr(engine, "tokenizer", None)
     unk = getattr(tok, "unk_token_id", None)
-    if unk is None:
+    if tok is None or unk is None:
         return
     for i, p in enumerate(prompts):
         if isinstance(p, str) and set(tok.encode(p, add_special_tokens=False)) <= {unk}:
