@@ -87,7 +87,11 @@ def test_rl_refuses_an_attached_engine_with_the_reason(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="refused for RL: the RL loop pushes the trainer's updated weights") as e:
         RLConfig(engine_url="http://gpu-node:8000")
     assert e.value.field == "engine_url" and "NCCL or CUDA IPC" in str(e.value)
-    assert "engine_url=" in e.value.phrase(lambda f: f + "=")  # a notebook's spelling
+    assert "engine_url=" in e.value.phrase(lambda f: f + "=")
+    from r3lab import widgets
+
+    with pytest.raises(ConfigError, match="engine_url 'http://gpu-node:8000' is refused for RL"):  # notebooks 04/05
+        widgets.rl_config(engine_url="http://gpu-node:8000")
     with pytest.raises(SystemExit) as ex:
         main(["rl", "--quick", "--engine-url", "http://gpu-node:8000", "--runs", str(tmp_path)])
     assert "--engine-url 'http://gpu-node:8000' is refused for RL" in str(ex.value) and not list(tmp_path.iterdir())
