@@ -27,9 +27,9 @@ B, S = 2, 10
 TOK = torch.randint(0, CFG["vocab_size"], (B, S), generator=torch.Generator().manual_seed(5))
 
 
-def _spec(**extra) -> mc.TinyGPTSpec:
+def _spec(pp: int = 1, **extra) -> mc.TinyGPTSpec:
     return mc.TinyGPTSpec(
-        ParallelLayout(num_layers=L),  # every layer MoE, as the tiny model (mlp_only_layers = [])
+        ParallelLayout(num_layers=L, pp=pp),  # every layer MoE, as the tiny model (mlp_only_layers = [])
         hidden_size=H,
         num_attention_heads=CFG["num_attention_heads"],
         ffn_hidden_size=CFG["intermediate_size"],
@@ -277,3 +277,55 @@ def test_router_count_must_match_decoder_moe_plus_mtp_moe(model):
     finally:
         del model.stray
     assert sorted(megatron_router_map(model).decoder) == list(range(L))  # all restored
+
+
+# ---- two pipeline stages: the MTP block on the last --------------------------------------------------------------
+def _pp2_worker(rank: int, world: int, engine: list[np.ndarray]) -> dict:
+    """PP=2 on two gloo ranks: what each stage registers, and replay of the engine's routes with MTP live."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    # language_module.py l.243 moves the MTP stage's embedding copy to CUDA before its all-reduce with stage 0
+    # (hard-coded .cuda()); in this spawned rank only, for the build, a tensor stays where it is
+    cuda, torch.Tensor.cuda = torch.Tensor.cuda, lambda self, *a, **k: self
+    try:
+        (m,) = mc.build_tiny_gpt(_spec(pp=2))
+    finally:
+        torch.Tensor.cuda = cuda
+    rm = megatron_router_map(m)
+    reg = RouterReplay.global_router_replay_instances
+    out = dict(decoder=sorted(rm.decoder), mtp=sorted(rm.mtp), registry=len(reg),
+               in_order=[id(x) for x in reg] == [id(x) for x in rm.replays()],
+               numbers=[r.layer_number for r in [*rm.decoder.values(), *rm.mtp.values()]])
+    seen, hooks = _spy(m)
+    pos, mask = torch.arange(S)[None].expand(B, S), mc.causal_mask(S, batch=B)
+    with megatron_replay(m, [{g: engine[g] for g in rm.decoder}]) as rep, torch.no_grad():
+        rep.begin_microbatch()
+        if ps.get_pipeline_model_parallel_rank() == 0:
+            y = mc.forward_tokens(m, TOK, position_ids=pos, attention_mask=mask)
+            dist.send(y.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+        else:
+            x = torch.empty(S, B, H)
+            dist.recv(x, src=ps.get_pipeline_model_parallel_prev_rank())
+            m.set_input_tensor(x)
+            m(input_ids=TOK, position_ids=pos, attention_mask=mask, labels=TOK)
+        rep.after_forward()
+    _clear(hooks)
+    out["decoder_replayed"] = all(torch.equal(seen[g][0][1], _as_map(engine[g])) for g in rm.decoder)
+    if rm.mtp:
+        x, got = seen["mtp"][0]
+        out["mtp_own"] = torch.equal(got, _own_topk(rm.mtp[0], x))
+        out["mtp_is_any_decoder"] = any(torch.equal(got, _as_map(e)) for e in engine)
+    mc.destroy_cpu_parallel()
+    return out
+
+
+def test_two_pipeline_stages_mtp_on_the_last_replays_decoder_routes_only():
+    engine = _routes(9)
+    first, last = mc.launch(_pp2_worker, 2, engine)
+    assert first == dict(decoder=[0, 1, 2, 3], mtp=[], registry=4, in_order=True, numbers=[1, 2, 3, 4],
+                         decoder_replayed=True)
+    # the last stage: its 4 decoder routers, then the MTP router, numbered num_layers + 1 (0.16.1) on this stage too
+    assert last == dict(decoder=[4, 5, 6, 7], mtp=[0], registry=5, in_order=True, numbers=[5, 6, 7, 8, 9],
+                        decoder_replayed=True, mtp_own=True, mtp_is_any_decoder=False)
