@@ -29,7 +29,15 @@ from r3lab.replay.hf_model import (
     score_batch,
     token_logprobs,
 )
-from r3lab.replay.megatron import MegatronReplay, find_orphaned_router_replays, megatron_replay, megatron_routers
+from r3lab.replay.megatron import (
+    MTP_MODES,
+    MegatronReplay,
+    MegatronRouterMap,
+    find_orphaned_router_replays,
+    megatron_replay,
+    megatron_router_map,
+    megatron_routers,
+)
 
 __all__ = [
     "ReplayError",
@@ -37,6 +45,9 @@ __all__ = [
     "MegatronReplay",
     "megatron_replay",
     "megatron_routers",
+    "megatron_router_map",
+    "MegatronRouterMap",
+    "MTP_MODES",
     "find_orphaned_router_replays",
     "hf_replay",
     "HFReplay",

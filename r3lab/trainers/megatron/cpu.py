@@ -33,6 +33,7 @@ __all__ = [
     "cpu_patches_applied",
     "CPURMSNorm",
     "local_block_spec",
+    "local_mtp_block_spec",
     "CPU_CONFIG",
     "init_parallel",
     "gpt_chunks",
@@ -139,6 +140,27 @@ def local_block_spec(config, vp_stage: int | None = None):
     return dataclasses.replace(spec, layer_specs=layer_specs, layer_norm=CPURMSNorm)
 
 
+def local_mtp_block_spec(config, vp_stage: int | None = None):
+    """The multi-token-prediction block spec for this rank's stage on the local spec, or None (no MTP here).
+
+    Megatron's own :func:`get_gpt_mtp_block_spec` (megatron-core 0.16.1, ``gpt_layer_specs.py`` l.653-723: the MTP
+    layer wraps the *last* decoder layer's spec, l.700, and is built on the last pipeline stage only) with its
+    norms made :class:`CPURMSNorm` like the decoder's. ``None`` unless ``config.mtp_num_layers`` is set.
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    if not getattr(config, "mtp_num_layers", None):
+        return None
+    spec = get_gpt_mtp_block_spec(config, local_block_spec(config, vp_stage), use_transformer_engine=False,
+                                  vp_stage=vp_stage)
+    if spec is None:
+        return None
+    norms = dict(enorm=CPURMSNorm, hnorm=CPURMSNorm, layer_norm=CPURMSNorm)
+    layers = [dataclasses.replace(ls, submodules=dataclasses.replace(ls.submodules, **norms))
+              for ls in spec.layer_specs]
+    return dataclasses.replace(spec, layer_specs=layers)
+
+
 def gpt_chunks(config: Any, vpp: int, prepare: Callable[[torch.nn.Module], Any] | None = None,
                **model_kwargs: Any) -> list[torch.nn.Module]:
     """This rank's GPTModel chunks on the local spec, one per virtual pipeline stage (``vpp``; 1: one chunk).
@@ -146,7 +168,8 @@ def gpt_chunks(config: Any, vpp: int, prepare: Callable[[torch.nn.Module], Any] 
     The first chunk of the first stage embeds (``pre_process``), the last chunk of the last stage has the output
     layer (``post_process``). ``prepare(chunk)`` runs on each chunk right after it is built, before the next one
     (weights set in construction order); ``model_kwargs`` go to ``GPTModel``. The one chunk loop of the
-    checkpoint loader and the test models (:mod:`r3lab.testing.megatron`).
+    checkpoint loader and the test models (:mod:`r3lab.testing.megatron`). With ``config.mtp_num_layers`` the
+    chunk of the last stage also gets Megatron's MTP block (:func:`local_mtp_block_spec`).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -162,6 +185,7 @@ def gpt_chunks(config: Any, vpp: int, prepare: Callable[[torch.nn.Module], Any] 
             pre_process=pp_rank == 0 and vp == 0,
             post_process=pp_rank == pp - 1 and vp == (virtual or 1) - 1,
             vp_stage=vp_stage,
+            mtp_block_spec=local_mtp_block_spec(config, vp_stage),
             **model_kwargs,
         )
         if prepare is not None:
