@@ -37,6 +37,7 @@ TIERS: dict[str, tuple[str, ...]] = {
     "test_megatron_sync.py": ("engine", "megatron"),
     "test_trainer_megatron.py": ("engine", "megatron"),
     "test_megatron_load.py": ("megatron",),
+    "test_olmoe.py": ("engine", "megatron"),
     "test_slicing.py": ("megatron",),
     "test_staging_dist.py": ("megatron",),
     "test_trainer_megatron_bridge.py": ("megatron",),

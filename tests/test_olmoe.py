@@ -181,10 +181,12 @@ def _rank(rank: int, world: int, tokens: torch.Tensor, packed: tuple) -> list[di
         model = tm.build_model(D, layout, group_routing="raise")
         c = model.config
         norms = [type(m) for m in model.chunks[0].modules() if isinstance(m, (OlmoeQNorm, OlmoeKNorm))]
-        dp, pp, tp = ps.get_data_parallel_rank(), ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
+        dp, pp = ps.get_data_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+        tp = ps.get_tensor_model_parallel_rank()
         seqs = dp_sequence_ids(len(routes), layout, dp)[0]
         mine = tokens[torch.from_numpy(seqs)]
-        with megatron_replay(model.chunks, [shard(routes, layout, dp_rank=dp, pp_rank=pp, cp_rank=0, tp_rank=tp)]) as rep:
+        ids = shard(routes, layout, dp_rank=dp, pp_rank=pp, cp_rank=0, tp_rank=tp)
+        with megatron_replay(model.chunks, [ids]) as rep:
             rep.begin_microbatch(forward_only=True)
             logits = tm.gather_vocab(tm.pipeline_forward(model.chunks, mine))
             rep.after_forward()

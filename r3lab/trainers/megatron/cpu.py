@@ -146,9 +146,10 @@ def gpt_chunks(config: Any, vpp: int, prepare: Callable[[torch.nn.Module], Any] 
     """This rank's GPTModel chunks on the local spec, one per virtual pipeline stage (``vpp``; 1: one chunk).
 
     The first chunk of the first stage embeds (``pre_process``), the last chunk of the last stage has the output
-    layer (``post_process``). ``spec_hook`` edits the local spec (:func:`local_block_spec`). ``prepare(chunk)`` runs on each chunk right after it is built, before the next one
-    (weights set in construction order); ``model_kwargs`` go to ``GPTModel``. The one chunk loop of the
-    checkpoint loader and the test models (:mod:`r3lab.testing.megatron`).
+    layer (``post_process``). ``spec_hook`` edits the local spec (:func:`local_block_spec`). ``prepare(chunk)``
+    runs on each chunk right after it is built, before the next one (weights set in construction order);
+    ``model_kwargs`` go to ``GPTModel``. The one chunk loop of the checkpoint loader and the test models
+    (:mod:`r3lab.testing.megatron`).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
