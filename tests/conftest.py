@@ -38,6 +38,7 @@ TIERS: dict[str, tuple[str, ...]] = {
     "test_trainer_megatron.py": ("engine", "megatron"),
     "test_megatron_load.py": ("megatron",),
     "test_mtp.py": ("megatron",),
+    "test_olmoe.py": ("engine", "megatron"),
     "test_slicing.py": ("megatron",),
     "test_staging_dist.py": ("megatron",),
     "test_trainer_megatron_bridge.py": ("megatron",),
