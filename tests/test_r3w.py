@@ -73,7 +73,8 @@ def test_container_carries_weights_in_each_codec_and_dtype(codec, dtype):
     assert np.array_equal(back.sorted_rows().weights, o.weights)  # torch's own rounding is the oracle
     ids_only = encode(r.without_weights(), codec)
     assert read_header(ids_only)["format_version"] == 2  # ids-only bytes are still version 2, unchanged
-    assert len(buf) - len(ids_only) == r.values.size * WeightCodec(dtype).encoded_size((1,)) + len(h_extra(buf, ids_only))
+    block = r.values.size * WeightCodec(dtype).encoded_size((1,))
+    assert len(buf) - len(ids_only) == block + len(h_extra(buf, ids_only))
 
 
 def h_extra(buf: bytes, ids_only: bytes) -> bytes:

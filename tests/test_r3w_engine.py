@@ -39,7 +39,7 @@ def test_captured_weights_equal_the_engine_routers_own(captured):
         rt = r.routes
         assert rt.weights is not None and rt.weights.shape == rt.values.shape
         logits = {}
-        hooks = [ro.register_forward_hook(lambda m, a, o, g=g: logits.__setitem__(g, (m, o[0].detach())))
+        hooks = [ro.register_forward_hook(lambda m, a, o, g=g, logits=logits: logits.__setitem__(g, (m, o[0].detach())))
                  for g, ro in routers.items()]
         with torch.no_grad():
             model(torch.tensor([r.token_ids]))

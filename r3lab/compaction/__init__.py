@@ -34,6 +34,7 @@ from r3lab.compaction.codecs import (
     pipeline_configs,
     register_codec,
 )
+from r3lab.compaction.codecs.weights import WEIGHT_DTYPES, WeightCodec
 from r3lab.compaction.container import (
     DEFAULT_MAX_BYTES,
     FORMAT_VERSION,
@@ -44,7 +45,6 @@ from r3lab.compaction.container import (
     encode,
     read_header,
 )
-from r3lab.compaction.codecs.weights import WEIGHT_DTYPES, WeightCodec
 from r3lab.compaction.legacy import LEGACY_BITPACK, BitPackPlanesV1
 from r3lab.compaction.measure import BASELINE, measure_codecs
 from r3lab.compaction.payload import (
@@ -63,7 +63,8 @@ __all__ = [
     "Codec", "IdCodec", "ByteCodec", "RowCodec", "Raw", "BitPack", "TopKSet", "TopKGaps", "Zstd", "BitPackPlanesV1",
     "register_codec", "get_codec", "pipeline_configs", "CODECS", "PIPELINES",
     "measure_codecs", "BASELINE",
-    "MAGIC", "FORMAT_VERSION", "WEIGHTS_FORMAT_VERSION", "READ_VERSIONS", "WeightCodec", "WEIGHT_DTYPES", "LEGACY_BITPACK", "DEFAULT_MAX_BYTES", "RouteFormatError",
+    "MAGIC", "FORMAT_VERSION", "WEIGHTS_FORMAT_VERSION", "READ_VERSIONS", "WeightCodec", "WEIGHT_DTYPES",
+    "LEGACY_BITPACK", "DEFAULT_MAX_BYTES", "RouteFormatError",
 ]
 
 

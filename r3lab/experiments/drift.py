@@ -274,7 +274,8 @@ def write_drift_cell(writer: RunWriter, step: int, row: DriftRow, samples: Seque
                                                 [r.logprobs for r in results], sampled))
     # ids only: the run format's routes files stay what they were (routing weights live in the token table's R3W
     # log-probs; a run that keeps them is a run-format change, not made here)
-    writer.write_routes(step, "engine", RolloutEngine.stack_routes(results).without_weights())  # every cell: each scores again alone
+    # every cell: each scores again alone
+    writer.write_routes(step, "engine", RolloutEngine.stack_routes(results).without_weights())
     if all(s.trainer_routes is not None for s in samples):  # the trainer's own routes, row for row, every cell
         writer.write_routes(step, "trainer", Routes.concat([s.trainer_routes for s in samples]))
 

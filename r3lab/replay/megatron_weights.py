@@ -50,7 +50,7 @@ MEGATRON_WEIGHT_REPLAY = ("stop", "straight")
 
 
 def check_megatron_router() -> None:
-    """Raise unless Megatron's ``TopKRouter.routing`` and ``RouterReplay.get_replay_topk`` look as r3lab patches them."""
+    """Raise unless Megatron's ``TopKRouter.routing`` and ``RouterReplay.get_replay_topk`` are as r3lab patches."""
     TopKRouter, RouterReplay, _ = _megatron_classes()
     src = inspect.getsource(TopKRouter.routing)
     need = ("topk_routing_with_score_function(", "router_replay=self.router_replay", "return probs, routing_map")

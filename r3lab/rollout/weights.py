@@ -64,7 +64,8 @@ def check_vllm_call_site() -> None:
     b = src.find("self.capture_fn(topk_ids)")
     if a < 0 or b < 0 or b < a:
         raise WeightCaptureError(
-            "vLLM's BaseRouter._select_experts no longer computes `topk_weights, topk_ids = self._compute_routing(...)` "
+            "vLLM's BaseRouter._select_experts no longer computes `topk_weights, topk_ids = "
+            "self._compute_routing(...)` "
             "and then calls `self.capture_fn(topk_ids)`: r3lab's routing-weight capture (r3lab.rollout.weights) "
             "must be re-checked against this vLLM")
 
