@@ -237,7 +237,19 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1/8 of the tokens and fewer repeats (smoke run)")
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--weights-only", action="store_true",
+                    help="only the ids vs ids + routing weights sizes, written to transport_weights.md")
     args = ap.parse_args(argv)
+    if args.weights_only:
+        out = RESULTS.with_name("transport_weights.md")
+        text = "\n".join([f"# Routing weights in transport\n\n`python bench/bench_transport.py --weights-only"
+                          f"{' --quick' if args.quick else ''}` (sizes only; the full run prints the same table).\n",
+                          *weights_section(args.quick)])
+        print(text)
+        if not args.quick:
+            out.write_text(text)
+            print(f"wrote {out}", file=sys.stderr)
+        return
     table, records = run(args.quick)
     print(table)
     if not args.quick:
