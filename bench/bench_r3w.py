@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
             for r in run_drift(config, runs_root=tmp, progress=False):
                 cells.setdefault((r.model, quant, r.trainer_dtype), []).append(r)
         print(f"done: engine {quant}", file=sys.stderr, flush=True)
-        cmd = "python bench/bench_r3w.py" + ("" if argv is None else " " + " ".join(argv))
+        cmd = " ".join(["python bench/bench_r3w.py", *(sys.argv[1:] if argv is None else argv)])
         out = table(dict(sorted(cells.items(), key=lambda kv: (kv[0][0], QUANTS.index(kv[0][1]), kv[0][2]))),
                     config, cmd)
         if quant != quants[-1]:
