@@ -339,6 +339,8 @@ class DriftConfig(_Config):
     engine_url: str | None = knob(None, "a running vLLM server to sample from (started with "
                                   "--enable-return-routed-experts; its API key from $R3LAB_ENGINE_API_KEY); "
                                   "--models names the local checkpoint it serves", unset="start a local engine")
+    replay_weights: bool = knob(False, "also capture the engine's routing weights and score R3W (the engine's ids "
+                                "and weights replayed; in-process engine only: vLLM's API returns ids only)")
 
     _quick: typing.ClassVar[dict[str, Any]] = {"prompts": 8, "max_tokens": 16, "seeds": (0,)}
 
@@ -366,6 +368,9 @@ class DriftConfig(_Config):
             if self.engine_quant != "none":
                 raise ConfigError("{engine_quant} applies to a local engine; quantise the attached server yourself",
                                   field="engine_quant", fields=("engine_url",))
+            if self.replay_weights:
+                raise ConfigError("{replay_weights} needs the in-process engine: vLLM's HTTP API returns expert ids "
+                                  "only, never routing weights", field="replay_weights", fields=("engine_url",))
 
     def to_cli_args(self) -> list[str]:
         """The ``r3lab drift`` arguments that run exactly this config."""

@@ -31,6 +31,7 @@ TIERS: dict[str, tuple[str, ...]] = {
     "test_quant.py": ("engine",),
     "test_rl.py": ("engine",),
     "test_rollout.py": ("engine",),
+    "test_r3w_engine.py": ("engine",),
     "test_attach.py": ("engine",),  # starts vLLM servers the way a user would
     "test_packaging.py": ("engine",),  # builds a wheel, installs it in a venv, runs the quick drift from it
     "test_rescore.py": ("engine", "megatron"),

@@ -17,7 +17,7 @@ Layer ids are the 0-based global decoder-layer index everywhere (as in :class:`r
 """
 
 from r3lab.replay.common import ReplayError, check_route_tensor
-from r3lab.replay.hf import ROUTER_RULES, HFReplay, count_replay_hooks, find_hf_routers, hf_replay
+from r3lab.replay.hf import ROUTER_RULES, WEIGHT_REPLAY, HFReplay, count_replay_hooks, find_hf_routers, hf_replay
 from r3lab.replay.hf_model import (
     RouterCasts,
     Scores,
@@ -38,6 +38,7 @@ from r3lab.replay.megatron import (
     megatron_router_map,
     megatron_routers,
 )
+from r3lab.replay.megatron_weights import MegatronWeightReplay, megatron_weight_replay
 
 __all__ = [
     "ReplayError",
@@ -48,12 +49,15 @@ __all__ = [
     "megatron_router_map",
     "MegatronRouterMap",
     "MTP_MODES",
+    "MegatronWeightReplay",
+    "megatron_weight_replay",
     "find_orphaned_router_replays",
     "hf_replay",
     "HFReplay",
     "find_hf_routers",
     "count_replay_hooks",
     "ROUTER_RULES",
+    "WEIGHT_REPLAY",
     "RouterCasts",
     "keep_routers_fp32",
     "remove_router_casts",

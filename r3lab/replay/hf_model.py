@@ -176,13 +176,15 @@ def score_batch(
     record: bool = False,
     grad: bool = False,
     entropy: bool = False,
+    weights: str | None = None,
 ) -> Scores:
     """One forward over a right-padded batch ``ids [B, S]``; scores the positions where ``scored [B, S]`` is True.
 
     Position t is scored from the logits at t - 1 (so ``scored[:, 0]`` must be False). ``routes`` (one
     sequence per row, as many rows as the row's real tokens) is replayed in every MoE router; ``record``
     returns the ids the routers used (their own, or under replay the replayed ones). ``attention_mask``
-    None (or all ones) runs the plain causal forward.
+    None (or all ones) runs the plain causal forward. ``weights`` (``"stop"``, ``"straight"``; needs ``routes``
+    that carry routing weights) also replays the engine's routing weights (:func:`~r3lab.replay.hf.hf_replay`).
     """
     if ids.ndim != 2 or scored.shape != ids.shape:
         raise ReplayError(f"ids and scored must both be [B, S], got {tuple(ids.shape)} and {tuple(scored.shape)}")
@@ -200,7 +202,9 @@ def score_batch(
     if routes is not None:
         if not isinstance(routes, Routes):
             raise ReplayError(f"routes must be r3lab.Routes, got {type(routes).__name__}")
-        ctx: Any = hf_replay(model, routes, record_replayed=record, attention_mask=mask)
+        ctx: Any = hf_replay(model, routes, record_replayed=record, attention_mask=mask, weights=weights)
+    elif weights is not None:
+        raise ReplayError(f"weights={weights!r} needs routes (the engine's ids and weights)")
     elif record:
         ctx = hf_replay(model, mode="record")
     else:

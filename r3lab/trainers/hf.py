@@ -64,14 +64,16 @@ class HFTrainer(Trainer):
         return cls(model, lr=lr)
 
     def score(self, batch: TokenBatch, *, routes: Routes | None = None, record: bool = False,
-              entropy: bool = False) -> TrainerScores:
-        s = score_batch(self.model, *padded_batch(batch), routes=routes, record=record, entropy=entropy)
+              entropy: bool = False, weights: str | None = None) -> TrainerScores:
+        s = score_batch(self.model, *padded_batch(batch), routes=routes, record=record, entropy=entropy,
+                        weights=weights)
         return TrainerScores(_numpy(s.logprobs), s.routes, _numpy(s.entropy))
 
-    def policy_step(self, batch: TokenBatch, update: PolicyUpdate, *, routes: Routes | None = None) -> PolicyStepStats:
+    def policy_step(self, batch: TokenBatch, update: PolicyUpdate, *, routes: Routes | None = None,
+                    weights: str | None = None) -> PolicyStepStats:
         if self.optimizer is None:
             raise ConfigError("this HFTrainer has no optimizer: build it with lr=... to take policy steps")
-        cur = score_batch(self.model, *padded_batch(batch), routes=routes, grad=True, entropy=True)
+        cur = score_batch(self.model, *padded_batch(batch), routes=routes, grad=True, entropy=True, weights=weights)
         loss = clipped_policy_loss(cur.logprobs, update)
         self.optimizer.zero_grad(set_to_none=True)
         loss.loss.backward()
