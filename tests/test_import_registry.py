@@ -175,6 +175,7 @@ def test_run_writer_adds_to_its_config_and_writes_atomically(tmp_path):
         with pytest.raises(RunFormatError, match=r"\['x'\] are already set"):
             w.add_config({"x": 2})
         w.log_step({"step": 0})
+        assert not (w.path / "config.json").exists()  # an atomic run's config is written once, by finish
         w.finish({"steps": 1})
     assert w.path == tmp_path / "a" and sorted(p.name for p in tmp_path.iterdir()) == ["a"]
     assert runs.load(tmp_path / "a").config == {"x": 1, "late": [1, 2]}
