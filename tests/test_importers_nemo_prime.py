@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from r3lab import doctor, metrics, runs
-from r3lab.importers import ImportFormatError, nemo_rl, prime_rl, sample_tokens
+from r3lab.errors import ImportFormatError
+from r3lab.importers import nemo_rl, prime_rl, sample_tokens
 from r3lab.importers.nemo_rl import import_nemo_rl
 from r3lab.importers.prime_rl import import_prime_rl
 

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from r3lab import doctor, runs
-from r3lab.importers import ImportFormatError, UnsafeFileError, sample_tokens
+from r3lab.errors import ImportFormatError, UnsafeFileError
+from r3lab.importers import sample_tokens
 from r3lab.importers import skyrl as sk
 from r3lab.importers import verl as vl
 

@@ -35,13 +35,12 @@ from r3lab import metrics
 from r3lab.errors import ImportFormatError, UnsafeFileError
 from r3lab.moe_layout import MoELayout
 from r3lab.routes import Routes
-from r3lab.runs import RunWriter
+from r3lab.runs import IMPORT_KIND, RunWriter
 
 __all__ = ["NUMPY_ALLOWLIST", "safe_torch_load", "refuse_pickles",
-           "read_jsonl", "file_sha256", "file_hashes", "LayerMap", "Sample", "CaptureLog", "write_run", "IMPORT_KIND",
+           "read_jsonl", "file_sha256", "file_hashes", "LayerMap", "Sample", "CaptureLog", "write_run",
            "sample_tokens", "mtp_layer_count", "MTP_CONFIG_KEYS", "jsonl_samples", "layout_config", "FLOAT_COLUMNS"]
 
-IMPORT_KIND = "imported"
 REFUSED_SUFFIXES = {".pkl": "a Python pickle", ".pickle": "a Python pickle", ".dill": "a dill pickle",
                     ".joblib": "a joblib pickle"}
 _TOKEN_CHUNK = 4096  # samples per parquet row group: what an import holds of a step's token columns at once
