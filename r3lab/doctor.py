@@ -23,7 +23,7 @@ One :class:`Report` with one :class:`Check` per line: what was checked, on how m
 
 Health checks warn rather than fail: a run may mean to be off-policy (staleness, a high learning rate), and the
 report says so instead of stopping it. :func:`diagnose` is what the RL loop calls at the end of a run (the doctor
-sits below the experiments and draws nothing; ``r3lab.importers.figures`` draws what a run allows).
+sits below the experiments and draws nothing; ``r3lab.viz.available`` draws what a run allows).
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ run.steps
 """
 
 IMPORTS_02_03 = """
-from r3lab import importers, viz
+from r3lab import viz
 from r3lab.config import DriftConfig, RLConfig, RLMetric
 from r3lab.experiments import load_or_run
 """
@@ -168,32 +168,32 @@ export = False
     md("## Engine vs trainer on the same tokens"),
     code(DRIFT_LOAD),
     code("""
-engine, trainer = importers.routes_or_note(run, step, "engine"), importers.routes_or_note(run, step, "trainer")
-load_fig = importers.expert_load(engine, trainer, title=f"{run.name}, cell {step}: expert load")
+engine, trainer = viz.routes_or_note(run, step, "engine"), viz.routes_or_note(run, step, "trainer")
+load_fig = viz.expert_load(engine, trainer, title=f"{run.name}, cell {step}: expert load")
 load_fig
 """),
     code("""
-disagreement = importers.in_place(viz.layer_disagreement_figure, engine, trainer)
+disagreement = viz.in_place(viz.layer_disagreement_figure, engine, trainer)
 disagreement
 """),
     code("""
-imbalance = importers.in_place(viz.load_imbalance_figure, importers.drawn({"engine": engine, "trainer": trainer}))
+imbalance = viz.in_place(viz.load_imbalance_figure, viz.drawn({"engine": engine, "trainer": trainer}))
 imbalance
 """),
     md("## Over RL steps, per replay mode"),
     code(RL_LOAD),
     code("""
-shift = importers.in_place(viz.load_shift_figure, importers.of_kind(rl, "rl"))
+shift = viz.in_place(viz.load_shift_figure, viz.of_kind(rl, "rl"))
 shift
 """),
     code("""
-importers.in_place(viz.rl_curves_figure, importers.of_kind(rl, "rl"), RLMetric.ENGINE_TRAINER_DISAGREEMENT, log=False)
+viz.in_place(viz.rl_curves_figure, viz.of_kind(rl, "rl"), RLMetric.ENGINE_TRAINER_DISAGREEMENT, log=False)
 """),
     code("""
-importers.in_place(viz.rl_curves_figure, importers.of_kind(rl, "rl"), RLMetric.ENGINE_MAX_VIO, log=False)
+viz.in_place(viz.rl_curves_figure, viz.of_kind(rl, "rl"), RLMetric.ENGINE_MAX_VIO, log=False)
 """),
     code("""
-viz.export_figures(importers.drawn({"expert_load": load_fig, "layer_disagreement": disagreement,
+viz.export_figures(viz.drawn({"expert_load": load_fig, "layer_disagreement": disagreement,
                                     "load_imbalance": imbalance, "load_shift": shift}), out_dir) if export else []
 """),
 ]
@@ -233,56 +233,56 @@ export = False
     md("## The drift experiment"),
     code(DRIFT_LOAD),
     code("""
-drift = importers.in_place(viz.drift_figure, importers.of_kind(run, "drift"))
+drift = viz.in_place(viz.drift_figure, viz.of_kind(run, "drift"))
 drift
 """),
     code("""
 tok = run.tokens([step])
-logp_infer, drift_modes = importers.token_logprobs(tok)
+logp_infer, drift_modes = viz.mismatch_logprobs(tok)
 density = viz.prob_density_figure(logp_infer, drift_modes)
 density
 """),
     md("F(τ): the share of tokens whose probability ratio is beyond τ either way; dashed: the noise floors."),
     code("""
-f_tau = viz.extreme_fraction_figure(logp_infer, drift_modes, floors=importers.noise_floors(tok))
+f_tau = viz.extreme_fraction_figure(logp_infer, drift_modes, floors=viz.noise_floors(tok))
 f_tau
 """),
     code("""
 viz.delta_histogram_figure(logp_infer, drift_modes)
 """),
     code("""
-flipped = importers.column_or_note(tok, "flipped", "the flipped-vs-agreeing split needs trainer routes")
-split = importers.in_place(viz.flip_split_figure, logp_infer, drift_modes, flipped)
+flipped = viz.column_or_note(tok, "flipped", "the flipped-vs-agreeing split needs trainer routes")
+split = viz.in_place(viz.flip_split_figure, logp_infer, drift_modes, flipped)
 split
 """),
     md("Per layer: the share of sampled tokens routed differently there, and the drift of those tokens."),
     code("""
-engine, trainer = importers.routes_or_note(run, step, "engine"), importers.routes_or_note(run, step, "trainer")
-differs = importers.in_place(viz.response_differs, engine, trainer, tok.groupby("sample").size())
-importers.in_place(viz.layer_drift_figure, differs, logp_infer, drift_modes, 
-                   layer_ids=importers.in_place(getattr, engine, "layer_ids"))
+engine, trainer = viz.routes_or_note(run, step, "engine"), viz.routes_or_note(run, step, "trainer")
+differs = viz.in_place(viz.response_differs, engine, trainer, tok.groupby("sample").size())
+viz.in_place(viz.layer_drift_figure, differs, logp_infer, drift_modes, 
+             layer_ids=viz.in_place(getattr, engine, "layer_ids"))
 """),
     md("## RL: none vs R2 vs R3 (old-policy log-probs of each mode's last stored step)"),
     code(RL_LOAD),
     code("""
-rl_logps, rl_flipped = importers.rl_token_logprobs(rl)
-importers.in_place(viz.prob_density_figure, None, rl_logps)
+rl_logps, rl_flipped = viz.rl_logprobs_or_note(rl)
+viz.in_place(viz.prob_density_figure, None, rl_logps)
 """),
     code("""
-importers.in_place(viz.extreme_fraction_figure, None, rl_logps)
+viz.in_place(viz.extreme_fraction_figure, None, rl_logps)
 """),
     code("""
-importers.in_place(viz.delta_histogram_figure, None, rl_logps)
+viz.in_place(viz.delta_histogram_figure, None, rl_logps)
 """),
     code("""
-importers.in_place(viz.flip_split_figure, None, rl_logps, rl_flipped)
+viz.in_place(viz.flip_split_figure, None, rl_logps, rl_flipped)
 """),
     code("""
-importers.in_place(viz.rl_curves_figure, importers.of_kind(rl, "rl"), RLMetric.K3_KL)
+viz.in_place(viz.rl_curves_figure, viz.of_kind(rl, "rl"), RLMetric.K3_KL)
 """),
     code("""
 figures = {"drift": drift, "prob_density": density, "f_tau": f_tau, "flip_split": split}
-viz.export_figures(importers.drawn(figures), out_dir) if export else []
+viz.export_figures(viz.drawn(figures), out_dir) if export else []
 """),
 ]
 
@@ -310,11 +310,11 @@ tp, pp, ep = 1, 1, 1  # the Megatron layout (tensor, pipeline, expert parallel; 
 out_dir = None  # where runs (and exported figures, in figures/) go; None: data/runs
 """),
     code("""
-from r3lab import importers, viz, widgets
+from r3lab import viz, widgets
 from r3lab.config import RLMetric
 
 runs = widgets.load_runs(reference_runs or widgets.reference_runs_dir(), reference_prefix)
-finished = importers.of_kind(runs, "rl")  # an imported run has no replay mode: its curves say so in place
+finished = viz.of_kind(runs, "rl")  # an imported run has no replay mode: its curves say so in place
 [(r.name, r.kind, len(r.step_records), r.finished) for r in runs]
 """),
     md("""
@@ -323,22 +323,22 @@ finished = importers.of_kind(runs, "rl")  # an imported run has no replay mode: 
 Median over seeds per mode, min - max as a band; one colour per mode in every r3lab figure.
 """),
     code("""
-importers.in_place(viz.rl_curves_figure, finished, RLMetric.K3_KL,
-                   title="train-inference k3 KL (trainer old policy vs engine)")
+viz.in_place(viz.rl_curves_figure, finished, RLMetric.K3_KL,
+             title="train-inference k3 KL (trainer old policy vs engine)")
 """),
     code("""
-importers.in_place(viz.rl_curves_figure, finished, RLMetric.F_2,
-                   title="F(2): share of tokens with ratio beyond 2x")
+viz.in_place(viz.rl_curves_figure, finished, RLMetric.F_2,
+             title="F(2): share of tokens with ratio beyond 2x")
 """),
     code("""
-importers.in_place(viz.rl_curves_figure, finished, RLMetric.REWARD, title="reward")
+viz.in_place(viz.rl_curves_figure, finished, RLMetric.REWARD, title="reward")
 """),
     code("""
-importers.in_place(viz.rl_curves_figure, finished, RLMetric.ROUTE_CHANGE_LAST_MB,
-                   title="policy route change vs old policy (last mini-batch)")
+viz.in_place(viz.rl_curves_figure, finished, RLMetric.ROUTE_CHANGE_LAST_MB,
+             title="policy route change vs old policy (last mini-batch)")
 """),
     code("""
-importers.in_place(viz.rl_curves_figure, finished, RLMetric.CLIP_FRAC, title="clip fraction")
+viz.in_place(viz.rl_curves_figure, finished, RLMetric.CLIP_FRAC, title="clip fraction")
 """),
     md("""
 ## Ablation dashboard
@@ -408,7 +408,7 @@ out_dir = "out/06_your_run"
 export = False
 """),
         code("""
-from r3lab import doctor, importers, paths, viz
+from r3lab import doctor, paths, viz
 
 run = run or paths.results_dir() / "drift-run"
 run
@@ -419,7 +419,7 @@ report = doctor.diagnose(run)
 report
 """),
         code("""
-figures = importers.run_figures(run, step=step)
+figures = viz.run_figures(run, step=step)
 list(figures)
 """),
         md("## Mismatch health per step"),
@@ -457,7 +457,7 @@ figures["flip_split"]
 figures["layer_drift"]
 """),
         code("""
-viz.export_figures(importers.drawn(figures), out_dir) if export else []
+viz.export_figures(viz.drawn(figures), out_dir) if export else []
 """),
     ]
 

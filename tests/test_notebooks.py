@@ -213,24 +213,24 @@ def test_imported_run_helpers_note_what_is_missing_and_pass_r3lab_runs_through(t
     a mapping's value); r3lab's own runs pass through of_kind unchanged; the token log-probs are the table's own."""
     import numpy as np
 
-    from r3lab import importers
+    from r3lab import viz
     from r3lab.runs import load, load_runs, reference_runs_dir
 
     run = load(make_dumps.imported_run(tmp_path))
-    trainer = importers.routes_or_note(run, 0, "trainer")
-    assert isinstance(trainer, importers.NotAvailable) and "trainer routes" in trainer.message
-    engine = importers.routes_or_note(run, 0, "engine")
+    trainer = viz.routes_or_note(run, 0, "trainer")
+    assert isinstance(trainer, viz.NotAvailable) and "trainer routes" in trainer.message
+    engine = viz.routes_or_note(run, 0, "engine")
     assert engine.total_tokens == run.routes(0, "engine").total_tokens
-    assert importers.in_place(dict, a=1, b={"t": trainer}) is trainer
-    assert importers.in_place(dict, a=1) == {"a": 1}
-    assert list(importers.drawn({"engine": engine, "trainer": trainer})) == ["engine"]
+    assert viz.in_place(dict, a=1, b={"t": trainer}) is trainer
+    assert viz.in_place(dict, a=1) == {"a": 1}
+    assert list(viz.drawn({"engine": engine, "trainer": trainer})) == ["engine"]
     tok = run.tokens([0])
-    infer, modes = importers.token_logprobs(tok)
+    infer, modes = viz.mismatch_logprobs(tok)
     assert list(modes) == ["trainer"] and np.array_equal(modes["trainer"], tok["logp_train"].to_numpy())
-    assert np.array_equal(infer, tok["logp_infer"].to_numpy()) and importers.noise_floors(tok) == {}
-    assert isinstance(importers.of_kind([run], "rl"), importers.NotAvailable)
+    assert np.array_equal(infer, tok["logp_infer"].to_numpy()) and viz.noise_floors(tok) == {}
+    assert isinstance(viz.of_kind([run], "rl"), viz.NotAvailable)
     own = load_runs(reference_runs_dir(), "tiny-qwen3-moe-default-")
-    assert importers.of_kind(own, "rl") is own
+    assert viz.of_kind(own, "rl") is own
 
 
 def test_generated_notebooks_match_their_generator():

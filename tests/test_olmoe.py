@@ -21,7 +21,7 @@ from r3lab import families
 from r3lab.corpus import corpus_prompts
 from r3lab.moe_layout import MoELayout
 from r3lab.paths import model_dir
-from r3lab.replay import ROUTER_RULES, find_hf_routers, load_hf_model, megatron_replay, score_batch, token_logprobs
+from r3lab.replay import ROUTER_RULES, find_hf_routers, load_hf_model, megatron_replay, score_batch, hf_token_logprobs
 from r3lab.routes import Routes
 from r3lab.slicing import dp_sequence_ids, shard, token_rows
 
@@ -62,8 +62,8 @@ def test_router_rule_is_the_routers_own_softmax_without_renormalisation():
     assert (weights.sum(-1) < 0.999).all()  # OLMoE does not renormalize the top-k
     # the whole model: replaying its own routes changes no log-prob (the rule is the router's own weights)
     ids_ = np.random.default_rng(1).integers(4, CFG["vocab_size"], 40).tolist()
-    lp, own = token_logprobs(model, ids_, prompt_len=8, record=True)
-    lp_r3, used = token_logprobs(model, ids_, prompt_len=8, routes=own, record=True)
+    lp, own = hf_token_logprobs(model, ids_, prompt_len=8, record=True)
+    lp_r3, used = hf_token_logprobs(model, ids_, prompt_len=8, routes=own, record=True)
     assert used == own
     np.testing.assert_array_equal(lp_r3, lp)
 
@@ -133,8 +133,8 @@ def test_transformers_replays_the_engine_routes_exactly(engine_results):
         ids = (r.prompt_ids + r.response_ids)[:-1]  # the engine routes every token but the last (no successor)
         if len(r.response_ids) < 2:
             continue
-        lp_native, native = token_logprobs(model, ids, prompt_len=len(r.prompt_ids), record=True)
-        lp_r3, used = token_logprobs(model, ids, prompt_len=len(r.prompt_ids), routes=r.routes, record=True)
+        lp_native, native = hf_token_logprobs(model, ids, prompt_len=len(r.prompt_ids), record=True)
+        lp_r3, used = hf_token_logprobs(model, ids, prompt_len=len(r.prompt_ids), routes=r.routes, record=True)
         assert used == r.routes  # the ids the experts ran with are the engine's, every layer and token
         same = (np.sort(native.values, -1) == np.sort(r.routes.values, -1)).all(-1)
         agree, total = agree + int(same.sum()), total + same.size

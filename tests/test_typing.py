@@ -27,7 +27,7 @@ KNOWN_ERRORS: dict[str, int] = {
     "r3lab/experiments/rl/old_policy.py": 5,
     "r3lab/experiments/rl/update.py": 4,
     "r3lab/importers/common.py": 1,
-    "r3lab/importers/figures.py": 17,
+    "r3lab/viz/available.py": 17,
     "r3lab/metrics.py": 1,
     "r3lab/rollout/_common.py": 1,
     "r3lab/rollout/engine.py": 6,

@@ -2,7 +2,7 @@
 
 :func:`score_batch` is the trainer's one forward that scores tokens: a right-padded batch, optionally
 replaying routes (:func:`~r3lab.replay.hf.hf_replay`) or recording what the routers chose, with or without
-gradients. :func:`token_logprobs` (one sequence, no grad) and :func:`recompute_routes` (the engine's row
+gradients. :func:`hf_token_logprobs` (one sequence, no grad) and :func:`recompute_routes` (the engine's row
 convention) are built on it. transformers itself is imported only by :func:`load_hf_model`.
 """
 
@@ -31,7 +31,7 @@ __all__ = [
     "load_hf_model",
     "Scores",
     "score_batch",
-    "token_logprobs",
+    "hf_token_logprobs",
     "recompute_routes",
 ]
 
@@ -225,20 +225,20 @@ def score_batch(
 
 
 @overload
-def token_logprobs(
+def hf_token_logprobs(
     model: torch.nn.Module, token_ids: Sequence[int], *, prompt_len: int = 1, routes: Routes | None = None,
     record: Literal[True],
 ) -> tuple[np.ndarray, Routes]: ...
 
 
 @overload
-def token_logprobs(
+def hf_token_logprobs(
     model: torch.nn.Module, token_ids: Sequence[int], *, prompt_len: int = 1, routes: Routes | None = None,
     record: bool = False,
 ) -> tuple[np.ndarray, Routes | None]: ...
 
 
-def token_logprobs(
+def hf_token_logprobs(
     model: torch.nn.Module,
     token_ids: Sequence[int],
     *,
@@ -288,7 +288,7 @@ def recompute_routes(
     want = list(layout.moe_layer_ids)
     per_seq, lps = [], []
     for i, seq in enumerate(sequences):
-        lp, used = token_logprobs(model, seq, prompt_len=1, record=True)
+        lp, used = hf_token_logprobs(model, seq, prompt_len=1, record=True)
         if used.layer_ids.tolist() != want:
             got = used.layer_ids.tolist()
             raise ReplayError(f"sequence {i}: the model's routers are layers {got}, {model_dir} says MoE layers {want}")

@@ -1,7 +1,7 @@
 """The transformers trainer: one model, AdamW, routing replay through :mod:`r3lab.replay` (its hooks).
 
 Scoring is :func:`r3lab.replay.score_batch` over a right-padded batch (:func:`padded_batch`); a one-sample batch
-runs the plain causal forward, as :func:`r3lab.replay.token_logprobs` does. Weights go back to the engine in the
+runs the plain causal forward, as :func:`r3lab.replay.hf_token_logprobs` does. Weights go back to the engine in the
 checkpoint's names (``revert_weight_conversion``: transformers 5 fuses each MoE block's experts on load).
 """
 

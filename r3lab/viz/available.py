@@ -1,5 +1,9 @@
-"""Every figure a run's fields allow (own or imported), through the public ``r3lab.viz`` builders; in place of each
-figure a run lacks a field for, a :class:`NotAvailable` that says which field and what needs it (notebook 06)."""
+"""Every figure a run's fields allow (own or imported), through the ``r3lab.viz`` builders; in place of each figure a
+run lacks a field for, a :class:`NotAvailable` that says which field and what needs it (notebooks 02-04 and 06).
+
+The notebooks' cells stay logic-free on imported runs: :func:`in_place` passes a :class:`NotAvailable` on instead of
+drawing, and :func:`routes_or_note`, :func:`of_kind`, :func:`column_or_note` and :func:`rl_logprobs_or_note` hand one
+out where an imported run lacks a field. Runs made by r3lab still raise as before."""
 
 from __future__ import annotations
 
@@ -11,12 +15,11 @@ import numpy as np
 
 from r3lab.doctor import HEALTH_NAMES, LOGP_TRAIN_COLUMNS, facts, health_series
 from r3lab.errors import R3LabError
-from r3lab.importers.common import IMPORT_KIND
-from r3lab.runs import Run, load
+from r3lab.runs import IMPORT_KIND, Run, load, rl_token_logprobs
 from r3lab.runs.format import CAPTURE_KIND
 
-__all__ = ["NotAvailable", "health_figure", "run_figures", "drawn", "in_place", "routes_or_note", "of_kind",
-           "expert_load", "token_logprobs", "noise_floors", "column_or_note", "rl_token_logprobs"]
+__all__: list[str] = []  # NotAvailable, health_figure, run_figures, drawn, in_place, routes_or_note, of_kind,
+# expert_load, mismatch_logprobs, noise_floors, column_or_note, rl_logprobs_or_note: exported by the facade, r3lab.viz
 
 
 class NotAvailable:
@@ -36,7 +39,7 @@ def health_figure(run: Run | str | os.PathLike):
     """The doctor's mismatch health per step: k3, F(2), IS ESS and TIS clip fraction (one panel each)."""
     from plotly.subplots import make_subplots
 
-    from r3lab.viz import finish
+    from r3lab.viz.style import finish
 
     r = run if isinstance(run, Run) else load(run)
     steps, ser, n = health_series(r)
@@ -117,9 +120,6 @@ def drawn(figures: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in figures.items() if not isinstance(v, NotAvailable)}
 
 
-# Notebooks 02-04 on imported runs: the cells stay logic-free; a field an imported run lacks comes back as a
-# NotAvailable, and in_place passes it on instead of the figure. Runs made by r3lab still raise as before.
-
 def _first_missing(values: Any) -> NotAvailable | None:
     for v in values:
         if isinstance(v, NotAvailable):
@@ -181,7 +181,7 @@ def of_kind(runs: Run | Sequence[Run], kind: str) -> Any:
 _TRAIN_LABELS = {"logp_none": "none", "logp_r3": "R3"}
 
 
-def token_logprobs(tokens: Any) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+def mismatch_logprobs(tokens: Any) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """``(logp_infer, {label: trainer log-probs})`` of a token table: a drift run's ``none`` and ``R3`` scores,
     else an imported run's trainer scores (``logp_train``, label ``trainer``)."""
     if "logp_infer" not in tokens:
@@ -214,12 +214,10 @@ def column_or_note(tokens: Any, name: str, needs: str) -> Any:
     return NotAvailable(f"this run's tokens have no {name!r} column: {needs}")
 
 
-def rl_token_logprobs(runs: Sequence[Run], step: int | None = None) -> Any:
-    """``viz.rl_token_logprobs`` of r3lab RL runs, ``(logps, flipped)``; for imported runs a pair of
+def rl_logprobs_or_note(runs: Sequence[Run], step: int | None = None) -> Any:
+    """:func:`r3lab.runs.rl_token_logprobs` of r3lab RL runs, ``(logps, flipped)``; for imported runs a pair of
     :class:`NotAvailable` (they carry no replay mode to pool by)."""
-    from r3lab import viz
-
     checked = of_kind(runs, "rl")
     if isinstance(checked, NotAvailable):
         return checked, checked
-    return viz.rl_token_logprobs(checked, step)
+    return rl_token_logprobs(checked, step)
