@@ -8,6 +8,8 @@ first, puts it back in the state a fresh start leaves:
 * the checkpoint's weights and ``weight_version`` 0 (a full reload through ``update_weights``, as the RL loop's own
   start does, when anything was pushed since; ``engine_quant`` engines are quantized again on the way in);
 * an empty prefix cache (no KV block, nor the routes stored with it, carried over from another test);
+* a new start when another in-process engine was closed since (vLLM's shutdown tears down the process-wide
+  parallel groups every in-process engine runs on), byte-checked like a reset;
 * the process-wide RNGs seeded with the engine's seed, as vLLM's worker leaves them at the end of its start
   (``set_random_seed(seed)``: Python's, NumPy's and torch's), so unseeded sampling draws as it did on a fresh engine.
 
@@ -51,6 +53,7 @@ class _Entry:
     handouts: int = 0
     pushes: int = 0  # update_weights calls since the last reload of the checkpoint
     reloads: int = 0
+    restarts: int = 0  # new starts after another engine's close tore down vLLM's process-wide groups
 
 
 class EnginePool:
@@ -72,6 +75,14 @@ class EnginePool:
             eng = RolloutEngine(model, seed=seed, **options)
             entry = self._entries[key] = _Entry(eng, seed, _probe(eng))
             _count_pushes(entry)
+        elif not _parallel_state_alive():
+            # another in-process engine was closed since: vLLM's shutdown destroys the process-wide parallel groups
+            # every in-process engine runs on, so this one cannot run again; a new start replaces it (left unclosed:
+            # closing it would tear down the new engine's groups), and its probe must be the first start's bytes
+            eng = RolloutEngine(model, seed=seed, **options)
+            entry.engine, entry.pushes, entry.restarts = eng, 0, entry.restarts + 1
+            _count_pushes(entry)
+            self._check_probe(entry, where="restart")
         else:
             self._reset(entry, where="hand-out")
         entry.handouts += 1
@@ -81,8 +92,11 @@ class EnginePool:
 
     def restore(self, engine: RolloutEngine) -> None:
         """Put ``engine`` (one of the pool's) back to its checkpoint weights and version 0, byte-checked; a test module
-        that pushed weights calls this when done (the next :meth:`engine` hand-out would do it too)."""
-        self._reset(self._entry_of(engine), where="restore")
+        that pushed weights calls this when done (the next :meth:`engine` hand-out would do it too). After another
+        engine's close (vLLM's groups gone) there is nothing to run: the next hand-out starts it anew."""
+        entry = self._entry_of(engine)
+        if _parallel_state_alive():
+            self._reset(entry, where="restore")
 
     @contextmanager
     def lease(self, model: str | os.PathLike, *, seed: int = 0, **options: Any) -> Iterator[RolloutEngine]:
@@ -113,6 +127,10 @@ class EnginePool:
         if entry.pushes or eng.weight_version != 0:
             eng.update_weights(dict(_checkpoint_state_dict(eng.model_dir)), version=0)
             entry.pushes, entry.reloads = 0, entry.reloads + 1
+        self._check_probe(entry, where=where)
+
+    def _check_probe(self, entry: _Entry, *, where: str) -> None:
+        eng = entry.engine
         got = _probe(eng)
         if got != entry.probe:
             which = [name for name, a, b in zip(("tokens", "routes", "logprobs"), got, entry.probe, strict=True)
@@ -122,6 +140,13 @@ class EnginePool:
                              "test left other weights or state behind, or the reload did not reach the engine")
         if eng.weight_version != 0:
             raise R3LabError(f"EnginePool {where}: weight_version is {eng.weight_version} after the reset, not 0")
+
+
+def _parallel_state_alive() -> bool:
+    """Whether vLLM's process-wide model-parallel groups (what an in-process engine's forward reads) still exist."""
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+
+    return bool(model_parallel_is_initialized())
 
 
 def _count_pushes(entry: _Entry) -> None:
