@@ -7,6 +7,10 @@ and ``slow``, the union of the four. They are applied here by file (:data:`TIERS
 files is tiered without anyone remembering; a test elsewhere that needs one marks itself
 (``@pytest.mark.engine``) and gets ``slow`` too. ``bash scripts/test.sh`` runs everything;
 ``bash scripts/test.sh -m "not slow"`` is the fast tier.
+
+Engines: a test that needs vLLM on a shipped model takes the session's ``engine_pool`` fixture (one engine per model
+and options for the whole run, handed out in a fresh start's state and byte-checked; :mod:`r3lab.testing.engines`)
+instead of starting its own; the count printed at the end says which files still start engines.
 """
 
 from __future__ import annotations
@@ -117,3 +121,19 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     if _ENGINE_STARTS:
         per_file = ", ".join(f"{f} {n}" for f, n in sorted(_ENGINE_STARTS.items()))
         terminalreporter.write_line(f"vLLM engines started: {sum(_ENGINE_STARTS.values())} ({per_file})")
+
+
+# ---- session-wide vLLM engines (r3lab.testing.engines): one per (model, options), reset at every hand-out ------------
+
+
+@pytest.fixture(scope="session")
+def engine_pool():
+    """The session's :class:`~r3lab.testing.engines.EnginePool`: ``engine_pool.engine(model, seed=0)`` is a vLLM engine
+    in a fresh start's state (checkpoint weights, version 0, empty prefix cache, RNGs seeded), byte-checked against
+    its first start; a module that pushes weights takes ``engine_pool.lease(...)`` (restored on the way out). Every
+    engine ends with the session."""
+    from r3lab.testing.engines import EnginePool
+
+    pool = EnginePool()
+    yield pool
+    pool.close()

@@ -14,6 +14,7 @@ import os
 import platform
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -177,6 +178,22 @@ def _engine(config: DriftConfig, path: Any) -> Any:
     return RolloutEngine(path, **_engine_options(config))
 
 
+def _given_engine(engines: Mapping[str, Any] | None, name: str, path: Any, config: DriftConfig) -> Any:
+    """The caller's engine for ``name``, checked against the run (same model folder, same ``engine_quant``)."""
+    eng = (engines or {}).get(name)
+    if eng is None:
+        return None
+    if config.engine_url is not None:
+        raise ConfigError("run_drift: engines= and --engine-url both name the engine; give one")
+    held = getattr(eng, "model_dir", None)
+    if held is not None and os.path.realpath(str(held)) != os.path.realpath(str(path)):
+        raise ConfigError(f"run_drift: the engine given for {name!r} holds {str(held)!r}, not {str(path)!r}")
+    if getattr(eng, "engine_quant", "none") != config.engine_quant:
+        raise ConfigError(f"run_drift: the engine given for {name!r} has engine_quant={eng.engine_quant!r}, the "
+                          f"run asks for {config.engine_quant!r}")
+    return eng
+
+
 def _release_device() -> None:
     import torch
 
@@ -192,6 +209,7 @@ def run_drift(
     runs_root: Any = None,
     run_name: str | None = None,
     on_trainer: Callable[[str, Scorer, list[RolloutResult]], None] | None = None,
+    engines: Mapping[str, RolloutEngine] | None = None,
 ) -> list[DriftRow]:
     """Run the drift experiment: per model, one engine sampling pass, then one scoring pass per trainer dtype.
 
@@ -199,6 +217,10 @@ def run_drift(
     trainer dtype, seed) cell, its per-token and per-sample tables, and the engine's and the trainer's routes.
     ``on_trainer(model label, trainer, samples of the first seed)`` runs once per loaded trainer (extra checks of a
     GPU script).
+
+    ``engines``: engines already started, by model name (a name of ``config.models``), as ``run_rl(engine=...)``
+    takes one: the run samples with them and leaves them open (a notebook's or the test suite's shared engines; they
+    must hold the checkpoint's weights). A model not named gets its own engine, closed after its sampling pass.
     """
     import torch
     from tqdm.auto import tqdm
@@ -214,7 +236,8 @@ def run_drift(
     try:
         for name in tqdm(config.models, desc="models", unit="model", disable=not progress):
             path = model_dir(name, config.data)
-            with _engine(config, path) as engine:
+            given = _given_engine(engines, name, path, config)
+            with nullcontext(given) if given is not None else _engine(config, path) as engine:
                 results = {s: engine.generate(*seed_inputs(config, s)) for s in config.seeds}
                 again = {s: engine.score([r.token_ids for r in res], start=[len(r.prompt_ids) for r in res])
                          for s, res in results.items()}
