@@ -16,6 +16,7 @@ expert load), ``logprobs`` (log-prob drift per token), ``phase`` (the phase diag
 
 from r3lab.runs import rl_token_logprobs  # re-exported: the notebooks read RL token tables through viz
 from r3lab.viz.exporting import EXPORT_FORMATS, export, export_figures, find_chromium
+from r3lab.viz.horizon import horizon_figure
 from r3lab.viz.logprobs import (
     delta_histogram_figure,
     extreme_fraction_figure,
@@ -57,4 +58,4 @@ __all__ = ["MODE_COLORS", "mode_color", "ONE_COLUMN", "TWO_COLUMN", "TEMPLATE", 
            "delta_histogram_figure", "flip_split_figure", "layer_drift_figure", "response_differs",
            "most_flipped_sample", "rl_token_logprobs", "export_figures", "paper_figures", "paper_figure_set",
            "SOURCE_COLORS", "NOT_DRAWN", "NOTEBOOK_CONFIG", "LabFigure", "finish", "axis_ticks", "tick_labels",
-           "tick_values", "phase_figure", "staleness_figure", "OBJECTIVE_STYLES"]
+           "tick_values", "phase_figure", "staleness_figure", "OBJECTIVE_STYLES", "horizon_figure"]
