@@ -48,9 +48,9 @@ def _default_knobs(run: Run) -> bool:
 def paper_figure_set(results: str | os.PathLike) -> dict[str, go.Figure]:
     """Every paper figure by file name, built from the committed results in ``results``.
 
-    Reads only files: ``transport.json``, the reference drift run ``drift-run/``, the reference RL runs ``rl/``
-    the phase-diagram runs ``phase/`` and the long-horizon runs ``horizon/``. A missing input is an error that names it and the command that
-    regenerates it, never a silently skipped figure.
+    Reads only files: ``transport.json``, the reference drift run ``drift-run/``, the reference RL runs ``rl/``,
+    the phase-diagram runs ``phase/`` and the long-horizon runs ``horizon/``. A missing input is an error that names
+    it and the command that regenerates it, never a silently skipped figure.
     """
     import orjson
 
