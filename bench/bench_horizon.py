@@ -53,6 +53,7 @@ SEARCH = {
     "stale2": {"staleness": 2, "old_logprobs": "behaviour"},
 }
 SEARCH_MODES, SEARCH_SEEDS = ("none", "R3"), (0,)
+WORKERS = 4  # how the committed sweep ran: 4 workers at once (--match int4-<mode>-s*), nice 10, one engine each
 
 
 def base_config(**overrides) -> RLConfig:
@@ -136,7 +137,8 @@ def report(reference: Path = REFERENCE) -> str:
     missing = [n for n in plan() if n not in ran]
     q = base_config()
     head = (f"`python bench/bench_horizon.py` on {platform.machine()} (2 CPU cores shared with other jobs), "
-            f"{bench['seconds'] / 60:.0f} minutes of runs in all ({len(runs)} runs; "
+            f"{bench['seconds'] / 60:.0f} minutes of run time summed over {len(runs)} runs, {WORKERS} running at "
+            f"once (about {bench['seconds'] / 60 / WORKERS:.0f} minutes of wall time; "
             f"`python bench/bench_horizon.py --report` renders this file from bench/results/horizon/). "
             f"{q.model}, task {q.task}, {q.prompts_per_step} prompts x {q.samples_per_prompt} samples x "
             f"{q.max_tokens} tokens per step, {q.mini_batches} mini-batches, lr {q.lr:g}, up to {q.steps} steps, "
