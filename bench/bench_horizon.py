@@ -53,7 +53,11 @@ SEARCH = {
     "stale2": {"staleness": 2, "old_logprobs": "behaviour"},
 }
 SEARCH_MODES, SEARCH_SEEDS = ("none", "R3"), (0,)
-WORKERS = 4  # how the committed sweep ran: 4 workers at once (--match int4-<mode>-s*), nice 10, one engine each
+# how the committed sweep ran: 4 workers at once (--match int4-<mode>-s*), nice 10, one engine each, with
+# OMP_NUM_THREADS=1. A rerun with `r3lab rl` and a run's config reproduces its steps exactly only with that thread
+# count too (measured: int4-R2-s0, steps 0-2, every non-timing key equal; with the default threads the float metrics
+# differ at ~1e-7 from step 0 and the samples from step 2)
+WORKERS = 4
 
 
 def base_config(**overrides) -> RLConfig:
