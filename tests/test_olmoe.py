@@ -21,7 +21,7 @@ from r3lab import families
 from r3lab.corpus import corpus_prompts
 from r3lab.moe_layout import MoELayout
 from r3lab.paths import model_dir
-from r3lab.replay import ROUTER_RULES, find_hf_routers, load_hf_model, megatron_replay, score_batch, hf_token_logprobs
+from r3lab.replay import ROUTER_RULES, find_hf_routers, hf_token_logprobs, load_hf_model, megatron_replay, score_batch
 from r3lab.routes import Routes
 from r3lab.slicing import dp_sequence_ids, shard, token_rows
 
