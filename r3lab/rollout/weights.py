@@ -28,8 +28,13 @@ never a guess). Supported: one worker (no TP/PP/DP), in-process engine core, syn
 speculative decoding; every other case raises.
 
 The weights are float32 as the router computed them (vLLM's CPU router returns fp32 ``topk_weights``), the
-factor each chosen expert's output is multiplied by, with ``routed_scaling_factor`` included where the router
-applies it (tests/test_r3w.py checks them against the transformers gate on the same hidden states).
+factor each chosen expert's output is multiplied by, with ``routed_scaling_factor`` included: the trainer's
+convention (transformers' GLM-4-MoE / DeepSeek gates return ``topk_weights * routed_scaling_factor``). vLLM either
+scales inside the router or, where the layer was built with ``apply_routed_scale_to_output`` (GLM-4-MoE on CPU,
+``models/glm4_moe.py``; the router then gets 1.0 and ``MoERunner.routed_scaling_factor`` scales the summed
+expert output, ``fused_moe/layer.py`` l.295-302 and l.419-425), after the experts; in that case r3lab multiplies
+the captured weights by the runner's factor (tests/test_r3w_engine.py checks both models against the transformers
+gate on the same tokens).
 """
 
 from __future__ import annotations
@@ -170,6 +175,10 @@ def _wrap_routers(model: Any, cap: WeightCapture) -> int:
         if getattr(router, "_r3lab_weights", False):
             raise WeightCaptureError(f"layer {module.layer_id}: weight capture is already installed")
         layer_id = int(module.layer_id)
+        if not hasattr(module, "routed_scaling_factor"):
+            raise WeightCaptureError(f"layer {layer_id}: vLLM's MoERunner has no routed_scaling_factor: whether the "
+                                     "routing weights are scaled after the experts cannot be told (vLLM changed)")
+        out_scale = float(module.routed_scaling_factor)  # 1.0 unless the runner scales the output (module doc)
         last: dict[str, Any] = {}
         compute, ids_fn = router._compute_routing, router.capture_fn
 
@@ -178,13 +187,14 @@ def _wrap_routers(model: Any, cap: WeightCapture) -> int:
             _last["w"], _last["ids"] = w, ids
             return w, ids
 
-        def capture_fn(topk_ids: Any, _f: Any = ids_fn, _last: dict = last, _g: int = layer_id) -> None:
+        def capture_fn(topk_ids: Any, _f: Any = ids_fn, _last: dict = last, _g: int = layer_id,
+                       _scale: float = out_scale) -> None:
             _f(topk_ids)
             w, ids = _last.pop("w", None), _last.pop("ids", None)
             if ids is not topk_ids:
                 raise WeightCaptureError(f"layer {_g}: capture_fn was not handed the ids _compute_routing returned "
                                          "(vLLM's BaseRouter._select_experts changed): weights cannot be matched")
-            cap.write(_g, topk_ids, w)
+            cap.write(_g, topk_ids, w if _scale == 1.0 or w is None else w * _scale)
 
         router._compute_routing = compute_routing
         router.capture_fn = capture_fn
