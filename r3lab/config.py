@@ -416,13 +416,13 @@ def _is_tuple(hint: Any) -> bool:
 
 
 def _scalar_type(hint: Any) -> type:
-    """``int``/``float``/``str`` of a field annotation (``X | None`` and ``tuple[X, ...]`` unwrapped)."""
+    """``int``/``float``/``str``/``bool`` of a field annotation (``X | None`` and ``tuple[X, ...]`` unwrapped)."""
     if _is_tuple(hint):
         hint = typing.get_args(hint)[0]
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         hint = next(a for a in typing.get_args(hint) if a is not type(None))
-    if hint not in (int, float, str):
-        raise TypeError(f"config fields are int, float, str, their optionals or tuples; got {hint!r}")
+    if hint not in (int, float, str, bool):
+        raise TypeError(f"config fields are int, float, str, bool, their optionals or tuples; got {hint!r}")
     return hint
 
 
@@ -466,6 +466,10 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type[_Config]) -> Non
             default = f"default: {_fmt(RL_SEEDS)}; --quick: {_fmt(RL_QUICK_SEEDS)}"
         elif cls is RLConfig and f.name == "mode":
             default = f"default: {' '.join(MODES)}"
+        if typ is bool:  # --name / --no-name; None (not given) keeps the field's default
+            parser.add_argument(*names, dest=dest, action=argparse.BooleanOptionalAction, default=None,
+                                help=f"{f.metadata.get('help', '')} ({default})")
+            continue
         parser.add_argument(*names, dest=dest, type=typ, nargs="+" if sweep else None, default=None,
                             choices=f.metadata.get("choices"),
                             metavar=None if f.metadata.get("choices") else typ.__name__.upper(),
@@ -499,6 +503,8 @@ def _to_cli_args(config: _Config, sweeps: Mapping[str, Sequence[Any] | None]) ->
             continue  # None is the default (off / the checkout's data)
         elif _is_tuple(hints[f.name]):
             args += [_flag(dest), *map(str, v)]
+        elif isinstance(v, bool):
+            args.append(_flag(dest) if v else "--no-" + _flag(dest)[2:])
         else:
             args += [_flag(dest), repr(v) if isinstance(v, float) else str(v)]
     return args
