@@ -45,13 +45,9 @@ from typing import Any
 
 import numpy as np
 
-from r3lab.rollout.types import RolloutError
+from r3lab.errors import WeightCaptureError
 
 __all__ = ["WeightCaptureError", "WeightCapture", "install_weight_capture", "check_vllm_call_site", "engine_request_id"]
-
-
-class WeightCaptureError(RolloutError):
-    """The engine's routing weights cannot be captured (a vLLM that changed under r3lab, or an unsupported setup)."""
 
 
 def check_vllm_call_site() -> None:
