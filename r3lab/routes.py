@@ -276,7 +276,7 @@ class Routes:
             and self.values.shape == other.values.shape
             and np.array_equal(self.values, other.values)
             and (self.weights is None) == (other.weights is None)
-            and (self.weights is None or np.array_equal(self.weights, other.weights))
+            and (self.weights is None or (other.weights is not None and np.array_equal(self.weights, other.weights)))
         )
 
     # ---- views and reshapes --------------------------------------------------------------------

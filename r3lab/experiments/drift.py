@@ -23,7 +23,7 @@ import numpy as np
 from r3lab import metrics
 from r3lab.config import TRAINER_DTYPES, DriftConfig
 from r3lab.corpus import corpus_prompts
-from r3lab.errors import ConfigError
+from r3lab.errors import ConfigError, R3LabError
 from r3lab.families import group_routing_note, model_group_routing
 from r3lab.paths import model_dir
 from r3lab.rollout import RolloutEngine, RolloutResult, SamplingConfig, append_last_row
@@ -100,6 +100,8 @@ def replay_drift(trainer: Scorer, results: Sequence[RolloutResult], *, progress:
         logp_r3 = trainer.score(one, routes=engine_routes.without_weights()).logprobs
         logp_r3w = None if engine_routes.weights is None else trainer.score(
             one, routes=engine_routes, weights="stop").logprobs
+        if native.routes is None:
+            raise R3LabError(f"{type(trainer).__name__}.score(record=True) returned no routes")
         own_values = native.routes.select_layers(engine_routes.layer_ids).values
         flips = metrics.token_route_flips(engine_routes.values, own_values)
         rows = metrics.response_rows(np.array([0, n]), one.response_lengths, metrics.TRAINER_ROWS)

@@ -313,7 +313,7 @@ class MegatronReplay:
         if not self._active:
             raise ReplayError("MegatronReplay is not active: use it as a context manager")
 
-    def _check_tokens(self, g: int, rr: Any) -> Callable:
+    def _check_tokens(self, g: int | str, rr: Any) -> Callable:
         A = self._A
 
         def pre_hook(module: Any, args: Any, kwargs: Any) -> None:

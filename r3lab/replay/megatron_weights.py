@@ -108,14 +108,15 @@ class MegatronWeightReplay(MegatronReplay):
             out.append(wt.float())
         return out
 
-    def begin_microbatch(self, routes: Any = None, *, weights: Any = None, forward_only: bool = False) -> None:
+    def begin_microbatch(self, routes: Any = None, *, weights: Any = None, forward_only: bool = False,
+                         mtp_routes: Any = None) -> None:
         """As :meth:`MegatronReplay.begin_microbatch`, with this micro-batch's ``weights`` (or the next queued)."""
         if weights is None:
             if self._wnext >= len(self._wqueue):
                 raise ReplayError(f"no routing weights for micro-batch {self._wnext}: {len(self._wqueue)} were given")
             weights = self._wqueue[self._wnext]
             self._wnext += 1
-        super().begin_microbatch(routes, forward_only=forward_only)
+        super().begin_microbatch(routes, forward_only=forward_only, mtp_routes=mtp_routes)
         ids = [rr.target_topk_idx for rr in self._replays]
         for t, w in zip(ids, self._validated_weights(weights, ids), strict=True):
             self._by_ids[id(t)] = w

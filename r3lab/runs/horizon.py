@@ -209,10 +209,10 @@ def horizon_table(runs: Iterable[Run], *, header: str = "") -> str:
         objs = [o for o in dict.fromkeys(r["objective"] for r in records
                                          if r["setting"] == "base" and r["engine_quant"] == quant) if o != "none"]
         for obj in objs:
-            for key in ("reward_last50", "k3_last", "k3_slope"):
-                c = mode_comparison(records, key, obj, "none", engine_quant=quant)
+            for metric in ("reward_last50", "k3_last", "k3_slope"):
+                c = mode_comparison(records, metric, obj, "none", engine_quant=quant)
                 if c:
-                    stats.append(f"| {quant} | {obj} - none | {key} | {c['n_a']} vs {c['n_b']} | {c['diff']:+.3g} "
+                    stats.append(f"| {quant} | {obj} - none | {metric} | {c['n_a']} vs {c['n_b']} | {c['diff']:+.3g} "
                                  f"| [{c['lo']:+.3g}, {c['hi']:+.3g}] | {c['p']:.2f} |")
     if stats:
         lines += ["", "## Do the modes separate beyond the seed spread?", "",

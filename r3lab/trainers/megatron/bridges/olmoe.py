@@ -51,7 +51,7 @@ class _TPSum(torch.autograd.Function):
     output depends on the sum)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
         import torch.distributed as dist
 
         ctx.group = group
@@ -60,7 +60,7 @@ class _TPSum(torch.autograd.Function):
         return y
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor):
         import torch.distributed as dist
 
         g = grad.clone()
