@@ -52,7 +52,7 @@ def model():
     (m,) = mc.build_tiny_gpt(_spec(), init_parallel=False)
     yield m
     RouterReplay.clear_global_router_replay_instances()
-    mc.destroy_cpu_parallel()
+    mc.destroy_cpu_parallel(keep_process_group=False)
 
 
 def _forward(m, grad=False):

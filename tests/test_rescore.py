@@ -192,7 +192,7 @@ def test_an_rl_run_is_scored_at_step_0_only(tmp_path):
     w.finish({})
     with pytest.raises(ConfigError, match="step 2 was sampled and scored with the weights after 2 update"):
         rescore_run(tmp_path / "rl", steps=[0, 2])
-    with pytest.raises(R3LabError, match="a 'doctor' run; rescore scores drift and RL runs"):
+    with pytest.raises(R3LabError, match="a 'doctor' run; rescore scores drift, RL and capture runs"):
         w = RunWriter(tmp_path, "other", "doctor", {})
         w.finish({})
         rescore_run(tmp_path / "other")
