@@ -208,7 +208,7 @@ def megatron_world():
 
     mc.init_cpu_parallel()
     yield mc
-    mc.destroy_cpu_parallel(keep_process_group=False)  # no process group left behind for the next file (test_trainer_megatron checks it)
+    mc.destroy_cpu_parallel(keep_process_group=False)  # no gloo group left (test_trainer_megatron)
 
 
 @pytest.fixture(autouse=True)
