@@ -13,7 +13,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from r3lab.experiments import DriftConfig, drift_table, run_drift
+from r3lab.config import DriftConfig
+from r3lab.experiments import drift_table, run_drift
 from r3lab.paths import results_dir
 
 RESULTS = results_dir() / "drift.md"

@@ -11,7 +11,8 @@ import argparse
 import sys
 import tempfile
 
-from r3lab.experiments import DriftConfig, run_drift
+from r3lab.config import DriftConfig
+from r3lab.experiments import run_drift
 from r3lab.paths import MODELS, results_dir
 
 RESULTS = results_dir() / "r3w_drift.md"

@@ -11,17 +11,16 @@ and routes go to a temporary folder and are not committed. ``r3lab rl`` runs the
 
 from __future__ import annotations
 
-import argparse
 import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from reference import finished_runs, keep_reference, reference_seconds  # noqa: E402
+from reference import reference_main  # noqa: E402
 
-from r3lab.experiments.rl import MODES, RLConfig, comparison_rows, comparison_table, run_comparison
+from r3lab.config import MODES, RLConfig
+from r3lab.experiments.rl import comparison_rows, comparison_table, run_comparison
 from r3lab.paths import results_dir
 from r3lab.runs import Run
 
@@ -125,26 +124,8 @@ def render(runs: list[Run], seconds: float | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="8 steps, one seed, default knobs only; writes nothing")
-    ap.add_argument("--render", action="store_true", help="only render rl.md from the committed runs")
-    args = ap.parse_args(argv)
-    seconds = None
-    if args.render:
-        root = REFERENCE
-        seconds = reference_seconds(REFERENCE)
-    else:
-        root = Path(tempfile.mkdtemp(prefix="r3lab-bench-rl-"))
-        seconds = run_all(args.quick, root)
-    runs = finished_runs(root, "bench_rl")
-    table = render(runs, seconds)
-    print(table)
-    if not args.quick:
-        if not args.render:
-            keep_reference(runs, root, REFERENCE, seconds)
-        (RESULTS / "rl.md").write_text(table)
-        print(f"wrote {RESULTS / 'rl.md'} ({len(runs)} runs under {REFERENCE})", file=sys.stderr)
-
+    reference_main(argv, doc=__doc__, bench="bench_rl", reference=REFERENCE, table_file=RESULTS / "rl.md",
+                   run_all=run_all, render=render, quick_help='8 steps, one seed, default knobs only; writes nothing')
 
 if __name__ == "__main__":
     main()

@@ -15,17 +15,15 @@ bench/results/staleness.md from them.
 
 from __future__ import annotations
 
-import argparse
 import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from reference import finished_runs, keep_reference, reference_seconds  # noqa: E402
+from reference import reference_main  # noqa: E402
 
 from r3lab.config import RLConfig, RLMetric
 from r3lab.paths import model_dir, results_dir
@@ -155,23 +153,8 @@ def render(runs: dict[str, Run], seconds: float | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--render", action="store_true", help="only render staleness.md from the committed runs")
-    args = ap.parse_args(argv)
-    if args.render:
-        root = REFERENCE
-        seconds = reference_seconds(REFERENCE)
-    else:
-        root = Path(tempfile.mkdtemp(prefix="r3lab-bench-staleness-"))
-        seconds = run_all(root)
-    runs = {run.name: run for run in finished_runs(root, "bench_staleness")}
-    table = render(runs, seconds)
-    print(table)
-    if not args.render:
-        keep_reference(list(runs.values()), root, REFERENCE, seconds)
-    (RESULTS / "staleness.md").write_text(table)
-    print(f"wrote {RESULTS / 'staleness.md'} ({len(runs)} runs under {REFERENCE})", file=sys.stderr)
-
+    reference_main(argv, doc=__doc__, bench="bench_staleness", reference=REFERENCE, table_file=RESULTS / "staleness.md",
+                   run_all=run_all, render=lambda runs, seconds: render({r.name: r for r in runs}, seconds))
 
 if __name__ == "__main__":
     main()

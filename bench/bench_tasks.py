@@ -15,19 +15,18 @@ bench/results/tasks.md from them:
 
 from __future__ import annotations
 
-import argparse
 import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from reference import finished_runs, keep_reference, reference_seconds  # noqa: E402
+from reference import reference_main  # noqa: E402
 
-from r3lab.experiments.rl import RLConfig, run_rl
+from r3lab.config import RLConfig
+from r3lab.experiments.rl import run_rl
 from r3lab.paths import model_dir, results_dir
 from r3lab.rollout import RolloutEngine
 from r3lab.runs import Run
@@ -96,25 +95,8 @@ def render(runs: list[Run], seconds: float | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="4 steps a case; writes nothing")
-    ap.add_argument("--render", action="store_true", help="only render tasks.md from the committed runs")
-    args = ap.parse_args(argv)
-    if args.render:
-        root = REFERENCE
-        seconds = reference_seconds(REFERENCE)
-    else:
-        root = Path(tempfile.mkdtemp(prefix="r3lab-bench-tasks-"))
-        seconds = run_all(args.quick, root)
-    runs = finished_runs(root, "bench_tasks")
-    table = render(runs, seconds)
-    print(table)
-    if not args.quick:
-        if not args.render:
-            keep_reference(runs, root, REFERENCE, seconds)
-        (RESULTS / "tasks.md").write_text(table)
-        print(f"wrote {RESULTS / 'tasks.md'} ({len(runs)} runs under {REFERENCE})", file=sys.stderr)
-
+    reference_main(argv, doc=__doc__, bench="bench_tasks", reference=REFERENCE, table_file=RESULTS / "tasks.md",
+                   run_all=run_all, render=render, quick_help='4 steps a case; writes nothing')
 
 if __name__ == "__main__":
     main()

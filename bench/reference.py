@@ -8,8 +8,12 @@ under ``bench/results/`` whole (never merged with an older one) with each run's 
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
+import sys
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from r3lab.runs import Run, list_runs
@@ -43,3 +47,32 @@ def keep_reference(runs: list[Run], scratch: Path, reference: Path, seconds: flo
             shutil.copy(r.path / f, reference / r.name / f)
     (reference / "bench.json").write_text(json.dumps({"seconds": round(seconds, 1)}) + "\n")
     shutil.rmtree(scratch, ignore_errors=True)
+
+
+def reference_main(argv: list[str] | None, *, doc: str, bench: str, reference: Path, table_file: Path,
+                   run_all: Callable[..., float], render: Callable[[list[Run], float | None], str],
+                   quick_help: str | None = None) -> None:
+    """The command line of a benchmark that keeps reference runs: run everything into a scratch folder (or, with
+    ``--quick``, a small slice that writes nothing), render the table, keep the runs as the reference and write the
+    table; ``--render`` renders the table again from the committed reference. ``run_all(root)`` (``run_all(quick,
+    root)`` when the benchmark has a ``--quick``) runs the sweep and returns its wall time."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    if quick_help is not None:
+        ap.add_argument("--quick", action="store_true", help=quick_help)
+    ap.add_argument("--render", action="store_true", help=f"only render {table_file.name} from the committed runs")
+    args = ap.parse_args(argv)
+    quick = bool(getattr(args, "quick", False))
+    if args.render:
+        root, seconds = reference, reference_seconds(reference)
+    else:
+        root = Path(tempfile.mkdtemp(prefix=f"r3lab-{bench.replace('_', '-')}-"))
+        seconds = run_all(quick, root) if quick_help is not None else run_all(root)
+    runs = finished_runs(root, bench)
+    table = render(runs, seconds)
+    print(table)
+    if quick:
+        return
+    if not args.render:
+        keep_reference(runs, root, reference, seconds)
+    table_file.write_text(table)
+    print(f"wrote {table_file} ({len(runs)} runs under {reference})", file=sys.stderr)

@@ -222,8 +222,9 @@ def _rl(args: argparse.Namespace) -> None:
 
 
 def _runs(args: argparse.Namespace) -> None:
+    from r3lab.errors import RunFormatError
     from r3lab.paths import runs_dir
-    from r3lab.runs import RunFormatError, list_runs
+    from r3lab.runs import list_runs
 
     root = runs_dir(args.folder)
     if not root.exists():

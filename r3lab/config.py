@@ -34,7 +34,6 @@ __all__ = [
     "RL_TRAINERS",
     "RL_SEEDS",
     "RL_QUICK_SEEDS",
-    "megatron_dp",
     "RLConfig",
     "DriftConfig",
     "CaptureConfig",

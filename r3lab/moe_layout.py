@@ -15,7 +15,7 @@ from typing import Any
 from r3lab.errors import ModelConfigError
 from r3lab.families import family_of
 
-__all__ = ["MoELayout", "ModelConfigError"]
+__all__ = ["MoELayout"]
 
 
 _DENSE_HINTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")

@@ -36,8 +36,6 @@ from r3lab.errors import LayoutError, SlicingError
 from r3lab.routes import Routes
 
 __all__ = [
-    "SlicingError",
-    "LayoutError",
     "ParallelLayout",
     "shard",
     "shard_local",

@@ -45,9 +45,9 @@ def main() -> int:
 
     from r3lab import metrics
     from r3lab.compaction import decode, encode
+    from r3lab.corpus import corpus_prompts
     from r3lab.paths import MODELS, model_dir
     from r3lab.replay import count_replay_hooks, hf_replay, hf_token_logprobs, load_hf_model, score_batch
-    from r3lab.testing import corpus_prompts
 
     failures: list[str] = []
 

@@ -38,10 +38,11 @@ def check(ok: bool, what: str, failures: list[str]) -> None:
 def run_model(model_dir: Path, args, failures: list[str]) -> None:
     import torch
 
+    from r3lab.corpus import corpus_prompts
     from r3lab.metrics import route_agreement
     from r3lab.replay import load_hf_model, recompute_routes
     from r3lab.rollout import RolloutEngine, SamplingConfig, assemble_turns
-    from r3lab.testing import corpus_prompts, permuted_experts
+    from r3lab.testing import permuted_experts
 
     print(f"\n== {model_dir}")
     kw = dict(json.loads(args.engine_kwargs or "{}"))

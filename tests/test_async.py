@@ -12,9 +12,9 @@ from safetensors.torch import save_file
 
 import r3lab.experiments.rl as rl
 import r3lab.experiments.rl.loop as rl_loop
-from r3lab.config import RLMetric
+from r3lab.config import RLConfig, RLMetric
 from r3lab.errors import BatchError, ConfigError
-from r3lab.experiments.rl import RLConfig, run_rl
+from r3lab.experiments.rl import run_rl
 from r3lab.paths import model_dir
 from r3lab.trainers import PolicyUpdate, TokenBatch
 from r3lab.trainers.base import LoadsWeights

@@ -16,7 +16,8 @@ import pytest
 from user_vllm import GLM, QWEN, UserServers
 from user_vllm import free_port as _free_port
 
-from r3lab.rollout import AttachError, RolloutError, SamplingConfig, connect
+from r3lab.errors import AttachError, RolloutError
+from r3lab.rollout import SamplingConfig, connect
 
 
 @pytest.fixture(scope="module")

@@ -18,10 +18,8 @@ from r3lab.compaction import (
     PIPELINES,
     BitPack,
     Raw,
-    RouteFormatError,
     TopKSet,
     Zstd,
-    compact_dtype,
     decode,
     encode,
     from_payload,
@@ -33,7 +31,8 @@ from r3lab.compaction import (
     to_payload,
 )
 from r3lab.compaction.codecs import id_bits
-from r3lab.routes import Routes
+from r3lab.errors import RouteFormatError
+from r3lab.routes import Routes, compact_dtype
 
 
 @st.composite

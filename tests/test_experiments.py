@@ -3,8 +3,9 @@
 import numpy as np
 import pytest
 
+from r3lab.config import DriftConfig
 from r3lab.errors import ConfigError
-from r3lab.experiments import DriftConfig, drift_spread, run_drift
+from r3lab.experiments import drift_spread, run_drift
 from r3lab.paths import model_dir
 
 # What the README claims, pinned with a stated margin. Measured over prompt seeds 0-5 at 24 prompts x 32 tokens

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from r3lab import runs
-from r3lab.errors import ImporterMissingError, ImportFormatError
+from r3lab.errors import ImporterMissingError, ImportFormatError, RunFormatError
 from r3lab.importers import KINDS, detect_kind, import_run
 from r3lab.importers import registry as reg
-from r3lab.runs import RunFormatError, RunWriter
+from r3lab.runs import RunWriter
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -11,6 +11,7 @@ All Megatron runs hold the heavy lock (``flock /tmp/r3lab-heavy.lock``).
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import numpy as np
@@ -18,9 +19,10 @@ import pytest
 import torch
 
 from r3lab.paths import model_dir
-from r3lab.replay import load_hf_model, megatron_replay, score_batch
+from r3lab.replay import load_hf_model, score_batch
 from r3lab.routes import Routes
-from r3lab.slicing import ParallelLayout, dp_sequence_ids, shard, token_rows
+from r3lab.slicing import ParallelLayout
+from r3lab.testing import megatron as mc
 from r3lab.trainers import megatron as tm
 
 MODELS = ("tiny-qwen3-moe", "tiny-glm4-moe")
@@ -49,22 +51,8 @@ def _inputs(name: str):
     return tokens, rec.routes, rec.logprobs.view(B, S - 1), rep.logprobs.view(B, S - 1)
 
 
-def _parts(r: Routes) -> tuple:
-    return (np.asarray(r.values), np.asarray(r.cu_seqlens), r.num_experts, np.asarray(r.layer_ids))
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit-for-bit equality (torch.equal would call -0.0 and 0.0 equal)."""
-    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    return torch.equal(a.contiguous().view(ints[a.element_size()]), b.contiguous().view(ints[b.element_size()]))
-
-
 def _rank(rank: int, world: int, jobs: list) -> list[dict]:
     """One rank: for each (model, layout), build and load, score with replayed and native routes, export."""
-    from megatron.core import parallel_state as ps
-
     out = []
     for name, lay_kw, tokens, packed in jobs:
         routes = Routes(*packed)  # Routes refuses pickling (immutable), so it travels as its parts
@@ -73,56 +61,13 @@ def _rank(rank: int, world: int, jobs: list) -> list[dict]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", tm.GroupRoutingMismatchWarning)
             model = tm.build_model(d, layout)
-        dp, pp, tp = (
-            ps.get_data_parallel_rank(),
-            ps.get_pipeline_model_parallel_rank(),
-            ps.get_tensor_model_parallel_rank(),
-        )
-        seqs = dp_sequence_ids(len(routes), layout, dp)[0]
-        mine = tokens[torch.from_numpy(seqs)]
-        ids = shard(routes, layout, dp_rank=dp, pp_rank=pp, cp_rank=0, tp_rank=tp)
-        with megatron_replay(model.chunks, [ids]) as rep:
-            rep.begin_microbatch(forward_only=True)
-            logits = tm.pipeline_forward(model.chunks, mine)
-            rep.after_forward()
-        last = pp == layout.pp - 1
-        lp_replay = tm.logits_logprobs(logits, mine) if last else None
-        with megatron_replay(model.chunks, mode="record") as rec:
-            rec.begin_microbatch()
-            logits = tm.pipeline_forward(model.chunks, mine)
-            native = rec.after_forward()
-        lp_native = tm.logits_logprobs(logits, mine) if last else None
-        rows = token_rows(np.full(len(seqs), S), layout, tp_rank=tp)
-        exported = tm.export_hf_state_dict(model)
-        export_check = None
-        if exported is not None:
-            ckpt = tm.checkpoint_state_dict(d)
-            export_check = dict(
-                missing=sorted(set(ckpt) - set(exported)),
-                extra=sorted(set(exported) - set(ckpt)),
-                differ=sorted(
-                    n
-                    for n in set(ckpt) & set(exported)
-                    if not _same_bits(exported[n].to(ckpt[n].dtype), ckpt[n])
-                    or not _same_bits(exported[n], ckpt[n].float())
-                ),
-                n=len(ckpt),
-            )
-        out.append(
-            dict(
-                model=name,
-                dp=dp,
-                pp=pp,
-                tp=tp,
-                seqs=seqs,
-                last=last,
-                lp_replay=lp_replay,
-                lp_native=lp_native,
-                rows=rows,
-                native={g: t.numpy() for g, t in native.items()},
-                export=export_check,
-            )
-        )
+        rp = mc.replay_then_record(model, layout, tokens, routes)
+        last = rp.replay_logits is not None
+        lp_replay = tm.logits_logprobs(rp.replay_logits, rp.tokens) if last else None
+        lp_native = tm.logits_logprobs(rp.native_logits, rp.tokens) if last else None
+        out.append(dict(model=name, last=last, lp_replay=lp_replay, lp_native=lp_native,
+                        export=mc.export_check(model, d),
+                        rank=dataclasses.replace(rp, tokens=None, replay_logits=None, native_logits=None)))
         tm.destroy_parallel()
     return out
 
@@ -130,32 +75,24 @@ def _rank(rank: int, world: int, jobs: list) -> list[dict]:
 @pytest.fixture(scope="module")
 def results():
     inputs = {name: _inputs(name) for name in MODELS}
-    jobs = [(name, kw, inputs[name][0], _parts(inputs[name][1])) for name in MODELS for kw in LAYOUTS.values()]
+    jobs = [(name, kw, inputs[name][0], mc.route_parts(inputs[name][1]))
+            for name in MODELS for kw in LAYOUTS.values()]
     per_rank = tm.launch(_rank, WORLD, jobs, timeout_s=240)
     table = {}
     for j, (name, lay) in enumerate((n, lay) for n in MODELS for lay in LAYOUTS):
         tokens, routes, hf_native, hf_replay = inputs[name]
         mg_replay = torch.full((B, S - 1), float("nan"))
         mg_native = torch.full((B, S - 1), float("nan"))
-        agree, total, export = 0, 0, None
+        export = None
         for r in per_rank:
             res = r[j]
             if res["export"] is not None:
                 export = res["export"]
-            if res["last"] and res["tp"] == 0:
-                mg_replay[torch.from_numpy(res["seqs"])] = res["lp_replay"]
-                mg_native[torch.from_numpy(res["seqs"])] = res["lp_native"]
-            # router agreement (native vs native), set-based, each router row once (tp 0 rows when no SP)
-            if LAYOUTS[lay].get("sequence_parallel") or res["tp"] == 0:
-                share = np.concatenate(
-                    [routes.values[routes.cu_seqlens[s] : routes.cu_seqlens[s + 1]] for s in res["seqs"]]
-                )
-                for g, ids in res["native"].items():
-                    col = routes.layer_ids.tolist().index(g)
-                    real = res["rows"] >= 0
-                    want = np.sort(share[res["rows"][real], col], axis=1)
-                    agree += int((np.sort(ids[real], axis=1) == want).all(axis=1).sum())
-                    total += int(real.sum())
+            if res["last"] and res["rank"].tp == 0:
+                mg_replay[torch.from_numpy(res["rank"].seqs)] = res["lp_replay"]
+                mg_native[torch.from_numpy(res["rank"].seqs)] = res["lp_native"]
+        agree, total = mc.router_agreement(routes, [r[j]["rank"] for r in per_rank],
+                                           sequence_parallel=bool(LAYOUTS[lay].get("sequence_parallel")))
         table[(name, lay)] = dict(
             replay=float((mg_replay - hf_replay).abs().max()),
             native=float((mg_native - hf_native).abs().max()),

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 import torch
 
+from r3lab.errors import ReplayError
 from r3lab.paths import model_dir
-from r3lab.replay import ReplayError, megatron_replay, megatron_router_map
+from r3lab.replay import megatron_replay, megatron_router_map
 from r3lab.slicing import ParallelLayout
 from r3lab.testing import megatron as mc
 

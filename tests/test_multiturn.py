@@ -9,9 +9,10 @@ import pytest
 
 import r3lab.experiments.rl as rl
 import r3lab.experiments.rl.batch as rl_batch
+from r3lab.config import RLConfig
 from r3lab.errors import RolloutError
 from r3lab.experiments.multiturn import Trajectory, engine_prefix_cache, prefill_vs_decode, rollout_turns
-from r3lab.experiments.rl import RLConfig, run_rl
+from r3lab.experiments.rl import run_rl
 from r3lab.paths import model_dir
 from r3lab.rollout import RolloutResult, SamplingConfig, append_last_row, split_turn_routes
 from r3lab.routes import Routes

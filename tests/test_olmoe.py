@@ -11,6 +11,7 @@ One engine for the module; the Megatron ranks are spawned once (2 gloo ranks, ev
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -21,9 +22,8 @@ from r3lab import families
 from r3lab.corpus import corpus_prompts
 from r3lab.moe_layout import MoELayout
 from r3lab.paths import model_dir
-from r3lab.replay import ROUTER_RULES, find_hf_routers, hf_token_logprobs, load_hf_model, megatron_replay, score_batch
+from r3lab.replay import ROUTER_RULES, find_hf_routers, hf_token_logprobs, load_hf_model, score_batch
 from r3lab.routes import Routes
-from r3lab.slicing import dp_sequence_ids, shard, token_rows
 
 NAME = "tiny-olmoe"
 D = model_dir(NAME)
@@ -159,20 +159,8 @@ def _inputs():
     return tokens, rec.routes, rec.logprobs.view(B, S - 1), logits
 
 
-def _parts(r: Routes) -> tuple:
-    return (np.asarray(r.values), np.asarray(r.cu_seqlens), r.num_experts, np.asarray(r.layer_ids))
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    return torch.equal(a.contiguous().view(ints[a.element_size()]), b.contiguous().view(ints[b.element_size()]))
-
-
 def _rank(rank: int, world: int, tokens: torch.Tensor, packed: tuple) -> list[dict]:
-    from megatron.core import parallel_state as ps
-
+    from r3lab.testing import megatron as mc
     from r3lab.trainers import megatron as tm
     from r3lab.trainers.megatron.bridges.olmoe import OlmoeKNorm, OlmoeQNorm
 
@@ -183,30 +171,12 @@ def _rank(rank: int, world: int, tokens: torch.Tensor, packed: tuple) -> list[di
         model = tm.build_model(D, layout, group_routing="raise")
         c = model.config
         norms = [type(m) for m in model.chunks[0].modules() if isinstance(m, (OlmoeQNorm, OlmoeKNorm))]
-        dp, pp = ps.get_data_parallel_rank(), ps.get_pipeline_model_parallel_rank()
-        tp = ps.get_tensor_model_parallel_rank()
-        seqs = dp_sequence_ids(len(routes), layout, dp)[0]
-        mine = tokens[torch.from_numpy(seqs)]
-        ids = shard(routes, layout, dp_rank=dp, pp_rank=pp, cp_rank=0, tp_rank=tp)
-        with megatron_replay(model.chunks, [ids]) as rep:
-            rep.begin_microbatch(forward_only=True)
-            logits = tm.gather_vocab(tm.pipeline_forward(model.chunks, mine))
-            rep.after_forward()
-        with megatron_replay(model.chunks, mode="record") as rec:
-            rec.begin_microbatch()
-            native_logits = tm.gather_vocab(tm.pipeline_forward(model.chunks, mine))
-            native = rec.after_forward()
-        rows = token_rows(np.full(len(seqs), S), layout, tp_rank=tp)
-        exported = tm.export_hf_state_dict(model)
-        export = None
-        if exported is not None:
-            ckpt = tm.checkpoint_state_dict(D)
-            export = dict(missing=sorted(set(ckpt) - set(exported)), extra=sorted(set(exported) - set(ckpt)),
-                          differ=sorted(n for n in set(ckpt) & set(exported)
-                                        if not _same_bits(exported[n].to(ckpt[n].dtype), ckpt[n])), n=len(ckpt))
+        rp = mc.replay_then_record(model, layout, tokens, routes)
+        logits, native_logits = tm.gather_vocab(rp.replay_logits), tm.gather_vocab(rp.native_logits)
+        export = mc.export_check(model, D)
         out.append(dict(
-            layout=lay, dp=dp, tp=tp, seqs=seqs, logits=logits.detach(), native_logits=native_logits.detach(),
-            native={g: t.numpy() for g, t in native.items()}, rows=rows, export=export,
+            layout=lay, logits=logits.detach(), native_logits=native_logits.detach(), export=export,
+            rank=dataclasses.replace(rp, tokens=None, replay_logits=None, native_logits=None),
             config=dict(pre_softmax=c.moe_router_pre_softmax, score=c.moe_router_score_function,
                         scaling=c.moe_router_topk_scaling_factor, groups=c.moe_router_num_groups,
                         qk_layernorm=c.qk_layernorm, shared=c.moe_shared_expert_intermediate_size,
@@ -218,32 +188,25 @@ def _rank(rank: int, world: int, tokens: torch.Tensor, packed: tuple) -> list[di
 
 @pytest.fixture(scope="module")
 def megatron_results():
+    from r3lab.testing import megatron as mc
     from r3lab.trainers import megatron as tm
 
     tokens, routes, hf_lp, hf_logits = _inputs()
-    per_rank = tm.launch(_rank, WORLD, tokens, _parts(routes), timeout_s=300)
+    per_rank = tm.launch(_rank, WORLD, tokens, mc.route_parts(routes), timeout_s=300)
     table = {}
     for j, lay in enumerate(LAYOUTS):
         mg = torch.full_like(hf_logits, float("nan"))
         mg_native = torch.full_like(hf_logits, float("nan"))
-        agree = total = 0
         export, config, norms = None, None, None
         for r in per_rank:
             res = r[j]
             export = res["export"] or export
             config, norms = res["config"], (res["norms"], res["n_norms"])
-            if res["tp"] == 0:
-                mg[torch.from_numpy(res["seqs"])] = res["logits"]
-                mg_native[torch.from_numpy(res["seqs"])] = res["native_logits"]
-            if LAYOUTS[lay].get("sequence_parallel") or res["tp"] == 0:
-                share = np.concatenate([routes.values[routes.cu_seqlens[s]: routes.cu_seqlens[s + 1]]
-                                        for s in res["seqs"]])
-                for g, ids in res["native"].items():
-                    col = routes.layer_ids.tolist().index(g)
-                    real = res["rows"] >= 0
-                    want = np.sort(share[res["rows"][real], col], axis=1)
-                    agree += int((np.sort(ids[real], axis=1) == want).all(axis=1).sum())
-                    total += int(real.sum())
+            if res["rank"].tp == 0:
+                mg[torch.from_numpy(res["rank"].seqs)] = res["logits"]
+                mg_native[torch.from_numpy(res["rank"].seqs)] = res["native_logits"]
+        agree, total = mc.router_agreement(routes, [r[j]["rank"] for r in per_rank],
+                                           sequence_parallel=bool(LAYOUTS[lay].get("sequence_parallel")))
         lp = torch.log_softmax(mg[:, :-1].double(), -1).gather(2, tokens[:, 1:, None])[..., 0]
         table[lay] = dict(logits=float((mg - hf_logits).abs().max()), logprobs=float((lp - hf_lp.double()).abs().max()),
                           native=float((mg_native - hf_logits).abs().max()), agree=agree / total, rows=total,

@@ -18,13 +18,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from r3lab.config import ENGINE_QUANTS, DriftConfig, RLConfig, add_config_flags
-from r3lab.errors import ConfigError
+from r3lab.corpus import corpus_prompts
+from r3lab.errors import ConfigError, RolloutError
 from r3lab.metrics import set_differs
 from r3lab.moe_layout import MoELayout
 from r3lab.replay import load_hf_model, recompute_routes
-from r3lab.rollout import RolloutEngine, RolloutError, SamplingConfig
+from r3lab.rollout import RolloutEngine, SamplingConfig
 from r3lab.rollout.quant import QUANT_SETTINGS, fake_quantize, is_quantized_weight, quantize_state_dict
-from r3lab.testing import corpus_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {name: ROOT / "data" / "models" / name for name in ("tiny-qwen3-moe", "tiny-glm4-moe")}

@@ -14,8 +14,8 @@ import torch
 import transformers
 
 from r3lab.compaction import PIPELINES, READ_VERSIONS, WeightCodec, decode, encode, read_header
-from r3lab.errors import RouteFormatError
-from r3lab.replay import ReplayError, find_hf_routers, hf_replay, megatron_replay, megatron_weight_replay
+from r3lab.errors import ReplayError, RouteFormatError
+from r3lab.replay import find_hf_routers, hf_replay, megatron_replay, megatron_weight_replay
 from r3lab.replay.megatron_weights import check_megatron_router, count_weight_patches
 from r3lab.rollout import append_last_row
 from r3lab.routes import Routes

@@ -11,11 +11,11 @@ import torch
 import transformers  # noqa: E402  (a test requirement: the cpu extra)
 
 from r3lab.compaction import decode, encode
+from r3lab.errors import ReplayError
 from r3lab.moe_layout import MoELayout
 from r3lab.paths import MODELS, model_dir
 from r3lab.replay import (
     MegatronReplay,
-    ReplayError,
     check_route_tensor,
     count_replay_hooks,
     count_router_cast_hooks,

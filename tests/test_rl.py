@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 import r3lab.experiments.rl as rl
+from r3lab.config import RLConfig
 from r3lab.errors import BatchError, ConfigError
-from r3lab.experiments.rl import RLConfig, comparison_rows, comparison_table, run_rl
+from r3lab.experiments.rl import comparison_rows, comparison_table, run_rl
 from r3lab.paths import model_dir
 from r3lab.rollout import SamplingConfig
 from r3lab.runs import load

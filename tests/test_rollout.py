@@ -31,13 +31,12 @@ import pytest
 
 from r3lab.compaction import read_vllm_npy_base64
 from r3lab.corpus import corpus_prompts
-from r3lab.errors import R3LabError
+from r3lab.errors import R3LabError, RolloutError
 from r3lab.metrics import route_agreement
 from r3lab.moe_layout import ModelConfigError, MoELayout
 from r3lab.replay import recompute_routes
 from r3lab.rollout import (
     RolloutEngine,
-    RolloutError,
     RolloutResult,
     SamplingConfig,
     append_last_row,
@@ -200,7 +199,7 @@ def _npy_b64(arr: np.ndarray, allow_pickle: bool = False) -> str:
 
 
 def test_server_client_refuses_bad_routes():
-    from r3lab.rollout.server import parse_completion
+    from r3lab.rollout import parse_completion
 
     layout = MoELayout.from_model_dir(QWEN)
     P, R = 3, 2

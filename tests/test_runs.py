@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 from conftest import random_routes
 
-from r3lab.runs import RUN_FORMAT_VERSION, RunFormatError, RunWriter, list_runs, load
+from r3lab.errors import RunFormatError
+from r3lab.runs import RUN_FORMAT_VERSION, RunWriter, list_runs, load
 
 
 def _write(tmp_path, name="r1", finish=True):

@@ -150,7 +150,7 @@ def _micro_batch_inputs(layout: ParallelLayout, seqs: np.ndarray, toks: list[np.
     """Megatron inputs (tokens, position ids, attention mask) for one micro-batch, padded as the layout says."""
     import torch
 
-    from r3lab.testing.megatron import causal_mask
+    from r3lab.trainers.megatron import causal_mask
 
     lens = np.asarray(LENGTHS)[seqs]
     rows = micro_batch_input_rows(lens, layout)  # [B, S] token index or -1
@@ -242,7 +242,7 @@ def _oracle_worker(
 
 @functools.cache
 def _run(world: int) -> list[dict]:
-    from r3lab.testing.megatron import launch
+    from r3lab.trainers.megatron import launch
 
     cases = {2: CASES_2, 4: CASES_4, 8: CASES_8}[world]
     if world != 4:

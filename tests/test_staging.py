@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from conftest import random_routes
 
+from r3lab.errors import StagingError
 from r3lab.routes import Routes
 from r3lab.slicing import ParallelLayout, shard, shard_local
 from r3lab.staging import (
@@ -27,7 +28,6 @@ from r3lab.staging import (
     LocalBackend,
     RankCoords,
     RayBackend,
-    StagingError,
     StagingPlan,
     TorchDistBackend,
     barrier,

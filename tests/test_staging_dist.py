@@ -20,8 +20,9 @@ import pytest
 import torch.multiprocessing as mp
 from test_staging import SLACK_S, _layout, _plan, _routes, check_share
 
+from r3lab.errors import StagingError
 from r3lab.slicing import shard_local
-from r3lab.staging import RankCoords, StagingError, TorchDistBackend, receive, stage
+from r3lab.staging import RankCoords, TorchDistBackend, receive, stage
 
 WORLD = 5  # the driver (global rank 0) and four trainer ranks
 DIST_LAYOUTS = ["dp4", "dp2 pp2 (split stages)"]

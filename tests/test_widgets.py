@@ -18,20 +18,10 @@ from pathlib import Path
 import pytest
 
 from r3lab.config import MODES, RLConfig, run_names
-from r3lab.errors import ConfigError, R3LabError
-from r3lab.runs import FollowedRun, RunFormatError, load
+from r3lab.errors import ConfigError, R3LabError, RunFormatError
+from r3lab.runs import FollowedRun, RunFollower, load, load_runs, reference_runs_dir
 from r3lab.viz import MODE_COLORS
-from r3lab.widgets import (
-    LAYER_METRIC,
-    PLOTLY_MIME,
-    AblationDashboard,
-    RunFollower,
-    RunMonitor,
-    load_runs,
-    monitor,
-    reference_runs_dir,
-    start_rl,
-)
+from r3lab.widgets import LAYER_METRIC, PLOTLY_MIME, AblationDashboard, RunMonitor, monitor, start_rl
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}

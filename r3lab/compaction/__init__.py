@@ -54,17 +54,16 @@ from r3lab.compaction.payload import (
     read_vllm_npy_base64,
     to_payload,
 )
-from r3lab.errors import RouteFormatError
-from r3lab.routes import compact_dtype
+from r3lab.errors import RouteFormatError  # noqa: F401  (importable here as before; exported by r3lab.errors)
+from r3lab.routes import compact_dtype  # noqa: F401  (importable here as before; exported by r3lab.routes)
 
-__all__ = [
-    "compact_dtype", "encode", "decode", "read_header", "to_payload", "from_payload",
+__all__ = ["encode", "decode", "read_header", "to_payload", "from_payload",
     "read_vllm_npy_base64", "read_vllm_nested_list", "read_sglang_base64_int32",
     "Codec", "IdCodec", "ByteCodec", "RowCodec", "Raw", "BitPack", "TopKSet", "TopKGaps", "Zstd", "BitPackPlanesV1",
     "register_codec", "get_codec", "pipeline_configs", "CODECS", "PIPELINES",
     "measure_codecs", "BASELINE",
     "MAGIC", "FORMAT_VERSION", "WEIGHTS_FORMAT_VERSION", "READ_VERSIONS", "WeightCodec", "WEIGHT_DTYPES",
-    "LEGACY_BITPACK", "DEFAULT_MAX_BYTES", "RouteFormatError",
+    "LEGACY_BITPACK", "DEFAULT_MAX_BYTES",
 ]
 
 

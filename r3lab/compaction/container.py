@@ -69,7 +69,7 @@ from r3lab.routes import Routes, check_cu_seqlens, compact_dtype
 
 __all__ = [
     "encode", "decode", "read_header",
-    "MAGIC", "FORMAT_VERSION", "WEIGHTS_FORMAT_VERSION", "READ_VERSIONS", "LEGACY_BITPACK", "DEFAULT_MAX_BYTES",
+    "MAGIC", "FORMAT_VERSION", "WEIGHTS_FORMAT_VERSION", "READ_VERSIONS", "DEFAULT_MAX_BYTES",
 ]
 
 MAGIC = b"R3RT"

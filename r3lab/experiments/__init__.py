@@ -7,8 +7,8 @@ trainer (``DriftConfig.trainer``: transformers on CPU, a megatron-bridge GPTMode
 ``notebook``: what the notebooks share (load finished runs, else run the experiment small).
 """
 
+from r3lab.config import DriftConfig  # noqa: F401  (importable here as before; exported by r3lab.config)
 from r3lab.experiments.drift import (
-    DriftConfig,
     DriftRow,
     DriftSample,
     drift_spread,
@@ -23,7 +23,6 @@ from r3lab.experiments.notebook import load_or_run
 from r3lab.experiments.rescore import rescore_run, rescore_table
 
 __all__ = [
-    "DriftConfig",
     "DriftRow",
     "DriftSample",
     "drift_spread",

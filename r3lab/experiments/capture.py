@@ -38,7 +38,7 @@ from r3lab.rollout import RolloutEngine, RolloutResult, SamplingConfig
 from r3lab.runs import RunWriter, Samples, load, mark_stopped
 from r3lab.runs.format import CAPTURE_KIND
 
-__all__ = ["CAPTURE_KIND", "CaptureConfig", "Captured", "read_prompts", "run_capture", "capture_results",
+__all__ = ["Captured", "read_prompts", "run_capture", "capture_results",
            "sample_or_load"]
 
 Prompt = str | list[int]

@@ -33,7 +33,6 @@ from r3lab.trainer_registry import TrainerOptions, load_trainer, trainer_spec
 from r3lab.trainers import Scorer, TokenBatch
 
 __all__ = [
-    "DriftConfig",
     "DriftSample",
     "DriftRow",
     "replay_drift",

@@ -20,7 +20,7 @@ from typing import Any
 
 from r3lab.errors import ImporterMissingError, ImportFormatError
 
-__all__ = ["ImporterSpec", "REGISTRY", "ImporterMissingError", "spec", "detect_kind", "AUTO"]
+__all__ = ["ImporterSpec", "REGISTRY", "spec", "detect_kind", "AUTO"]
 
 AUTO = "auto"  # the kind that asks every importer's detect
 

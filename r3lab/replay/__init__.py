@@ -16,7 +16,8 @@ Importing this package imports torch, not megatron-core or transformers (each is
 Layer ids are the 0-based global decoder-layer index everywhere (as in :class:`r3lab.routes.Routes`).
 """
 
-from r3lab.replay.common import ReplayError, check_route_tensor
+from r3lab.errors import ReplayError  # noqa: F401  (importable here as before; exported by r3lab.errors)
+from r3lab.replay.common import check_route_tensor
 from r3lab.replay.hf import ROUTER_RULES, WEIGHT_REPLAY, HFReplay, count_replay_hooks, find_hf_routers, hf_replay
 from r3lab.replay.hf_model import (
     RouterCasts,
@@ -41,7 +42,6 @@ from r3lab.replay.megatron import (
 from r3lab.replay.megatron_weights import MegatronWeightReplay, megatron_weight_replay
 
 __all__ = [
-    "ReplayError",
     "check_route_tensor",
     "MegatronReplay",
     "megatron_replay",

@@ -9,7 +9,7 @@ import torch
 
 from r3lab.errors import ReplayError
 
-__all__ = ["ReplayError", "check_route_tensor"]
+__all__ = ["check_route_tensor"]
 
 
 def check_route_tensor(

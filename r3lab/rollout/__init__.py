@@ -12,12 +12,17 @@ Importing this package does not import vLLM (the engine and the server import it
 and nothing here imports the trainer side (slicing, replay).
 """
 
-from r3lab.moe_layout import ModelConfigError, MoELayout
-from r3lab.rollout.attach import API_KEY_ENV, AttachedServer, AttachError, connect, parse_completion, served_model
+
+from r3lab.errors import (
+    AttachError,  # noqa: F401  (importable here as before; exported by r3lab.errors)
+    ModelConfigError,  # noqa: F401  (importable here as before; exported by r3lab.errors)
+    RolloutError,  # noqa: F401  (importable here as before; exported by r3lab.errors)
+)
+from r3lab.moe_layout import MoELayout  # noqa: F401  (importable here as before; exported by r3lab.moe_layout)
+from r3lab.rollout.attach import API_KEY_ENV, AttachedServer, connect, parse_completion, served_model
 from r3lab.rollout.engine import RolloutEngine
 from r3lab.rollout.server import RolloutServer
 from r3lab.rollout.types import (
-    RolloutError,
     RolloutResult,
     SamplingConfig,
     append_last_row,
@@ -31,9 +36,6 @@ __all__ = [
     "RolloutServer",
     "RolloutResult",
     "SamplingConfig",
-    "RolloutError",
-    "ModelConfigError",
-    "MoELayout",
     "validate_engine_routes",
     "append_last_row",
     "assemble_turns",
@@ -42,6 +44,5 @@ __all__ = [
     "connect",
     "served_model",
     "AttachedServer",
-    "AttachError",
     "API_KEY_ENV",
 ]

@@ -16,13 +16,14 @@ from typing import Any
 
 import numpy as np
 
-from r3lab._process import Closing, free_port
+from r3lab._process import (
+    Closing,  # noqa: F401  (importable here as before; exported by r3lab._process)
+    free_port,  # noqa: F401  (importable here as before; exported by r3lab._process)
+)
 from r3lab.moe_layout import ModelConfigError, MoELayout
 from r3lab.rollout.types import RolloutError
 
 __all__ = [
-    "Closing",
-    "free_port",
     "ENGINE_DEFAULTS",
     "CPU_DEFAULTS",
     "as_cli_args",

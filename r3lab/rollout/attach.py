@@ -27,14 +27,15 @@ from typing import Any
 
 import numpy as np
 
+from r3lab._process import Closing
 from r3lab.compaction import DEFAULT_MAX_BYTES, read_vllm_npy_base64
 from r3lab.config import ATTACHED_RL_REASON
 from r3lab.errors import AttachError, R3LabError
 from r3lab.moe_layout import MoELayout
-from r3lab.rollout._common import Closing, check_model_dir, check_prompts
+from r3lab.rollout._common import check_model_dir, check_prompts
 from r3lab.rollout.types import RolloutError, RolloutResult, SamplingConfig, validate_engine_routes
 
-__all__ = ["API_KEY_ENV", "AttachError", "CompletionsClient", "AttachedServer", "connect", "served_model",
+__all__ = ["API_KEY_ENV", "CompletionsClient", "AttachedServer", "connect", "served_model",
            "parse_completion"]
 
 API_KEY_ENV = "R3LAB_ENGINE_API_KEY"

@@ -37,10 +37,10 @@ from typing import Any
 
 import numpy as np
 
+from r3lab._process import Closing
 from r3lab.rollout._common import (
     CPU_DEFAULTS,
     ENGINE_DEFAULTS,
-    Closing,
     check_model_dir,
     check_prompts,
     default_cpu_bind,

@@ -31,7 +31,7 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-from r3lab._process import end_process_group
+from r3lab._process import end_process_group, free_port
 from r3lab.compaction import DEFAULT_MAX_BYTES
 from r3lab.rollout._common import (
     CPU_DEFAULTS,
@@ -40,14 +40,16 @@ from r3lab.rollout._common import (
     as_cli_args,
     check_model_dir,
     default_cpu_bind,
-    free_port,
     quiet_log_level,
     vllm_env,
 )
-from r3lab.rollout.attach import CompletionsClient, parse_completion
+from r3lab.rollout.attach import (
+    CompletionsClient,
+    parse_completion,  # noqa: F401  (importable here as before; exported by r3lab.rollout.attach)
+)
 from r3lab.rollout.types import RolloutError
 
-__all__ = ["RolloutServer", "parse_completion"]
+__all__ = ["RolloutServer"]
 
 
 class RolloutServer(CompletionsClient):

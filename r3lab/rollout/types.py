@@ -20,7 +20,6 @@ from r3lab.moe_layout import MoELayout
 from r3lab.routes import Routes, check_distinct_rows
 
 __all__ = [
-    "RolloutError",
     "SamplingConfig",
     "RolloutResult",
     "validate_engine_routes",

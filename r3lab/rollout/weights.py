@@ -47,7 +47,7 @@ import numpy as np
 
 from r3lab.errors import WeightCaptureError
 
-__all__ = ["WeightCaptureError", "WeightCapture", "install_weight_capture", "check_vllm_call_site", "engine_request_id"]
+__all__ = ["WeightCapture", "install_weight_capture", "check_vllm_call_site", "engine_request_id"]
 
 
 def check_vllm_call_site() -> None:

@@ -7,9 +7,10 @@ from pathlib import Path
 
 from r3lab.errors import RunFormatError
 
-__all__ = ["RUN_FORMAT", "RUN_FORMAT_VERSION", "READABLE_VERSIONS", "SAMPLES_VERSION", "STOPPED_FILE", "CAPTURE_KIND",
-           "RunFormatError", "check_run_name", "check_routes_name", "tokens_file", "samples_file", "routes_file",
-           "step_of", "IMPORT_KIND"]
+__all__ = [
+    "RUN_FORMAT", "RUN_FORMAT_VERSION", "READABLE_VERSIONS", "SAMPLES_VERSION", "STOPPED_FILE", "CAPTURE_KIND",
+    "check_run_name", "check_routes_name", "tokens_file", "samples_file", "routes_file", "step_of", "IMPORT_KIND",
+]
 
 RUN_FORMAT = "r3lab-run"
 # 2: stopped.json marks a run stopped before its end; config.json's versions name r3lab's path

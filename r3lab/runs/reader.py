@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from r3lab.compaction import decode
-from r3lab.errors import R3LabError
+from r3lab.errors import R3LabError, RunFormatError
 from r3lab.paths import results_dir
 from r3lab.routes import Routes
 from r3lab.runs.format import (
@@ -19,7 +19,6 @@ from r3lab.runs.format import (
     RUN_FORMAT_VERSION,
     SAMPLES_VERSION,
     STOPPED_FILE,
-    RunFormatError,
     routes_file,
     samples_file,
     step_of,

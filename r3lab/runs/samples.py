@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from r3lab.runs.format import RunFormatError
+from r3lab.errors import RunFormatError
 
 if TYPE_CHECKING:
     import pyarrow as pa

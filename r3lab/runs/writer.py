@@ -15,12 +15,12 @@ from typing import Any
 import numpy as np
 
 from r3lab.compaction import encode
+from r3lab.errors import RunFormatError
 from r3lab.routes import Routes
 from r3lab.runs.format import (
     RUN_FORMAT,
     RUN_FORMAT_VERSION,
     STOPPED_FILE,
-    RunFormatError,
     check_routes_name,
     check_run_name,
     routes_file,

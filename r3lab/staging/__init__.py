@@ -45,18 +45,18 @@ and :mod:`~r3lab.staging.torch_dist` (the backends), :mod:`~r3lab.staging.driver
 :mod:`~r3lab.staging.rank` (:func:`fetch`, :func:`barrier`, :func:`receive`).
 """
 
+from r3lab.errors import StagingError  # noqa: F401  (importable here as before; exported by r3lab.errors)
 from r3lab.staging.backend import Backend, WaitResult
 from r3lab.staging.coordinator import Coordinator
 from r3lab.staging.driver import StagedBatch, StageStats, stage
 from r3lab.staging.frame import CHUNK_MAGIC, CHUNK_VERSION, decode_chunk, encode_chunk
 from r3lab.staging.local import LocalBackend
-from r3lab.staging.plan import ChunkSpec, RankCoords, StagingError, StagingPlan
+from r3lab.staging.plan import ChunkSpec, RankCoords, StagingPlan
 from r3lab.staging.rank import ReceiveStats, barrier, default_grace, fetch, receive
 from r3lab.staging.ray_store import RayBackend
 from r3lab.staging.torch_dist import StoreTally, TorchDistBackend
 
 __all__ = [
-    "StagingError",
     "RankCoords",
     "ChunkSpec",
     "StagingPlan",

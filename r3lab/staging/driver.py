@@ -10,8 +10,9 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from r3lab.errors import SlicingError
 from r3lab.routes import Routes
-from r3lab.slicing import SlicingError, gather
+from r3lab.slicing import gather
 from r3lab.staging.backend import Backend
 from r3lab.staging.frame import encode_chunk
 from r3lab.staging.plan import StagingError, StagingPlan

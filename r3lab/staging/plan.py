@@ -8,10 +8,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from r3lab.errors import StagingError
-from r3lab.slicing import ParallelLayout, SlicingError, dp_sequence_ids
+from r3lab.errors import SlicingError, StagingError
+from r3lab.slicing import ParallelLayout, dp_sequence_ids
 
-__all__ = ["StagingError", "RankCoords", "ChunkSpec", "StagingPlan"]
+__all__ = ["RankCoords", "ChunkSpec", "StagingPlan"]
 
 
 @dataclasses.dataclass(frozen=True, order=True)

@@ -8,16 +8,15 @@
   process-wide state when used, and imports torch).
 """
 
-from r3lab.corpus import corpus_prompts
+
+from r3lab.corpus import corpus_prompts  # noqa: F401  (importable here as before; exported by r3lab.corpus)
 from r3lab.testing.hf import MOE_FAMILIES, permuted_experts, tiny_moe_config
 from r3lab.testing.routes import random_route_tensors, random_routes
-from r3lab.workloads import workload_routes
+from r3lab.workloads import workload_routes  # noqa: F401  (importable here as before; exported by r3lab.workloads)
 
 __all__ = [
-    "corpus_prompts",
     "random_routes",
     "random_route_tensors",
-    "workload_routes",
     "MOE_FAMILIES",
     "tiny_moe_config",
     "permuted_experts",

@@ -33,34 +33,41 @@ import dataclasses
 import re
 import zlib
 from collections.abc import Sequence
+from pathlib import Path
 
+import numpy as np
 import torch
 
 from r3lab.errors import R3LabError
+from r3lab.routes import Routes
 from r3lab.slicing import ParallelLayout
 from r3lab.trainers.megatron.cpu import (
-    CPURMSNorm,
+    CPURMSNorm,  # noqa: F401  (importable here as before; exported by r3lab.trainers.megatron.cpu)
     destroy_parallel,
     gpt_chunks,
     init_parallel,
     patch_megatron_for_cpu,
 )
-from r3lab.trainers.megatron.forward import causal_mask, forward_tokens, pipeline_forward
-from r3lab.trainers.megatron.launch import launch
+from r3lab.trainers.megatron.forward import (
+    causal_mask,  # noqa: F401  (importable here as before; exported by r3lab.trainers.megatron.forward)
+    forward_tokens,  # noqa: F401  (importable here as before; exported by r3lab.trainers.megatron.forward)
+    pipeline_forward,  # noqa: F401  (importable here as before; exported by r3lab.trainers.megatron.forward)
+)
+from r3lab.trainers.megatron.launch import launch  # noqa: F401  (importable here as before; exported by r3lab.trainers.megatron.launch)
 
 __all__ = [
     "TinyGPTSpec",
-    "patch_megatron_for_cpu",
     "init_cpu_parallel",
     "destroy_cpu_parallel",
     "build_tiny_gpt",
     "init_weights_deterministic",
-    "causal_mask",
-    "forward_tokens",
-    "pipeline_forward",
     "router_layer_numbers",
-    "launch",
-    "CPURMSNorm",
+    "route_parts",
+    "same_bits",
+    "RankPass",
+    "replay_then_record",
+    "export_check",
+    "router_agreement",
 ]
 
 def init_cpu_parallel(layout: ParallelLayout | None = None, *, etp: int | None = None, seed: int = 1234) -> None:
@@ -264,3 +271,102 @@ def router_layer_numbers(chunks: Sequence[torch.nn.Module]) -> list[int]:
             if isinstance(mod, TopKRouter) and getattr(mod, "router_replay", None) is not None:
                 out.append(int(mod.layer_number))
     return out
+
+
+def route_parts(routes: Routes) -> tuple:
+    """``routes`` as picklable parts for a spawned rank (``Routes`` refuses pickling: it is immutable);
+    ``Routes(*parts)`` rebuilds it there."""
+    return (np.asarray(routes.values), np.asarray(routes.cu_seqlens), routes.num_experts, np.asarray(routes.layer_ids))
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equality of dtype, shape and every element (``torch.equal`` would call -0.0 and 0.0 equal)."""
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().view(ints[a.element_size()]), b.contiguous().view(ints[b.element_size()]))
+
+
+@dataclasses.dataclass
+class RankPass:
+    """One rank's two forward passes over its share of a batch: engine routes replayed, then its own routing recorded.
+
+    ``replay_logits`` and ``native_logits`` are the pipeline's output (None off the last stage), ``native`` the routes
+    the rank's routers chose, by Megatron layer, ``rows`` the token rows of this rank's routers (slicing's view),
+    ``seqs`` the batch's sequences this data-parallel rank holds and ``tokens`` their token ids.
+    """
+
+    dp: int
+    pp: int
+    tp: int
+    seqs: np.ndarray
+    tokens: torch.Tensor | None
+    replay_logits: torch.Tensor | None
+    native_logits: torch.Tensor | None
+    native: dict
+    rows: np.ndarray
+
+
+def replay_then_record(model, layout: ParallelLayout, tokens: torch.Tensor, routes: Routes) -> RankPass:
+    """Run ``model`` (an :class:`r3lab.trainers.megatron.MegatronModel` on this rank) twice over this rank's share of
+    ``tokens`` [B, S]: once replaying ``routes`` (sliced for the rank by :func:`r3lab.slicing.shard`), once recording
+    its own routing. The rank-side half of the tests that compare Megatron with transformers on the same weights."""
+    from megatron.core import parallel_state as ps
+
+    from r3lab.replay import megatron_replay
+    from r3lab.slicing import dp_sequence_ids, shard, token_rows
+
+    dp, pp = ps.get_data_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    tp = ps.get_tensor_model_parallel_rank()
+    seqs = dp_sequence_ids(len(routes), layout, dp)[0]
+    mine = tokens[torch.from_numpy(seqs)]
+    ids = shard(routes, layout, dp_rank=dp, pp_rank=pp, cp_rank=0, tp_rank=tp)
+    last = pp == layout.pp - 1
+    with megatron_replay(model.chunks, [ids]) as rep:
+        rep.begin_microbatch(forward_only=True)
+        replay_logits = pipeline_forward(model.chunks, mine)
+        rep.after_forward()
+    with megatron_replay(model.chunks, mode="record") as rec:
+        rec.begin_microbatch()
+        native_logits = pipeline_forward(model.chunks, mine)
+        native = rec.after_forward()
+    assert native is not None  # record mode returns what the routers chose
+    rows = token_rows(np.full(len(seqs), tokens.shape[1]), layout, tp_rank=tp)
+    return RankPass(dp=dp, pp=pp, tp=tp, seqs=seqs, tokens=mine, replay_logits=replay_logits if last else None,
+                    native_logits=native_logits if last else None, native={g: t.numpy() for g, t in native.items()},
+                    rows=rows)
+
+
+def export_check(model, checkpoint: str | Path) -> dict | None:
+    """What :func:`r3lab.trainers.megatron.export_hf_state_dict` gives back against the checkpoint it was loaded from:
+    names missing and extra, and those whose values differ in any bit (in the checkpoint's dtype, and the export
+    against the checkpoint widened to fp32). None on ranks that export nothing (all but the gathering rank)."""
+    from r3lab.trainers.megatron import checkpoint_state_dict, export_hf_state_dict
+
+    exported = export_hf_state_dict(model)
+    if exported is None:
+        return None
+    ckpt = checkpoint_state_dict(checkpoint)
+    differ = sorted(n for n in set(ckpt) & set(exported)
+                    if not same_bits(exported[n].to(ckpt[n].dtype), ckpt[n])
+                    or not same_bits(exported[n], ckpt[n].float()))
+    return dict(missing=sorted(set(ckpt) - set(exported)), extra=sorted(set(exported) - set(ckpt)), differ=differ,
+                n=len(ckpt))
+
+
+def router_agreement(routes: Routes, passes: Sequence[RankPass], *, sequence_parallel: bool) -> tuple[int, int]:
+    """How many (token, MoE layer) router rows of the ranks' own routing (``RankPass.native``) chose the same expert
+    set as ``routes`` (set-based: order within the top-k is free), and how many rows there were. Each row is counted
+    once: tensor-parallel rank 0's rows, or every rank's under sequence parallelism (each holds a slice)."""
+    agree = total = 0
+    layers = routes.layer_ids.tolist()
+    for p in passes:
+        if not (sequence_parallel or p.tp == 0):
+            continue
+        share = np.concatenate([routes.values[routes.cu_seqlens[s]: routes.cu_seqlens[s + 1]] for s in p.seqs])
+        real = p.rows >= 0
+        for layer, ids in p.native.items():
+            want = np.sort(share[p.rows[real], layers.index(layer)], axis=1)
+            agree += int((np.sort(ids[real], axis=1) == want).all(axis=1).sum())
+            total += int(real.sum())
+    return agree, total

@@ -8,9 +8,9 @@ from typing import Any
 import numpy as np
 
 from r3lab.routes import Routes
-from r3lab.workloads import workload_routes  # re-exported: it moved to r3lab.workloads
+from r3lab.workloads import workload_routes  # noqa: F401  (importable here as before; exported by r3lab.workloads)
 
-__all__ = ["random_routes", "random_route_tensors", "workload_routes"]
+__all__ = ["random_routes", "random_route_tensors"]
 
 
 def random_routes(

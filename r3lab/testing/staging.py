@@ -19,9 +19,10 @@ from typing import Any
 import numpy as np
 
 from r3lab.compaction import decode, encode
+from r3lab.errors import StagingError
 from r3lab.routes import Routes
 from r3lab.slicing import dp_sequence_ids, dp_share, shard_local
-from r3lab.staging import RankCoords, StagedBatch, StagingError, decode_chunk, receive
+from r3lab.staging import RankCoords, StagedBatch, decode_chunk, receive
 
 __all__ = ["RankWorker", "rss_hwm_reset", "rss_hwm", "late_bytes", "lost_bytes"]
 

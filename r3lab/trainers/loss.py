@@ -30,7 +30,7 @@ from r3lab.config import LOSSES  # token-level ratio and clipping; sequence-leve
 from r3lab.errors import BatchError, ConfigError
 from r3lab.trainers.base import PolicyUpdate
 
-__all__ = ["LOSSES", "ClippedLoss", "clipped_policy_loss", "sequence_ratios"]
+__all__ = ["ClippedLoss", "clipped_policy_loss", "sequence_ratios"]
 
 
 @dataclass

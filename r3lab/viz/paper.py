@@ -15,9 +15,9 @@ from pathlib import Path
 import plotly.graph_objects as go
 
 from r3lab.config import RLConfig
-from r3lab.errors import R3LabError
+from r3lab.errors import R3LabError, RunFormatError
 from r3lab.routes import Routes
-from r3lab.runs import Run, RunFormatError, list_runs, load
+from r3lab.runs import Run, list_runs, load
 from r3lab.runs.phase import phase_records
 from r3lab.viz.exporting import EXPORT_FORMATS, export_figures
 from r3lab.viz.phase import phase_figure, staleness_figure

@@ -14,14 +14,22 @@ Modules: ``jobs`` (child-process RL jobs), ``live`` (the live figures the widget
 defaults are :class:`r3lab.config.RLConfig`'s (:meth:`~r3lab.config.RLConfig.quick` unless told otherwise).
 """
 
-from r3lab.config import MODES
-from r3lab.runs import FollowedRun, RunFollower, load_runs, reference_runs_dir
+
+
+from r3lab.config import MODES  # noqa: F401  (importable here as before; exported by r3lab.config)
+from r3lab.runs.follow import (
+           FollowedRun,  # noqa: F401  (importable here as before; exported by r3lab.runs.follow)
+           RunFollower,  # noqa: F401  (importable here as before; exported by r3lab.runs.follow)
+)
+from r3lab.runs.reader import (
+           load_runs,  # noqa: F401  (importable here as before; exported by r3lab.runs.reader)
+           reference_runs_dir,  # noqa: F401  (importable here as before; exported by r3lab.runs.reader)
+)
 from r3lab.widgets.dashboard import AblationDashboard
 from r3lab.widgets.dial import DialWidget, objective_config
 from r3lab.widgets.jobs import RLJob, rl_config, start_rl
 from r3lab.widgets.live import DEFAULT_METRICS, LAYER_METRIC, PLOTLY_MIME, LiveFigure
 from r3lab.widgets.monitoring import RunMonitor, monitor
 
-__all__ = ["DEFAULT_METRICS", "LAYER_METRIC", "PLOTLY_MIME", "LiveFigure", "MODES", "RLJob", "start_rl",
-           "rl_config", "RunFollower", "FollowedRun", "RunMonitor", "monitor", "AblationDashboard", "load_runs",
-           "reference_runs_dir", "DialWidget", "objective_config"]
+__all__ = ["DEFAULT_METRICS", "LAYER_METRIC", "PLOTLY_MIME", "LiveFigure", "RLJob", "start_rl",
+           "rl_config", "RunMonitor", "monitor", "AblationDashboard", "DialWidget", "objective_config"]

@@ -56,7 +56,12 @@ One job per module: :mod:`~r3lab.experiments.rl.batch` (a step's rollouts, rewar
 :mod:`~r3lab.experiments.rl.report` (the run's files, summary, collapse and comparison table).
 """
 
-from r3lab.config import MODES, OLD_LOGPROBS, RLConfig
+
+from r3lab.config import (
+    MODES,  # noqa: F401  (importable here as before; exported by r3lab.config)
+    OLD_LOGPROBS,  # noqa: F401  (importable here as before; exported by r3lab.config)
+    RLConfig,  # noqa: F401  (importable here as before; exported by r3lab.config)
+)
 from r3lab.experiments.multiturn import rollout_turns as rollout_turns  # reachable here as before
 from r3lab.experiments.rl.batch import RolloutBatch
 from r3lab.experiments.rl.batch import step_samples as step_samples
@@ -66,14 +71,10 @@ from r3lab.experiments.rl.report import COMPARISON_METRICS, collapse_summary, co
 from r3lab.experiments.rl.trainer import load_trainer, scorer_at, trainer_notes
 from r3lab.experiments.rl.update import UPDATE_STATS as UPDATE_STATS
 from r3lab.experiments.rl.update import StepResult, policy_updates, train_step
-from r3lab.experiments.tasks import LetterTask
+from r3lab.experiments.tasks import LetterTask  # noqa: F401  (importable here as before; exported by r3lab.experiments.tasks)
 from r3lab.rollout import SamplingConfig as SamplingConfig
 
 __all__ = [
-    "MODES",
-    "OLD_LOGPROBS",
-    "RLConfig",
-    "LetterTask",
     "RolloutBatch",
     "OldPolicy",
     "StepResult",

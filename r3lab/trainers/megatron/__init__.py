@@ -14,18 +14,23 @@
 megatron-core, mbridge and transformers are imported when used, not when this package is imported.
 """
 
+from r3lab.errors import (
+    LaunchTimeout,  # noqa: F401  (importable here as before; exported by r3lab.errors)
+    MegatronLoadError,  # noqa: F401  (importable here as before; exported by r3lab.errors)
+)
+from r3lab.families import (
+    group_routing_mismatch,  # noqa: F401  (importable here as before; exported by r3lab.families)
+    model_group_routing,  # noqa: F401  (importable here as before; exported by r3lab.families)
+)
 from r3lab.trainers.megatron.checkpoint import (
     GroupRoutingMismatchWarning,
-    MegatronLoadError,
     MegatronModel,
     build_model,
     checkpoint_shapes,
     checkpoint_state_dict,
     export_hf_state_dict,
-    group_routing_mismatch,
     layout_for,
     load_checkpoint,
-    model_group_routing,
 )
 from r3lab.trainers.megatron.cpu import (
     CPU_CONFIG,
@@ -37,14 +42,12 @@ from r3lab.trainers.megatron.cpu import (
     patch_megatron_for_cpu,
 )
 from r3lab.trainers.megatron.forward import causal_mask, forward_tokens, gather_vocab, logits_logprobs, pipeline_forward
-from r3lab.trainers.megatron.launch import LaunchTimeout, launch
+from r3lab.trainers.megatron.launch import launch
 
 __all__ = [
     "CPU_CONFIG",
     "CPURMSNorm",
     "GroupRoutingMismatchWarning",
-    "LaunchTimeout",
-    "MegatronLoadError",
     "MegatronModel",
     "build_model",
     "causal_mask",
@@ -55,13 +58,11 @@ __all__ = [
     "export_hf_state_dict",
     "forward_tokens",
     "gather_vocab",
-    "group_routing_mismatch",
     "init_parallel",
     "launch",
     "layout_for",
     "load_checkpoint",
     "local_block_spec",
-    "model_group_routing",
     "patch_megatron_for_cpu",
     "pipeline_forward",
     "logits_logprobs",

@@ -44,7 +44,13 @@ from typing import Any
 import torch
 
 from r3lab.errors import MegatronLoadError
-from r3lab.families import FAMILIES, family_of, group_routing_mismatch, megatron_overrides, model_group_routing
+from r3lab.families import (
+    FAMILIES,
+    family_of,
+    group_routing_mismatch,
+    megatron_overrides,
+    model_group_routing,  # noqa: F401  (importable here as before; exported by r3lab.families)
+)
 from r3lab.moe_layout import MoELayout
 from r3lab.slicing import ParallelLayout
 from r3lab.trainers.megatron.cpu import CPU_CONFIG, gpt_chunks, init_parallel, patch_megatron_for_cpu
@@ -60,17 +66,14 @@ from r3lab.trainers.megatron.mbridge_api import (
 )
 
 __all__ = [
-    "MegatronLoadError",
     "GroupRoutingMismatchWarning",
     "MegatronModel",
     "layout_for",
-    "group_routing_mismatch",
     "build_model",
     "load_checkpoint",
     "export_hf_state_dict",
     "checkpoint_state_dict",
     "checkpoint_shapes",
-    "model_group_routing",
 ]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

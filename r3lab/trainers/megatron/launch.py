@@ -26,7 +26,7 @@ import torch
 from r3lab._process import free_port
 from r3lab.errors import LaunchTimeout, R3LabError
 
-__all__ = ["launch", "LaunchTimeout"]
+__all__ = ["launch"]
 
 
 def _worker(rank: int, world_size: int, port: int, outdir: str, coll_s: float, fn: Callable, args: tuple) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from r3lab.errors import MbridgeAPIError
 
-__all__ = ["MbridgeAPIError", "EXPECTED", "check_mbridge_api", "mbridge_registry", "bridge_class", "hf_names",
+__all__ = ["EXPECTED", "check_mbridge_api", "mbridge_registry", "bridge_class", "hf_names",
            "to_megatron_format", "split_across_tp", "merge_across_tp", "to_hf_format"]
 
 PINNED = "mbridge==0.15.1"

@@ -47,7 +47,7 @@ from r3lab.routes import Routes
 from r3lab.trainer_registry import TrainerOptions, megatron_dp
 from r3lab.trainers.base import PolicyStepStats, PolicyUpdate, TokenBatch, Trainer, TrainerScores
 
-__all__ = ["MegatronTrainer", "MegatronTrainerError"]
+__all__ = ["MegatronTrainer"]
 
 
 class MegatronTrainer(Closing, Trainer):

@@ -1,0 +1,99 @@
+"""The public surface: each public name is exported (listed in an ``__all__``) by the module that defines it and, at
+most, by the packages above that module (its facades, e.g. ``r3lab.viz`` for ``r3lab.viz.routing``), never by a
+sibling that imports it (``r3lab.widgets`` re-exporting ``r3lab.config.MODES`` was one: two homes for one name).
+
+The home of a name is found by reading each module's source: a name a module binds with ``from X import name`` is X's
+(followed to the module that binds it otherwise), so constants and exceptions are traced as classes are.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import pkgutil
+from functools import cache
+from pathlib import Path
+
+import r3lab
+
+ROOT = Path(r3lab.__file__).parent
+
+
+def _module_names() -> list[str]:
+    return ["r3lab"] + [m.name for m in pkgutil.walk_packages([str(ROOT)], "r3lab.")]
+
+
+def _source(name: str) -> tuple[Path, ast.Module] | None:
+    rel = name.split(".")[1:]
+    for path in (ROOT.joinpath(*rel, "__init__.py"), ROOT.joinpath(*rel).with_suffix(".py") if rel else None):
+        if path is not None and path.is_file():
+            return path, ast.parse(path.read_text())
+    return None
+
+
+@cache
+def home(module: str, name: str) -> str:
+    """The r3lab module that binds ``name`` itself (not by importing it from another r3lab module)."""
+    src = _source(module)
+    if src is None:
+        return module
+    path, tree = src
+    for node in tree.body:
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        for alias in node.names:
+            if (alias.asname or alias.name) != name:
+                continue
+            base = node.module or ""
+            if node.level:
+                pkg = module if path.name == "__init__.py" else module.rpartition(".")[0]
+                for _ in range(node.level - 1):
+                    pkg = pkg.rpartition(".")[0]
+                base = f"{pkg}.{node.module}" if node.module else pkg
+            if not base.startswith("r3lab"):
+                return module  # a third-party name exported under r3lab's own (none today)
+            if _source(f"{base}.{alias.name}") is not None and alias.name == name:
+                return f"{base}.{alias.name}"  # a submodule imported by name
+            return home(base, alias.name)
+    return module
+
+
+def _exports() -> dict[str, list[str]]:
+    """Each module's ``__all__`` as Python computes it (some are built from their submodules' lists)."""
+    return {name: list(getattr(importlib.import_module(name), "__all__", [])) for name in _module_names()}
+
+
+def test_each_public_name_is_exported_by_its_home_and_its_facades_only():
+    stray = []
+    for module, names in _exports().items():
+        for name in names:
+            where = home(module, name)
+            if where != module and not where.startswith(module + "."):
+                stray.append(f"{module} exports {name}, whose home is {where}")
+    assert not stray, "\n".join(stray)
+
+
+def test_every_exported_name_exists():
+    missing = []
+    for module, names in _exports().items():
+        mod = importlib.import_module(module)
+        missing += [f"{module}.{n}" for n in names if not hasattr(mod, n)]
+    assert not missing, missing
+
+
+def test_the_rule_catches_a_sibling_re_export(tmp_path, monkeypatch):
+    """The check can fail: a module that imports another module's name and lists it in its __all__ is found."""
+    home.cache_clear()
+    fake = "r3lab.widgets"
+    real = _source
+
+    def patched(name: str):
+        if name == fake:
+            return Path("x/__init__.py"), ast.parse("from r3lab.config import MODES\n__all__ = ['MODES']\n")
+        return real(name)
+
+    monkeypatch.setitem(globals(), "_source", patched)
+    try:
+        assert home(fake, "MODES") == "r3lab.config"
+    finally:
+        home.cache_clear()
