@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from reference import KEPT_FILES, finished_runs  # noqa: E402  (bench/reference.py)
+from reference import finished_runs, keep_reference  # noqa: E402  (bench/reference.py)
 
 from r3lab.config import PHASE_OBJECTIVES, RLConfig  # noqa: E402
 from r3lab.paths import results_dir  # noqa: E402
@@ -120,15 +120,7 @@ def keep(work: Path, reference: Path = REFERENCE) -> None:
     if not runs:
         raise SystemExit(f"bench_horizon: no finished run under {work}")
     times = {r.name: json.loads((work / "times" / f"{r.name}.json").read_text())["seconds"] for r in runs}
-    if reference.exists():
-        shutil.rmtree(reference)  # regenerated whole, never merged with an older one
-    for r in runs:
-        (reference / r.name).mkdir(parents=True)
-        for f in KEPT_FILES:
-            shutil.copy(r.path / f, reference / r.name / f)
-    kept = {r.name: times[r.name] for r in runs}
-    (reference / "bench.json").write_text(json.dumps({"seconds": round(sum(kept.values()), 1), "runs": kept},
-                                                     indent=1) + "\n")
+    keep_reference(runs, work, reference, sum(times.values()), extra={"runs": times}, remove_scratch=False)
 
 
 def report(reference: Path = REFERENCE) -> str:
