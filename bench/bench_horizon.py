@@ -57,8 +57,10 @@ SEARCH = {
 SEARCH_MODES, SEARCH_SEEDS = ("none", "R3"), (0,)
 # how the committed sweep ran: 4 workers at once (--match int4-<mode>-s*), nice 10, one engine each, with
 # OMP_NUM_THREADS=1. A rerun with `r3lab rl` and a run's config reproduces its steps exactly only with that thread
-# count too (measured: int4-R2-s0, steps 0-2, every non-timing key equal; with the default threads the float metrics
-# differ at ~1e-7 from step 0 and the samples from step 2)
+# count too (measured: int4-R2-s0, steps 0-35 of `OMP_NUM_THREADS=1 <Run.rerun_command()>`, every non-timing key
+# equal; with the default threads the float metrics differ at ~1e-7 from step 0 and the samples from step 2). Runs
+# written since record it (config.json "threads", r3lab.runs.writer.threads; Run.rerun_command() puts it first);
+# the committed ladder runs predate that and hold none
 WORKERS = 4
 
 
