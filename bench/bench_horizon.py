@@ -129,6 +129,7 @@ def keep(work: Path, reference: Path = REFERENCE) -> None:
 
 PILOT_REFERENCE = RESULTS / "horizon_pilot"
 PILOT_WINDOWS = (0, 50, 100, 150, 200, 250)  # the pilot's reward curve: means over the 50 steps from each
+PILOT_THREADS = "every pilot run ran with OMP_NUM_THREADS=1 (nice 10), and a bitwise rerun needs it too"
 
 
 def keep_pilot(work: Path, reference: Path = PILOT_REFERENCE) -> None:
@@ -176,7 +177,8 @@ def pilot_report(reference: Path = PILOT_REFERENCE) -> str:
                      + " / ".join(f"{v:.2f}" for v in en) + f" | {rec['collapse_step'] is not None} "
                      f"(step {rec['collapse_step']}) | {rec['late_collapse_step'] is not None} |")
         cmds.append(f"    {r.rerun_command('RUNS', r.name.rsplit('-', 2)[0])}")
-    lines += ["", "Rerun commands (`RUNS`: a scratch folder):", ""] + cmds
+    lines += ["", "Rerun commands (`RUNS`: a scratch folder). A command without a thread prefix is a run written "
+              "before runs recorded their threads: " + PILOT_THREADS + ".", ""] + cmds
     return "\n".join(lines) + "\n"
 
 
