@@ -143,6 +143,10 @@ def keep_pilot(work: Path, reference: Path = PILOT_REFERENCE) -> None:
     keep_reference(runs, work, reference, sum(times.values()), extra={"runs": times}, remove_scratch=False)
 
 
+def _flag(step: int | None) -> str:
+    return "no" if step is None else f"at step {step}"
+
+
 def pilot_report(reference: Path = PILOT_REFERENCE) -> str:
     """horizon_pilot.md: does the task keep improving? Per pilot run, the reward's 50-step means, the change from
     steps 150-200 to 250-300, the policy entropy at the same windows, the collapse flags, and its rerun command."""
@@ -174,8 +178,8 @@ def pilot_report(reference: Path = PILOT_REFERENCE) -> str:
         rec, c = horizon_record(r), r.config
         lines.append(f"| {r.name} | {c['task']} | {c['lr']:g} | {c['max_tokens']} | {c['mode']} | {len(reward)} | "
                      + " / ".join(f"{v:.3f}" for v in rw) + f" | {rw[5] - rw[3]:+.3f} | "
-                     + " / ".join(f"{v:.2f}" for v in en) + f" | {rec['collapse_step'] is not None} "
-                     f"(step {rec['collapse_step']}) | {rec['late_collapse_step'] is not None} |")
+                     + " / ".join(f"{v:.2f}" for v in en) + f" | {_flag(rec['collapse_step'])} | "
+                     f"{_flag(rec['late_collapse_step'])} |")
         cmds.append(f"    {r.rerun_command('RUNS', r.name.rsplit('-', 2)[0])}")
     lines += ["", "Rerun commands (`RUNS`: a scratch folder). A command without a thread prefix is a run written "
               "before runs recorded their threads: " + PILOT_THREADS + ".", ""] + cmds
