@@ -17,6 +17,8 @@ in its header, not silently dropped.
     python bench/bench_horizon.py --work DIR          # run (resumable), then keep and report
     python bench/bench_horizon.py --work DIR --only int4   # the int4 sweep only (priority order)
     python bench/bench_horizon.py --report            # horizon.md from the committed runs
+    python bench/bench_horizon.py --keep-pilot DIR    # keep a task pilot's runs (bench/results/horizon_pilot/)
+    python bench/bench_horizon.py --pilot-report      # horizon_pilot.md from the committed pilot runs
     python bench/bench_horizon.py --smoke DIR         # a 3-step slice (development; the reference is left alone)
 """
 
@@ -32,7 +34,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from reference import KEPT_FILES, finished_runs  # noqa: E402  (bench/reference.py)
+from reference import finished_runs, keep_reference  # noqa: E402  (bench/reference.py)
 
 from r3lab.config import PHASE_OBJECTIVES, RLConfig  # noqa: E402
 from r3lab.paths import results_dir  # noqa: E402
@@ -55,8 +57,10 @@ SEARCH = {
 SEARCH_MODES, SEARCH_SEEDS = ("none", "R3"), (0,)
 # how the committed sweep ran: 4 workers at once (--match int4-<mode>-s*), nice 10, one engine each, with
 # OMP_NUM_THREADS=1. A rerun with `r3lab rl` and a run's config reproduces its steps exactly only with that thread
-# count too (measured: int4-R2-s0, steps 0-2, every non-timing key equal; with the default threads the float metrics
-# differ at ~1e-7 from step 0 and the samples from step 2)
+# count too (measured: int4-R2-s0, steps 0-35 of `OMP_NUM_THREADS=1 <Run.rerun_command()>`, every non-timing key
+# equal; with the default threads the float metrics differ at ~1e-7 from step 0 and the samples from step 2). Runs
+# written since record it (config.json "threads", r3lab.runs.writer.threads; Run.rerun_command() puts it first);
+# the committed ladder runs predate that and hold none
 WORKERS = 4
 
 
@@ -120,15 +124,66 @@ def keep(work: Path, reference: Path = REFERENCE) -> None:
     if not runs:
         raise SystemExit(f"bench_horizon: no finished run under {work}")
     times = {r.name: json.loads((work / "times" / f"{r.name}.json").read_text())["seconds"] for r in runs}
-    if reference.exists():
-        shutil.rmtree(reference)  # regenerated whole, never merged with an older one
+    keep_reference(runs, work, reference, sum(times.values()), extra={"runs": times}, remove_scratch=False)
+
+
+PILOT_REFERENCE = RESULTS / "horizon_pilot"
+PILOT_WINDOWS = (0, 50, 100, 150, 200, 250)  # the pilot's reward curve: means over the 50 steps from each
+PILOT_THREADS = "every pilot run ran with OMP_NUM_THREADS=1 (nice 10), and a bitwise rerun needs it too"
+
+
+def keep_pilot(work: Path, reference: Path = PILOT_REFERENCE) -> None:
+    """Replace the pilot's reference with the finished runs of ``work`` (runs made with the `r3lab rl` commands the
+    pilot table lists); bench.json: each run's summed step time (``time_step_s``; the pilot ran as plain
+    `r3lab rl` processes, not through :func:`run_all`, so no wall clock was kept)."""
+    runs = finished_runs(work, "bench_horizon --keep-pilot")
+    if not runs:
+        raise SystemExit(f"bench_horizon: no finished run under {work}")
+    times = {r.name: round(float(r.steps["time_step_s"].sum()), 1) for r in runs}
+    keep_reference(runs, work, reference, sum(times.values()), extra={"runs": times}, remove_scratch=False)
+
+
+def _flag(step: int | None) -> str:
+    return "no" if step is None else f"at step {step}"
+
+
+def pilot_report(reference: Path = PILOT_REFERENCE) -> str:
+    """horizon_pilot.md: does the task keep improving? Per pilot run, the reward's 50-step means, the change from
+    steps 150-200 to 250-300, the policy entropy at the same windows, the collapse flags, and its rerun command."""
+    import numpy as np
+
+    from r3lab.runs.horizon import horizon_record
+
+    runs = sorted(finished_runs(reference, "bench_horizon --pilot-report"),
+                  key=lambda r: (r.config["lr"] < 1e-3, r.config["lr"], ["none", "R2", "R3"].index(r.config["mode"])))
+    bench = json.loads((reference / "bench.json").read_text())
+    wins = " / ".join(f"{a}-{a + 50}" for a in PILOT_WINDOWS)
+    lines = ["# A task that keeps improving? The pilot of the `chain` task", "",
+             f"`python bench/bench_horizon.py --pilot-report` renders this file from bench/results/horizon_pilot/ "
+             f"({len(runs)} runs, {bench['seconds'] / 60:.0f} minutes of step time summed, run 3 at a time on 2 CPU "
+             "cores shared with other jobs). Each run's config names everything its rerun needs; the command below "
+             "is `Run.rerun_command()` (the thread count it recorded first). Reward: the mean of `reward_mean` over "
+             f"the 50 steps from each of {', '.join(map(str, PILOT_WINDOWS))}; change: steps 250-300 minus 150-200. "
+             "Entropy: the trainer's mean token entropy over the same windows. Collapse as in horizon.md.", "",
+             f"| run | task | lr | tokens | mode | steps | reward {wins} | change 150-200 -> 250-300 | entropy "
+             f"{wins} | collapsed | late collapsed |", "|" + "---|" * 11]
+    cmds = []
     for r in runs:
-        (reference / r.name).mkdir(parents=True)
-        for f in KEPT_FILES:
-            shutil.copy(r.path / f, reference / r.name / f)
-    kept = {r.name: times[r.name] for r in runs}
-    (reference / "bench.json").write_text(json.dumps({"seconds": round(sum(kept.values()), 1), "runs": kept},
-                                                     indent=1) + "\n")
+        reward, ent = r.steps["reward_mean"].to_numpy(float), r.steps["train/entropy"].to_numpy(float)
+
+        def means(x):
+            return [float(np.mean(x[a:a + 50])) if x[a:a + 50].size else float("nan") for a in PILOT_WINDOWS]
+
+        rw, en = means(reward), means(ent)
+        rec, c = horizon_record(r), r.config
+        lines.append(f"| {r.name} | {c['task']} | {c['lr']:g} | {c['max_tokens']} | {c['mode']} | {len(reward)} | "
+                     + " / ".join(f"{v:.3f}" for v in rw) + f" | {rw[5] - rw[3]:+.3f} | "
+                     + " / ".join(f"{v:.2f}" for v in en) + f" | {_flag(rec['collapse_step'])} | "
+                     f"{_flag(rec['late_collapse_step'])} |")
+        cmds.append(f"    {r.rerun_command('RUNS', r.name.rsplit('-', 2)[0])}")
+    lines += ["", "Rerun commands (`RUNS`: a scratch folder). A command without a thread prefix is a run written "
+              "before runs recorded their threads: " + PILOT_THREADS + ".", ""] + cmds
+    return "\n".join(lines) + "\n"
 
 
 def report(reference: Path = REFERENCE) -> str:
@@ -162,8 +217,19 @@ def main(argv: list[str] | None = None) -> None:
                     "several workers can share one work folder)")
     ap.add_argument("--no-keep", action="store_true", help="with --work: run only, leave the reference alone")
     ap.add_argument("--report", action="store_true", help="only render horizon.md from the committed runs")
+    ap.add_argument("--keep-pilot", metavar="DIR", help="keep the finished pilot runs of DIR as the pilot reference "
+                    "(bench/results/horizon_pilot/), then render horizon_pilot.md")
+    ap.add_argument("--pilot-report", action="store_true", help="only render horizon_pilot.md from the committed "
+                    "pilot runs")
     ap.add_argument("--smoke", metavar="DIR", help="a 3-step, 1-seed slice of the grid into DIR (development)")
     args = ap.parse_args(argv)
+    if args.keep_pilot or args.pilot_report:
+        if args.keep_pilot:
+            keep_pilot(Path(args.keep_pilot))
+        table = pilot_report()
+        print(table)
+        (RESULTS / "horizon_pilot.md").write_text(table)
+        return
     if args.smoke:
         root = Path(args.smoke)
         runs = {n: RLConfig.from_dict({**c.to_dict(), "steps": 3}) for n, c in plan().items()

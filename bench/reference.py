@@ -13,8 +13,9 @@ import json
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from r3lab.runs import Run, list_runs
 
@@ -37,16 +38,23 @@ def reference_seconds(reference: Path) -> float | None:
     return json.loads(timing.read_text())["seconds"] if timing.is_file() else None
 
 
-def keep_reference(runs: list[Run], scratch: Path, reference: Path, seconds: float) -> None:
-    """Replace ``reference`` with these runs' kept files and the wall time; remove the scratch folder."""
+def keep_reference(runs: list[Run], scratch: Path, reference: Path, seconds: float, *,
+                   extra: Mapping[str, Any] | None = None, remove_scratch: bool = True) -> None:
+    """Replace ``reference`` with these runs' kept files and ``bench.json`` (the wall time ``seconds``, and the
+    entries of ``extra``: per-run timings, say); remove the scratch folder unless ``remove_scratch`` is False (a
+    resumable sweep's work folder stays)."""
+    if extra and "seconds" in extra:
+        raise ValueError("keep_reference: extra must not set 'seconds' (pass it as seconds)")
     if reference.exists():
         shutil.rmtree(reference)  # regenerated whole, never merged with an older one
     for r in runs:
         (reference / r.name).mkdir(parents=True)
         for f in KEPT_FILES:
             shutil.copy(r.path / f, reference / r.name / f)
-    (reference / "bench.json").write_text(json.dumps({"seconds": round(seconds, 1)}) + "\n")
-    shutil.rmtree(scratch, ignore_errors=True)
+    timing = {"seconds": round(seconds, 1), **(extra or {})}
+    (reference / "bench.json").write_text(json.dumps(timing, indent=1 if extra else None) + "\n")
+    if remove_scratch:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def reference_main(argv: list[str] | None, *, doc: str, bench: str, reference: Path, table_file: Path,

@@ -69,7 +69,8 @@ STALENESS_LEVELS = (0, 1, 2, 4)  # the phase diagram's staleness figure, at matc
 # the RL tasks (r3lab.experiments.tasks, its registry): their names and what the reward counts
 TASKS = {"letter": "distinct words starting with --target-letter, per response word",
          "edges": "distinct uncommon corpus transitions (not a word's most frequent successor), per transition",
-         "ladder": "transitions onto the next first letter of the cycle b d f ... z (then b), per transition"}
+         "ladder": "transitions onto the next first letter of the cycle b d f ... z (then b), per transition",
+         "chain": "distinct words reached by a step onto the next first letter (the ladder's), per transition"}
 TRAINER_DTYPES = {"bfloat16": "bf16, fp32 router", "float32": "fp32"}  # the drift experiment's trainer settings
 # the trainers (r3lab.trainers), from their registry (r3lab.trainer_registry): name -> description
 TRAINERS = {name: spec.description for name, spec in TRAINER_REGISTRY.items()}
@@ -248,7 +249,7 @@ class RLConfig(_Config):
     observation_words: int = knob(3, "turns > 1: corpus words per observation")
     target_letter: str = knob("m", "the task's target letter (reward: distinct words starting with it)")
     task: str = knob("letter", "the reward: letter (" + TASKS["letter"] + "), edges (" + TASKS["edges"] + "), ladder ("
-                     + TASKS["ladder"] + ")",
+                     + TASKS["ladder"] + "), chain (" + TASKS["chain"] + ")",
                      choices=tuple(TASKS))
     loss: str = knob("grpo", "policy objective: grpo (token ratios, clipped per token) or gspo (one ratio per "
                      "sample, the geometric mean of its token ratios, clipped per sample)", choices=LOSSES)

@@ -120,3 +120,29 @@ def test_horizon_table_from_runs_on_disk(tmp_path):
     table = horizon_table(runs, header="h")
     assert "| int4 | base | R3 | 3 |" in table and "| int4 | lr=0.01 | none | 1 |" in table
     assert "| int4 | R3 - none | reward_last50 | 3 vs 3 | +0.1 |" in table and "| 0.10 |" in table
+
+
+def test_horizon_figure_gives_each_aftermath_series_its_own_axis(tmp_path):
+    """A grad norm of 1e5 after a spike must not flatten the ESS / clip / reward changes: each series of the
+    aftermath is drawn in its own panel (its own y axis), and the shared step axis is titled once."""
+    from r3lab.runs import list_runs
+    from r3lab.runs.horizon import AFTERMATH_SERIES
+    from r3lab.viz.horizon import horizon_figure
+
+    base = RLConfig.quick(task="ladder", steps=60, engine_quant="int4", noise_every=0)
+    k3 = np.full(60, 1e-4)
+    k3[20] = 5e-2
+    for mode in ("none", "R3"):
+        _write_run(tmp_path, f"int4-{mode}-s0", RLConfig.from_dict({**base.to_dict(), "mode": mode}),
+                   np.linspace(0.1, 0.5, 60), k3)
+    fig = horizon_figure([r for _, r in list_runs(tmp_path)])
+    points = [t for t in fig.data if t.mode == "markers"]
+    assert len(points) == 2 * len(AFTERMATH_SERIES)  # one point per run per series
+    axes = {}
+    for t in points:
+        axes.setdefault(t.yaxis, set()).add(t.hovertemplate.split(": ", 1)[1].split(" ")[0])
+    assert sorted(len(v) for v in axes.values()) == [1] * len(AFTERMATH_SERIES)  # one series per y axis
+    assert {next(iter(v)) for v in axes.values()} == set(AFTERMATH_SERIES)
+    titles = [fig.layout[k].title.text for k in fig.layout if k.startswith("xaxis") and fig.layout[k].title.text]
+    assert titles.count("step") == 1
+    assert fig.layout.legend.y > -0.1  # the legend sits right below the panels, no empty band above it

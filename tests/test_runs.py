@@ -250,3 +250,50 @@ def test_bad_samples_are_refused_with_the_reason(tmp_path):
     (tmp_path / "s" / "samples" / "step-000000.parquet").write_bytes(b"garbage")
     with pytest.raises(RunFormatError, match="not a readable parquet file"):
         run.samples(0)
+
+
+def test_a_run_records_the_thread_count_a_bitwise_rerun_needs(tmp_path, monkeypatch):
+    """config.json's "threads": torch's thread count and OMP_NUM_THREADS / MKL_NUM_THREADS as set (None: unset)."""
+    import torch
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    path, _ = _write(tmp_path)
+    meta = json.loads((path / "config.json").read_text())
+    assert meta["threads"] == {"torch": torch.get_num_threads(), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": None}
+    assert load(path).threads == meta["threads"]
+
+
+def test_rerun_command_runs_the_same_config_under_the_recorded_threads(tmp_path, monkeypatch):
+    """The command parses back (r3lab's own parser) to the run's config; the thread variables lead it. A committed
+    run written before threads were recorded still reads (threads None) and gets no prefix."""
+    import shlex
+
+    from r3lab.cli import _parser
+    from r3lab.config import RLConfig, config_overrides
+    from r3lab.paths import results_dir
+
+    def parsed(cmd):
+        words = shlex.split(cmd)
+        env = words[:words.index("r3lab")]
+        args = _parser().parse_args(words[words.index("r3lab") + 1:])
+        modes, seeds = args.modes, args.seeds  # the sweep flags: one each here
+        return env, args, RLConfig(**config_overrides(args, RLConfig), mode=modes[0], seed=seeds[0])
+
+    cfg = RLConfig.quick(task="chain", engine_quant="int4", mode="R2", seed=3, tis_cap=2.0)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("MKL_NUM_THREADS", "2")
+    w = RunWriter(tmp_path, "c", "rl", cfg.to_dict())
+    w.finish({})
+    env, args, back = parsed(load(w.path).rerun_command("/tmp/x y", "again"))
+    assert env == ["OMP_NUM_THREADS=1", "MKL_NUM_THREADS=2"]
+    assert back == cfg and args.modes == ["R2"] and args.seeds == [3]
+    assert args.runs == "/tmp/x y" and args.name == "again"
+    old = load(results_dir() / "horizon" / "int4-R2-s0")  # committed before "threads" existed
+    assert "threads" not in old.meta and old.threads is None
+    env, args, back = parsed(old.rerun_command())
+    assert env == [] and back == RLConfig.from_dict(old.config) and args.name == "int4-R2-s0"
+    from r3lab.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"RLConfig has no field\(s\) \['modes', 'nan'\]"):
+        load(_write(tmp_path, "odd")[0]).rerun_command()  # a config that is no RLConfig: refused, naming the keys

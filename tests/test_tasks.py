@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 from r3lab.config import TASKS as TASK_NAMES
 from r3lab.config import RLConfig
 from r3lab.errors import ConfigError
-from r3lab.experiments.tasks import TASKS, EdgeTask, LadderTask, LetterTask, make_task
+from r3lab.experiments.tasks import TASKS, ChainTask, EdgeTask, LadderTask, LetterTask, make_task
 from r3lab.paths import corpus_path, model_dir
 
 
@@ -83,6 +83,7 @@ def test_the_registry_builds_every_task_by_name(tokenizer):
     assert isinstance(make_task(tokenizer, RLConfig(task="edges")), EdgeTask)
     assert isinstance(make_task(tokenizer, RLConfig()), LetterTask)
     assert isinstance(make_task(tokenizer, RLConfig(task="ladder")), LadderTask)
+    assert isinstance(make_task(tokenizer, RLConfig(task="chain")), ChainTask)
     with pytest.raises(ConfigError, match="--task"):
         RLConfig(task="chess")
     with pytest.raises(ConfigError, match="--loss"):
@@ -129,3 +130,49 @@ def test_ladder_task_on_corpus_text_scores_near_chance(tokenizer):
         rewards.append(task.reward([vocab[x] for x in w]))
         assert rewards[-1] == pytest.approx(h / (len(w) - 1))
     assert 0.0 < hits / total < 0.2
+
+
+def test_chain_task_scores_distinct_words_reached_down_the_letter_cycle_by_hand(tokenizer):
+    """Hand-computed cases: a ladder step (onto the next first letter of b d f ... z) scores once per word it
+    lands on, per transition; loops that the ladder pays for every time pay once here."""
+    task = ChainTask(tokenizer)
+    vocab = tokenizer.get_vocab()
+    by_letter = {c: [w for w in sorted(vocab) if w.startswith(c)] for c in "bdfgklmnprstvz"}
+    assert all(len(ws) >= 2 for ws in by_letter.values())  # two words per letter at least (the second lap)
+
+    def r(spec):  # "b0 d1 <": the i-th word (alphabetical) starting with the letter, "<" the unknown token
+        return task.reward([vocab["<|unk|>"] if s == "<" else vocab[by_letter[s[0]][int(s[1:] or 0)]]
+                            for s in spec.split()])
+
+    assert r("b0 d0 f0 g0") == pytest.approx(1.0)  # 3 steps, 3 distinct words reached
+    assert r("b0 d0 b0 d0") == pytest.approx(1 / 3)  # d0 reached twice counts once; d -> b is no step
+    assert LadderTask(tokenizer).reward([vocab[by_letter[c][0]] for c in "bdbd"]) == pytest.approx(2 / 3)
+    assert r("b0 d0 b1 d1") == pytest.approx(2 / 3)  # two different d words: both count
+    assert r("z0 b0 d0") == pytest.approx(1.0)  # z -> b wraps around the cycle
+    assert r("b0 f0 d0") == 0.0  # skipping a rung and going back never score
+    assert r("b0 d0 < d0 f0") == pytest.approx(2 / 4)  # a special token breaks both its sides
+    assert r("b0") == 0.0 and task.reward([]) == 0.0
+    # one lap of the cycle reaches 14 distinct words (the first word is reached by no step): 13 of 14 transitions
+    lap = " ".join(c + "0" for c in "bdfgklmnprstvz")
+    assert r(lap) == pytest.approx(13 / 13)
+    # a second lap on the same words adds only z0 -> b0, whose b0 is new as a landing (the first b0 was a start)
+    assert r(lap + " " + lap) == pytest.approx(14 / 27)
+    # ... and on new words it keeps paying: 27 distinct landings of 27
+    assert r(lap + " " + " ".join(c + "1" for c in "bdfgklmnprstvz")) == pytest.approx(27 / 27)
+
+
+def test_chain_task_on_corpus_text_matches_an_independent_count(tokenizer):
+    """Corpus windows of 32 words: the reward is the distinct words landed on by a ladder step, counted here from
+    the words' letters, and the start is low (below the ladder's own chance rate)."""
+    task, ladder = ChainTask(tokenizer), LadderTask(tokenizer)
+    vocab = tokenizer.get_vocab()
+    order = "bdfgklmnprstvz"
+    rewards, ladders = [], []
+    for line in corpus_path().read_text().splitlines()[:200]:
+        w = line.split()[:32]
+        landed = {b for a, b in zip(w, w[1:], strict=False) if order[(order.index(a[0]) + 1) % 14] == b[0]}
+        rewards.append(task.reward([vocab[x] for x in w]))
+        ladders.append(ladder.reward([vocab[x] for x in w]))
+        assert rewards[-1] == pytest.approx(len(landed) / (len(w) - 1))
+        assert rewards[-1] <= ladders[-1]
+    assert 0.0 < sum(rewards) / len(rewards) < 0.2

@@ -20,7 +20,18 @@ the ``--task`` knob):
   after step 200), both flagged by the collapse detector.
 * ``ladder`` (:class:`LadderTask`): transitions onto the next letter of the first-letter cycle, per transition;
   a context-dependent target (each word's successors must move onto one letter class) for the long-horizon sweep
-  (bench/bench_horizon.py, whose table states how it climbed).
+  (bench/bench_horizon.py's first sweep). It plateaus by step ~50: the policy's entropy falls to ~0 and a
+  deterministic walk that hits about half its transitions is a fixed point of GRPO, whose groups then hold
+  (nearly) identical samples and no gradient.
+* ``chain`` (:class:`ChainTask`): the ladder's steps, each counted once per distinct word it lands on, per
+  transition. A loop no longer pays (b d b d ... scores 1 / (len - 1)), so the reward only grows by extending
+  the chain rung by rung: a full lap of the 14 letters is worth 14 / (len - 1), and past one lap (``max_tokens``
+  above 15) every further point needs a second word per letter. The levels are many, each a new word-specific
+  transition, and the ceiling (1.0) is far above the start (corpus windows of 32 words score about 0.05).
+  Measured (bench/results/horizon_pilot.md: 32 tokens, quick sizes, int4, one seed, 300 steps): at lr 1e-3 it
+  climbs to 0.55-0.63 (steps 150-200) and then mostly flattens as the entropy falls to ~0.05 (steps 150-200 to
+  250-300: none +0.04, R2 +0.04, R3 -0.03); at lr 3e-4 it still climbs at step 300 without replay (none +0.14,
+  R2 +0.11) while R3, the fastest climber, is flattening (+0.05, 0.57).
 """
 
 from __future__ import annotations
@@ -35,7 +46,7 @@ from r3lab.config import TASKS as TASK_NAMES
 from r3lab.errors import R3LabError
 from r3lab.paths import corpus_path
 
-__all__ = ["Task", "LetterTask", "EdgeTask", "LadderTask", "TASKS", "make_task"]
+__all__ = ["Task", "LetterTask", "EdgeTask", "LadderTask", "ChainTask", "TASKS", "make_task"]
 
 
 class Task(Protocol):
@@ -139,11 +150,30 @@ class LadderTask:
         return float(hit.sum() / (ids.size - 1))
 
 
+class ChainTask(LadderTask):
+    """Reward: distinct words ``b`` reached by a ladder step ``a -> b`` (``b`` starts with the letter after ``a``'s
+    first letter, :class:`LadderTask`), per transition (``len - 1``; 0 below 2 tokens).
+
+    The ladder counts every step, so a deterministic short loop is a local optimum it cannot leave; here a word
+    reached twice scores once, so the reward climbs only by chaining new words: with ``n`` transitions the ceiling
+    1.0 needs ``n`` distinct words on one walk down the cycle (``n > 14``: more than one word per letter).
+    """
+
+    def reward(self, response_ids: Sequence[int]) -> float:
+        ids = np.asarray(response_ids, dtype=np.int64)
+        if ids.size < 2:
+            return 0.0
+        a, b = self.letter_of[ids[:-1]], self.letter_of[ids[1:]]
+        hit = (a >= 0) & (b >= 0) & (b == (a + 1) % len(self.letters))
+        return float(np.unique(ids[1:][hit]).size / (ids.size - 1))
+
+
 # the registry: task name -> its builder from (tokenizer, config); names and help texts live in r3lab.config.TASKS
 TASKS: dict[str, Callable[[Any, Any], Task]] = {
     "letter": lambda tokenizer, config: LetterTask(tokenizer, config.target_letter),
     "edges": lambda tokenizer, config: EdgeTask(tokenizer, data=config.data),
     "ladder": lambda tokenizer, config: LadderTask(tokenizer),
+    "chain": lambda tokenizer, config: ChainTask(tokenizer),
 }
 if set(TASKS) != set(TASK_NAMES):
     raise R3LabError(f"the task registry {sorted(TASKS)} and r3lab.config.TASKS {sorted(TASK_NAMES)} disagree")

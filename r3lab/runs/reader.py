@@ -93,6 +93,28 @@ class Run:
             return "finished"
         return "stopped" if self.stopped is not None else "running or killed"
 
+    @property
+    def threads(self) -> dict[str, Any] | None:
+        """The CPU thread settings the run was written under (r3lab.runs.writer.threads); None: not recorded (a
+        run written before r3lab recorded them)."""
+        t = self.meta.get("threads")
+        return dict(t) if t is not None else None
+
+    def rerun_command(self, runs: str = "RUNS", name: str | None = None) -> str:
+        """The shell command that runs this RL run's config again with ``r3lab rl`` into ``runs`` (folder
+        ``<name>-<mode>-s<seed>``; default name: this run's), under the thread settings it recorded
+        (``OMP_NUM_THREADS=...`` first; a run that recorded none gets no prefix, and a bitwise rerun then needs
+        the thread count it ran with, found elsewhere)."""
+        import shlex
+
+        from r3lab.config import RLConfig
+
+        self.require_kind("rl")
+        cfg = RLConfig.from_dict(self.config)
+        env = [f"{k}={v}" for k, v in (self.threads or {}).items() if k != "torch" and v is not None]
+        return " ".join([*env, "r3lab", "rl", *map(shlex.quote, cfg.to_cli_args()), "--runs", shlex.quote(runs),
+                         "--name", shlex.quote(name or self.name), "--no-progress"])
+
     def require_kind(self, kind: str) -> Run:
         """This run, if it is of ``kind`` (``"rl"``, ``"drift"``); else an error naming both."""
         if self.kind != kind:
