@@ -75,6 +75,46 @@ RL_TRAINERS = tuple(name for name, spec in TRAINER_REGISTRY.items() if spec.poli
 _TRAINER_HELP = ("the trainer: hf (transformers, CPU), megatron (Megatron-core on tp*pp*dp gloo CPU ranks) or "
                  "megatron-bridge (GPU node, drift only)")
 
+# running on a Ray cluster (r3lab.cluster): the same fields on both configs
+_CLUSTER_HELP = ("run the engine and the trainer (its ranks) as Ray actors: ray ($RAY_ADDRESS, else the cluster "
+                 "`ray start` made on this machine; never a new one), a GCS address HOST:PORT, or ray://HOST:PORT "
+                 "(Ray Client)")
+_ENGINE_RESOURCES_HELP = ("--cluster: the Ray resources the engine actor needs, a JSON object ('{\"GPU\": 1}', or a "
+                          "custom resource such as '{\"CPU\": 1, \"engine\": 1}')")
+_TRAINER_RESOURCES_HELP = ("--cluster: the Ray resources of each trainer rank, a JSON object (one placement-group "
+                           "bundle per Megatron rank: '{\"GPU\": 1}'; the transformers trainer is one actor)")
+_CLUSTER_TIMEOUT_HELP = ("--cluster: seconds any call on an actor may take (a step's scoring, a policy step, a weight "
+                         "sync) before the run fails, naming the actor and its node, and every actor is ended")
+
+
+def _check_cluster(config: Any) -> None:
+    """The cluster knobs: a known form of address, resources as JSON objects, only with --cluster."""
+    import json
+
+    if config.cluster is not None:
+        c = config.cluster
+        host, sep, port = c.removeprefix("ray://").rpartition(":")
+        if c != "ray" and not (sep and host and port.isdigit()):
+            raise ConfigError(f"{{cluster}} must be ray, HOST:PORT or ray://HOST:PORT, got {c!r}", field="cluster")
+    for name in ("engine_resources", "trainer_resources"):
+        v = getattr(config, name)
+        if v is None:
+            continue
+        if config.cluster is None:
+            raise ConfigError(f"{{{name}}} places actors on a Ray cluster: it needs {{cluster}}", field=name,
+                              fields=("cluster",))
+        try:
+            d = json.loads(v)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{{{name}}} must be a JSON object such as '{{\"GPU\": 1}}', got {v!r} ({e})",
+                              field=name) from None
+        if not isinstance(d, dict) or not all(isinstance(k, str) and isinstance(a, int | float)
+                                              and not isinstance(a, bool) and a >= 0 for k, a in d.items()):
+            raise ConfigError(f"{{{name}}} must map resource names to amounts >= 0, got {v!r}", field=name)
+    if config.cluster_timeout <= 0:
+        raise ConfigError(f"{{cluster_timeout}} must be > 0, got {config.cluster_timeout!r}", field="cluster_timeout")
+
+
 # the seeds an RL comparison runs when none are given (r3lab rl, run_comparison), and with --quick (and the widgets)
 RL_SEEDS = (0, 1, 2)
 RL_QUICK_SEEDS = (0,)
@@ -249,6 +289,10 @@ class RLConfig(_Config):
     token_steps: int = knob(0, "also write per-token tables every this many steps (0: first and last step only)")
     noise_every: int = knob(10, "score the engine's samples again by prefill every this many steps (0: never)")
     data: str | None = knob(None, "the data folder with models/ and corpus/", unset="the checkout's data/")
+    cluster: str | None = knob(None, _CLUSTER_HELP, unset="this machine, no Ray")
+    engine_resources: str | None = knob(None, _ENGINE_RESOURCES_HELP, unset='{"CPU": 1}')
+    trainer_resources: str | None = knob(None, _TRAINER_RESOURCES_HELP, unset='{"CPU": 1}')
+    cluster_timeout: float = knob(300.0, _CLUSTER_TIMEOUT_HELP)
 
     _quick: typing.ClassVar[dict[str, Any]] = {"steps": 10, "prompts_per_step": 4, "samples_per_prompt": 8,
                                                "max_tokens": 16, "mini_batches": 2, "lr": 3e-3}
@@ -287,6 +331,7 @@ class RLConfig(_Config):
         if len(self.target_letter) != 1:
             raise ConfigError(f"{{target_letter}} must be one character, got {self.target_letter!r}",
                               field="target_letter")
+        _check_cluster(self)
         if (trainer_spec(self.trainer).fp32_routers_only and self.trainer_dtype == "bfloat16"
                 and self.router_dtype != "float32"):
             raise ConfigError(f"{{trainer}} {self.trainer} runs fp32 routers (moe_router_dtype=fp32): "
@@ -325,6 +370,10 @@ class DriftConfig(_Config):
     engine_url: str | None = knob(None, "a running vLLM server to sample from (started with "
                                   "--enable-return-routed-experts; its API key from $R3LAB_ENGINE_API_KEY); "
                                   "--models names the local checkpoint it serves", unset="start a local engine")
+    cluster: str | None = knob(None, _CLUSTER_HELP, unset="this machine, no Ray")
+    engine_resources: str | None = knob(None, _ENGINE_RESOURCES_HELP, unset='{"CPU": 1}')
+    trainer_resources: str | None = knob(None, _TRAINER_RESOURCES_HELP, unset='{"CPU": 1}')
+    cluster_timeout: float = knob(300.0, _CLUSTER_TIMEOUT_HELP)
 
     _quick: typing.ClassVar[dict[str, Any]] = {"prompts": 8, "max_tokens": 16, "seeds": (0,)}
 
@@ -352,6 +401,10 @@ class DriftConfig(_Config):
             if self.engine_quant != "none":
                 raise ConfigError("{engine_quant} applies to a local engine; quantise the attached server yourself",
                                   field="engine_quant", fields=("engine_url",))
+            if self.engine_resources is not None:
+                raise ConfigError("{engine_resources} places an engine actor; with {engine_url} the server samples",
+                                  field="engine_resources", fields=("engine_url",))
+        _check_cluster(self)
 
     def to_cli_args(self) -> list[str]:
         """The ``r3lab drift`` arguments that run exactly this config."""
