@@ -48,7 +48,7 @@ def resolve_address(cluster: str) -> str:
     if cluster == "auto" or cluster.startswith("ray://"):
         return cluster
     host, sep, port = cluster.rpartition(":")
-    if not sep or not host or not port.isdigit():
+    if not sep or not host or not port.isdigit() or "/" in host:
         raise ClusterError(f"cluster {cluster!r} is not 'ray', HOST:PORT (a GCS address) or ray://HOST:PORT")
     return cluster
 
