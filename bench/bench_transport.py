@@ -175,6 +175,7 @@ def run(quick: bool = False) -> tuple[str, list[dict]]:
                 for k, x in rows.items()
             ]
             print(f"done: {label}", file=sys.stderr, flush=True)
+    lines += weights_section(quick)
     lines += [
         "## Targets",
         "",
@@ -192,11 +193,63 @@ def run(quick: bool = False) -> tuple[str, list[dict]]:
     return "\n".join(lines) + "\n", records
 
 
+def weights_section(quick: bool) -> list[str]:
+    """Ids only beside ids + routing weights (R3W) on each workload's skewed batch: bytes per expert-layer-token.
+
+    Weights are synthetic (normalized random top-k weights, float32); their block is uncompressed, so its size is
+    exact and independent of the values. prime-rl #3523 packs ``int32 [ids, fp32 weight bits]``: 8 bytes per
+    expert-layer-token."""
+    out = [
+        "## Ids only vs ids + routing weights (R3W), bytes per expert-layer-token",
+        "",
+        "The routing weights ride in format version 3's weights block (`r3lab.compaction.codecs.weights`) behind "
+        "the id codec's bytes; vLLM's API returns ids only, so only the in-process engine has weights to send. "
+        "prime-rl #3523 ships int32 ids + fp32 weight bits: 8.000 bytes.",
+        "",
+        "| workload | ids: raw | ids: topk-set+zstd | + fp32 weights | + bf16 weights | + fp16 weights "
+        "| int32 ids + fp32 bits (#3523) | bytes / token, ids (topk-set+zstd) | bytes / token, + bf16 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for w in WORKLOADS:
+        if quick:
+            w = replace(w, tokens=w.tokens // 8)
+        r = sample_routes(w, skew=1.0)
+        wt = np.random.default_rng(0).random(r.values.shape).astype(np.float32) + 0.01
+        rw = r.with_weights(wt / wt.sum(-1, keepdims=True))
+        n = r.values.size
+        size = {c: len(encode(r, c)) / n for c in ("raw", "topk-set+zstd")}
+        for dt in ("float32", "bfloat16", "float16"):
+            buf = encode(rw, "topk-set+zstd", weights=dt)
+            back = decode(buf)
+            if back.weights is None or back.weights.shape != r.values.shape:
+                raise AssertionError("weights did not round-trip")
+            size[dt] = len(buf) / n
+        per_tok = r.num_layers * r.top_k
+        out.append(
+            f"| {w.name} | {size['raw']:.3f} | {size['topk-set+zstd']:.3f} | {size['float32']:.3f} | "
+            f"{size['bfloat16']:.3f} | {size['float16']:.3f} | 8.000 | {size['topk-set+zstd'] * per_tok:,.0f} | "
+            f"{size['bfloat16'] * per_tok:,.0f} |"
+        )
+    return out + [""]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1/8 of the tokens and fewer repeats (smoke run)")
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--weights-only", action="store_true",
+                    help="only the ids vs ids + routing weights sizes, written to transport_weights.md")
     args = ap.parse_args(argv)
+    if args.weights_only:
+        out = RESULTS.with_name("transport_weights.md")
+        text = "\n".join([f"# Routing weights in transport\n\n`python bench/bench_transport.py --weights-only"
+                          f"{' --quick' if args.quick else ''}` (sizes only; the full run prints the same table).\n",
+                          *weights_section(args.quick)])
+        print(text)
+        if not args.quick:
+            out.write_text(text)
+            print(f"wrote {out}", file=sys.stderr)
+        return
     table, records = run(args.quick)
     print(table)
     if not args.quick:

@@ -20,6 +20,7 @@ from r3lab.config import (
     RL_QUICK_SEEDS,
     RL_SEEDS,
     TRAINER_DTYPES,
+    CaptureConfig,
     DriftConfig,
     RLConfig,
     add_config_flags,
@@ -73,6 +74,15 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--runs", help="write runs here (default: <data>/runs; $R3LAB_RUNS)")
     r.add_argument("--name", help="prefix of the runs' folder names (default: rl-<model>-<time>)")
     r.add_argument("--no-progress", action="store_true", help="no progress bars")
+    c = sub.add_parser("capture", help="send prompts through an engine (a running vLLM server: --engine-url) and "
+                       "write an engine-only run: tokens, engine log-probs, routes")
+    c.add_argument("--prompts", required=True, help="a text file (one prompt per line, blank lines skipped) or a "
+                   '.jsonl file ({"prompt": "text" or [token ids]} per line)')
+    c.add_argument("--out", required=True, help="the run folder to write (must not exist; marked stopped if the "
+                   "engine fails mid-run)")
+    add_config_flags(c, CaptureConfig)
+    c.add_argument("--no-progress", action="store_true", help="no progress bars")
+    c.set_defaults(func=_capture)
     ls = sub.add_parser("runs", help="list the runs in a folder")
     ls.add_argument("folder", nargs="?", help="default: <data>/runs; $R3LAB_RUNS")
     f = sub.add_parser("figures", help="regenerate every paper figure from committed results (PNG, SVG, PDF)")
@@ -199,6 +209,14 @@ def _drift(args: argparse.Namespace) -> None:
         print(f"wrote {args.out}", file=sys.stderr)
     if rows and rows[0].run_path is not None:
         print(f"run: {rows[0].run_path}", file=sys.stderr)
+
+
+def _capture(args: argparse.Namespace) -> None:
+    from r3lab.experiments.capture import run_capture
+
+    path = run_capture(CaptureConfig(**config_overrides(args, CaptureConfig)), args.prompts, args.out,
+                       progress=not args.no_progress)
+    print(f"run: {path}", file=sys.stderr)
 
 
 def _rl(args: argparse.Namespace) -> None:

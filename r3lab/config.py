@@ -37,6 +37,8 @@ __all__ = [
     "megatron_dp",
     "RLConfig",
     "DriftConfig",
+    "CaptureConfig",
+    "ATTACHED_RL_REASON",
     "run_name",
     "run_names",
     "RLMetric",
@@ -67,7 +69,8 @@ PHASE_OBJECTIVES: dict[str, dict[str, Any]] = {
 STALENESS_LEVELS = (0, 1, 2, 4)  # the phase diagram's staleness figure, at matched weights
 # the RL tasks (r3lab.experiments.tasks, its registry): their names and what the reward counts
 TASKS = {"letter": "distinct words starting with --target-letter, per response word",
-         "edges": "distinct uncommon corpus transitions (not a word's most frequent successor), per transition"}
+         "edges": "distinct uncommon corpus transitions (not a word's most frequent successor), per transition",
+         "ladder": "transitions onto the next first letter of the cycle b d f ... z (then b), per transition"}
 TRAINER_DTYPES = {"bfloat16": "bf16, fp32 router", "float32": "fp32"}  # the drift experiment's trainer settings
 # the trainers (r3lab.trainers), from their registry (r3lab.trainer_registry): name -> description
 TRAINERS = {name: spec.description for name, spec in TRAINER_REGISTRY.items()}
@@ -75,6 +78,7 @@ RL_TRAINERS = tuple(name for name, spec in TRAINER_REGISTRY.items() if spec.poli
 _TRAINER_HELP = ("the trainer: hf (transformers, CPU), megatron (Megatron-core on tp*pp*dp gloo CPU ranks) or "
                  "megatron-bridge (GPU node, drift only)")
 
+<<<<<<< HEAD
 # running on a Ray cluster (r3lab.cluster): the same fields on both configs
 _CLUSTER_HELP = ("run the engine and the trainer (its ranks) as Ray actors: ray ($RAY_ADDRESS, else the cluster "
                  "`ray start` made on this machine; never a new one), a GCS address HOST:PORT, or ray://HOST:PORT "
@@ -114,6 +118,13 @@ def _check_cluster(config: Any) -> None:
     if config.cluster_timeout <= 0:
         raise ConfigError(f"{{cluster_timeout}} must be > 0, got {config.cluster_timeout!r}", field="cluster_timeout")
 
+=======
+# why RL refuses an attached server (RLConfig.engine_url; the attached client's update_weights says the same)
+ATTACHED_RL_REASON = ("the RL loop pushes the trainer's updated weights into the engine after every step, and r3lab "
+                      "has no weight-update path into a server it did not start (vLLM 0.30's dev-mode "
+                      "/update_weights moves weights over NCCL or CUDA IPC only, GPU to GPU); run RL with a local "
+                      "engine")
+>>>>>>> main
 
 # the seeds an RL comparison runs when none are given (r3lab rl, run_comparison), and with --quick (and the widgets)
 RL_SEEDS = (0, 1, 2)
@@ -279,7 +290,8 @@ class RLConfig(_Config):
                       "the policy did not sample) and the engine continues; the loss covers sampled tokens only")
     observation_words: int = knob(3, "turns > 1: corpus words per observation")
     target_letter: str = knob("m", "the task's target letter (reward: distinct words starting with it)")
-    task: str = knob("letter", "the reward: letter (" + TASKS["letter"] + "), edges (" + TASKS["edges"] + ")",
+    task: str = knob("letter", "the reward: letter (" + TASKS["letter"] + "), edges (" + TASKS["edges"] + "), ladder ("
+                     + TASKS["ladder"] + ")",
                      choices=tuple(TASKS))
     loss: str = knob("grpo", "policy objective: grpo (token ratios, clipped per token) or gspo (one ratio per "
                      "sample, the geometric mean of its token ratios, clipped per sample)", choices=LOSSES)
@@ -289,10 +301,15 @@ class RLConfig(_Config):
     token_steps: int = knob(0, "also write per-token tables every this many steps (0: first and last step only)")
     noise_every: int = knob(10, "score the engine's samples again by prefill every this many steps (0: never)")
     data: str | None = knob(None, "the data folder with models/ and corpus/", unset="the checkout's data/")
+<<<<<<< HEAD
     cluster: str | None = knob(None, _CLUSTER_HELP, unset="this machine, no Ray")
     engine_resources: str | None = knob(None, _ENGINE_RESOURCES_HELP, unset='{"CPU": 1}')
     trainer_resources: str | None = knob(None, _TRAINER_RESOURCES_HELP, unset='{"CPU": 1}')
     cluster_timeout: float = knob(300.0, _CLUSTER_TIMEOUT_HELP)
+=======
+    engine_url: str | None = knob(None, "refused: RL needs an engine it can push weights into (r3lab drift and "
+                                  "r3lab capture take --engine-url)", unset="a local engine")
+>>>>>>> main
 
     _quick: typing.ClassVar[dict[str, Any]] = {"steps": 10, "prompts_per_step": 4, "samples_per_prompt": 8,
                                                "max_tokens": 16, "mini_batches": 2, "lr": 3e-3}
@@ -337,6 +354,10 @@ class RLConfig(_Config):
             raise ConfigError(f"{{trainer}} {self.trainer} runs fp32 routers (moe_router_dtype=fp32): "
                               "{router_dtype} float32", field="router_dtype", fields=("trainer",))
         self._check_parallel()
+        if self.engine_url is not None:
+            raise ConfigError(f"{{engine_url}} {self.engine_url!r} is refused for RL: {ATTACHED_RL_REASON} (drop "
+                              "{engine_url})",
+                              field="engine_url")
 
     def to_cli_args(self, *, modes: Sequence[str] | None = None, seeds: Sequence[int] | None = None) -> list[str]:
         """The ``r3lab rl`` arguments that run exactly this config (every field spelled out).
@@ -370,10 +391,15 @@ class DriftConfig(_Config):
     engine_url: str | None = knob(None, "a running vLLM server to sample from (started with "
                                   "--enable-return-routed-experts; its API key from $R3LAB_ENGINE_API_KEY); "
                                   "--models names the local checkpoint it serves", unset="start a local engine")
+<<<<<<< HEAD
     cluster: str | None = knob(None, _CLUSTER_HELP, unset="this machine, no Ray")
     engine_resources: str | None = knob(None, _ENGINE_RESOURCES_HELP, unset='{"CPU": 1}')
     trainer_resources: str | None = knob(None, _TRAINER_RESOURCES_HELP, unset='{"CPU": 1}')
     cluster_timeout: float = knob(300.0, _CLUSTER_TIMEOUT_HELP)
+=======
+    replay_weights: bool = knob(False, "also capture the engine's routing weights and score R3W (the engine's ids "
+                                "and weights replayed; in-process engine only: vLLM's API returns ids only)")
+>>>>>>> main
 
     _quick: typing.ClassVar[dict[str, Any]] = {"prompts": 8, "max_tokens": 16, "seeds": (0,)}
 
@@ -401,14 +427,49 @@ class DriftConfig(_Config):
             if self.engine_quant != "none":
                 raise ConfigError("{engine_quant} applies to a local engine; quantise the attached server yourself",
                                   field="engine_quant", fields=("engine_url",))
+<<<<<<< HEAD
             if self.engine_resources is not None:
                 raise ConfigError("{engine_resources} places an engine actor; with {engine_url} the server samples",
                                   field="engine_resources", fields=("engine_url",))
         _check_cluster(self)
+=======
+            if self.replay_weights:
+                raise ConfigError("{replay_weights} needs the in-process engine: vLLM's HTTP API returns expert ids "
+                                  "only, never routing weights", field="replay_weights", fields=("engine_url",))
+>>>>>>> main
 
     def to_cli_args(self) -> list[str]:
         """The ``r3lab drift`` arguments that run exactly this config."""
         return _to_cli_args(self, {})
+
+
+@dataclass(frozen=True)
+class CaptureConfig(_Config):
+    """Everything that decides an engine-only capture run (``r3lab capture``): which engine, how it samples."""
+
+    model: str | None = knob(None, "the local checkpoint the server serves (shipped name or model directory; its "
+                             "config.json is the MoE layout the routes must match, its tokenizer encodes text "
+                             "prompts)", unset="the server's served model, when that names a local checkpoint")
+    max_tokens: int = knob(48, "tokens sampled per completion", flag="tokens")
+    samples: int = knob(1, "completions per prompt")
+    seed: int = knob(0, "the sampling seed (every request carries it)")
+    temperature: float = knob(1.0, "sampling temperature")
+    batch: int = knob(64, "prompts per completions request")
+    engine_url: str | None = knob(None, "the running vLLM server to sample from (started with "
+                                  "--enable-return-routed-experts; its API key from $R3LAB_ENGINE_API_KEY)",
+                                  unset="start a local engine in this process (--model required)")
+    data: str | None = knob(None, "the data folder with models/ and corpus/", unset="the checkout's data/")
+
+    def __post_init__(self) -> None:
+        self._check_min(("max_tokens", "samples", "batch"))
+        if self.temperature < 0:
+            raise ConfigError(f"{{temperature}} must be >= 0, got {self.temperature!r}", field="temperature")
+        if self.engine_url is None and self.model is None:
+            raise ConfigError("a local engine needs {model} (or give {engine_url})", field="model",
+                              fields=("engine_url",))
+        if self.engine_url is not None and not self.engine_url.startswith(("http://", "https://")):
+            raise ConfigError(f"{{engine_url}} must start with http:// or https://, got {self.engine_url!r}",
+                              field="engine_url")
 
 
 # -- dataclass fields <-> command-line flags ------------------------------------------------------------------------
@@ -419,13 +480,13 @@ def _is_tuple(hint: Any) -> bool:
 
 
 def _scalar_type(hint: Any) -> type:
-    """``int``/``float``/``str`` of a field annotation (``X | None`` and ``tuple[X, ...]`` unwrapped)."""
+    """``int``/``float``/``str``/``bool`` of a field annotation (``X | None`` and ``tuple[X, ...]`` unwrapped)."""
     if _is_tuple(hint):
         hint = typing.get_args(hint)[0]
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         hint = next(a for a in typing.get_args(hint) if a is not type(None))
-    if hint not in (int, float, str):
-        raise TypeError(f"config fields are int, float, str, their optionals or tuples; got {hint!r}")
+    if hint not in (int, float, str, bool):
+        raise TypeError(f"config fields are int, float, str, bool, their optionals or tuples; got {hint!r}")
     return hint
 
 
@@ -469,6 +530,10 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type[_Config]) -> Non
             default = f"default: {_fmt(RL_SEEDS)}; --quick: {_fmt(RL_QUICK_SEEDS)}"
         elif cls is RLConfig and f.name == "mode":
             default = f"default: {' '.join(MODES)}"
+        if typ is bool:  # --name / --no-name; None (not given) keeps the field's default
+            parser.add_argument(*names, dest=dest, action=argparse.BooleanOptionalAction, default=None,
+                                help=f"{f.metadata.get('help', '')} ({default})")
+            continue
         parser.add_argument(*names, dest=dest, type=typ, nargs="+" if sweep else None, default=None,
                             choices=f.metadata.get("choices"),
                             metavar=None if f.metadata.get("choices") else typ.__name__.upper(),
@@ -502,6 +567,8 @@ def _to_cli_args(config: _Config, sweeps: Mapping[str, Sequence[Any] | None]) ->
             continue  # None is the default (off / the checkout's data)
         elif _is_tuple(hints[f.name]):
             args += [_flag(dest), *map(str, v)]
+        elif isinstance(v, bool):
+            args.append(_flag(dest) if v else "--no-" + _flag(dest)[2:])
         else:
             args += [_flag(dest), repr(v) if isinstance(v, float) else str(v)]
     return args

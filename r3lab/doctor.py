@@ -23,7 +23,7 @@ One :class:`Report` with one :class:`Check` per line: what was checked, on how m
 
 Health checks warn rather than fail: a run may mean to be off-policy (staleness, a high learning rate), and the
 report says so instead of stopping it. :func:`diagnose` is what the RL loop calls at the end of a run (the doctor
-sits below the experiments and draws nothing; ``r3lab.importers.figures`` draws what a run allows).
+sits below the experiments and draws nothing; ``r3lab.viz.available`` draws what a run allows).
 """
 
 from __future__ import annotations
@@ -502,49 +502,60 @@ def _expert_numbering(f: _Facts) -> Check:
 
 
 def _mtp_rows(f: _Facts) -> Check:
+    """A layer routing identically to another on every row, in each kind of routes the run stores.
+
+    The engine's (an MTP draft's rows stored as a decoder layer's: vLLM #48622), the trainer's own and the routes it
+    replayed (an MTP router numbered like decoder layer k, fed or recording that layer's routes: NeMo-RL #4057,
+    #3903); ``trainer`` and ``replayed`` are tested like ``engine``, with the union bound over every kind."""
     name, what = "MTP rows", "no layer holding another layer's routes (MTP layers numbered like decoder layers)"
     kept = int(f.capture.get("counts", {}).get("mtp_kept_apart", 0))
     rows, problems, worst = 0, [], ""
-    same: dict[tuple[int, int], list[float]] = {}  # layer pair -> [rows, log of the chance they agree per row]
-    steps = _engine_routes(f)
+    kinds = [(k, steps) for k, steps in (("engine", f.engine_steps), ("trainer", f.trainer_steps),
+                                          ("replayed", f.replayed_steps)) if steps]
+    same: dict[tuple[str, int, int], list[float]] = {}  # (kind, layer pair) -> [rows, log chance they agree, ok]
     pairs = 0
-    for _, r in steps:
-        if not r.total_tokens:
-            continue
-        v = np.sort(r.values, axis=2).astype(np.int64)
-        code = np.zeros(v.shape[:2], np.int64)
-        for c in range(v.shape[2]):
-            code = code * r.num_experts + v[:, :, c]  # one integer per (row, layer): its top-k set
-        rows += r.total_tokens
-        L = r.num_layers
-        pairs = max(pairs, L * (L - 1) // 2)
-        for i in range(L):
-            for j in range(i + 1, L):
-                key = (int(r.layer_ids[i]), int(r.layer_ids[j]))
-                acc = same.setdefault(key, [0.0, 0.0, 1.0])
-                if acc[2] and (code[:, i] == code[:, j]).all():
-                    _, ci = np.unique(code[:, i], return_counts=True)
-                    fi = ci / ci.sum()
-                    acc[0] += r.total_tokens
-                    acc[1] += r.total_tokens * math.log(max(float((fi ** 2).sum()), 1e-300))
-                else:
-                    acc[2] = 0.0
-    for (a, b), (n, logp, ok) in same.items():
+    for kind, steps in kinds:
+        for s in steps:
+            r = f.run.routes(s, kind)
+            if not r.total_tokens:
+                continue
+            v = np.sort(r.values, axis=2).astype(np.int64)
+            code = np.zeros(v.shape[:2], np.int64)
+            for c in range(v.shape[2]):
+                code = code * r.num_experts + v[:, :, c]  # one integer per (row, layer): its top-k set
+            rows += r.total_tokens
+            L = r.num_layers
+            pairs = max(pairs, L * (L - 1) // 2)
+            for i in range(L):
+                for j in range(i + 1, L):
+                    key = (kind, int(r.layer_ids[i]), int(r.layer_ids[j]))
+                    acc = same.setdefault(key, [0.0, 0.0, 1.0])
+                    if acc[2] and (code[:, i] == code[:, j]).all():
+                        _, ci = np.unique(code[:, i], return_counts=True)
+                        fi = ci / ci.sum()
+                        acc[0] += r.total_tokens
+                        acc[1] += r.total_tokens * math.log(max(float((fi ** 2).sum()), 1e-300))
+                    else:
+                        acc[2] = 0.0
+    tested = max(pairs, 1) * max(len(kinds), 1)
+    for (kind, a, b), (n, logp, ok) in same.items():
         # identical on every row: chance of that for independent layers <= prod (sum_s f(s)^2)^rows (collision
-        # probability of the layer's own set frequencies), times the number of pairs tested (union bound)
-        if ok and n and logp + math.log(max(pairs, 1)) < math.log(ALPHA):
-            problems.append(f"layers {a} and {b} route identically on all {int(n)} rows")
-            worst = worst or _where(layer=b, same_as=a)
+        # probability of the layer's own set frequencies), times the number of pairs and kinds tested (union bound)
+        if ok and n and logp + math.log(tested) < math.log(ALPHA):
+            problems.append(f"layers {a} and {b} route identically on all {int(n)} rows ({kind} routes)")
+            worst = worst or _where(layer=b, same_as=a, routes=kind)
     if rows == 0 and not kept:
         return Check(name, SKIP, what, detail="the run has no routes")
-    detail = "; ".join(problems) or "no layer repeats another's routes"
+    detail = "; ".join(problems) or f"no layer repeats another's routes ({', '.join(k for k, _ in kinds)})"
     if kept:
         detail += f"; {kept} samples' MTP-layer rows set apart at import (not decoder layers)"
     return Check(name, FAIL if problems else OK, what, rows, worst,
                  "an MTP layer's routes were stored or replayed as a decoder layer's: Megatron numbers MTP layers "
                  "from 1, so MTP layer k shares decoder layer k's number and gets (or records) its routes (NeMo-RL "
                  "#4057, #3903; vLLM #48622). Keep MTP rows apart (r3lab sets them apart when the config declares "
-                 "num_nextn_predict_layers) and replay decoder layers only", detail)
+                 "num_nextn_predict_layers) and replay decoder layers only (r3lab.replay.megatron_router_map finds "
+                 "routers by where they sit; MegatronReplay leaves MTP routers live or replays them from mtp_routes)",
+                 detail)
 
 
 # ---- replay ---------------------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ __all__ = [
     "RunFormatError",
     "ConfigError",
     "RolloutError",
+    "WeightCaptureError",
     "AttachError",
     "SlicingError",
     "ReplayError",
@@ -105,6 +106,10 @@ class ConfigError(R3LabError, ValueError):
 
 class RolloutError(R3LabError, ValueError):
     """Bad input to the rollout engine, an engine that fails, or routes from the engine that fail validation."""
+
+
+class WeightCaptureError(RolloutError):
+    """The engine's routing weights cannot be captured (a vLLM that changed under r3lab, or an unsupported setup)."""
 
 
 class AttachError(RolloutError):

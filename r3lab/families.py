@@ -10,7 +10,8 @@ A family entry holds:
 * **group routing**: whether the family routes by expert groups (``n_group``/``topk_group``), with
   :func:`group_routing_mismatch` (a pure function of a config) and the one note text (:func:`group_routing_note`);
 * **Megatron**: the TransformerConfig corrections mbridge's mapping needs for the family (``megatron_overrides``,
-  merged by :func:`megatron_overrides`);
+  merged by :func:`megatron_overrides`), or, for a family mbridge does not map, r3lab's own mapping
+  (``megatron_bridge``, a ``"module:Class"`` path under :mod:`r3lab.trainers.megatron.bridges`);
 * **tiny config**: the transformers config class and the keyword arguments of a tiny test model
   (``tiny_config``; :func:`r3lab.testing.tiny_moe_config` builds it).
 
@@ -79,6 +80,7 @@ class ModelFamily:
     router_rule: str | None = None  # a name in ROUTER_RULE_NAMES
     group_routing: bool = False  # routes by expert groups (n_group / topk_group): see group_routing_mismatch
     megatron_overrides: Callable[[Config], dict[str, Any]] | None = None  # corrections of mbridge's config
+    megatron_bridge: str | None = None  # "module:Class" of r3lab's own Megatron mapping (mbridge has none)
     config_class: str | None = None  # the transformers config class of the tiny model
     architecture: str | None = None  # the transformers causal-LM class (config.architectures)
     tiny_config: Callable[[TinyShape], dict[str, Any]] | None = None  # keyword arguments of config_class
@@ -87,6 +89,9 @@ class ModelFamily:
         if self.router_rule is not None and self.router_rule not in ROUTER_RULE_NAMES:
             raise R3LabError(f"family {self.model_type!r}: router rule {self.router_rule!r} is not one of "
                              f"{ROUTER_RULE_NAMES}")
+        if self.megatron_bridge is not None and ":" not in self.megatron_bridge:
+            raise R3LabError(f"family {self.model_type!r}: megatron_bridge must be 'module:Class', got "
+                             f"{self.megatron_bridge!r}")
         if (self.tiny_config is None) != (self.config_class is None):
             raise R3LabError(f"family {self.model_type!r}: a tiny config needs both config_class and tiny_config")
 
@@ -289,7 +294,8 @@ register_family(ModelFamily("qwen3_next", _QWEN_EXPERTS, _sparse_step_layers))
 register_family(ModelFamily("qwen3_vl_moe_text", _QWEN_EXPERTS, _sparse_step_layers))
 register_family(ModelFamily(
     "olmoe", ("num_experts",), _every_layer, strict_experts=True, router_classes=("OlmoeTopKRouter",),
-    router_rule="softmax", config_class="OlmoeConfig", architecture="OlmoeForCausalLM", tiny_config=_tiny_olmoe))
+    router_rule="softmax", megatron_bridge="r3lab.trainers.megatron.bridges.olmoe:OlmoeBridge",
+    config_class="OlmoeConfig", architecture="OlmoeForCausalLM", tiny_config=_tiny_olmoe))
 register_family(ModelFamily(
     "mixtral", ("num_local_experts",), _every_layer, strict_experts=True, router_classes=("MixtralTopKRouter",),
     router_rule="softmax_renormalized", config_class="MixtralConfig", architecture="MixtralForCausalLM",

@@ -422,3 +422,123 @@ def first_step(flags: np.ndarray) -> int | None:
     f = np.asarray(flags, dtype=bool)
     hits = np.flatnonzero(f)
     return int(hits[0]) if hits.size else None
+
+
+# ---- the long horizon (bench/bench_horizon.py, r3lab.runs.horizon): trends, spikes and seed statistics ----------
+__all__ += ["K3Trend", "k3_trend", "spike_steps", "spike_aftermath", "late_collapse", "LATE_COLLAPSE",
+            "bootstrap_mean_diff", "mann_whitney_exact"]
+
+LATE_COLLAPSE = {"warmup": 50, "patience": 10}  # late_collapse's detector settings (reward_collapse's are 10 / 5)
+
+
+@dataclass(frozen=True)
+class K3Trend:
+    """How a run's k3 moved over training (:func:`k3_trend`)."""
+
+    first: float  # median k3 over the first ``window`` steps
+    last: float  # median k3 over the last ``window`` steps
+    ratio: float  # last / first (> 1: the mismatch grew)
+    slope: float  # least-squares slope of log10(k3) per 100 steps, over every finite positive step
+
+
+def k3_trend(k3: np.ndarray, *, window: int = 50) -> K3Trend:
+    """The trend of a per-step k3 series: medians of its first and last ``window`` steps, their ratio, and the
+    slope of log10 k3 per 100 steps (k3 spans decades and spikes, so the medians and the log slope are what a few
+    spikes do not move). Non-finite and non-positive steps are left out of the slope; a series shorter than two
+    windows is an error (the two medians would share steps)."""
+    x = np.asarray(k3, dtype=np.float64)
+    if x.ndim != 1:
+        raise R3LabError(f"k3 must be 1-D over steps, got shape {x.shape}")
+    if window < 1 or x.size < 2 * window:
+        raise R3LabError(f"k3_trend needs at least 2 x window = {2 * window} steps, got {x.size}")
+    first, last = float(np.nanmedian(x[:window])), float(np.nanmedian(x[-window:]))
+    t = np.arange(x.size, dtype=np.float64)
+    ok = np.isfinite(x) & (x > 0)
+    if ok.sum() < 2:
+        raise R3LabError("k3_trend: fewer than two finite positive steps")
+    slope = float(np.polyfit(t[ok], np.log10(x[ok]), 1)[0] * 100)
+    return K3Trend(first, last, last / first if first > 0 else float("inf"), slope)
+
+
+def spike_steps(series: np.ndarray, *, factor: float = 10.0) -> np.ndarray:
+    """The steps where ``series`` exceeds ``factor`` times its own median over the whole run (k3 spikes: a step
+    whose mismatch is ten times the run's usual). NaNs never spike."""
+    x = np.asarray(series, dtype=np.float64)
+    if x.ndim != 1:
+        raise R3LabError(f"series must be 1-D over steps, got shape {x.shape}")
+    if factor <= 1:
+        raise R3LabError(f"factor must be > 1, got {factor}")
+    med = float(np.nanmedian(x)) if np.isfinite(x).any() else np.nan
+    if not np.isfinite(med):
+        return np.zeros(0, dtype=np.int64)
+    return np.flatnonzero(np.isfinite(x) & (x > factor * med))
+
+
+def spike_aftermath(spikes: np.ndarray, series: dict[str, np.ndarray], *, horizon: int = 10) -> dict[str, float]:
+    """What follows spikes: per named series, the mean over spikes of its mean over the ``horizon`` steps after
+    each spike (``t + 1 .. t + horizon``, cut at the run's end), minus the series' mean over the whole run (so 0 is
+    "no different from usual"; NaN where no spike has a step after it). NaN steps are left out."""
+    s = np.asarray(spikes, dtype=np.int64)
+    if horizon < 1:
+        raise R3LabError(f"horizon must be >= 1, got {horizon}")
+    out = {}
+    for name, values in series.items():
+        v = np.asarray(values, dtype=np.float64)
+        if v.ndim != 1:
+            raise R3LabError(f"series {name!r} must be 1-D over steps, got shape {v.shape}")
+        if s.size and (s.min() < 0 or s.max() >= v.size):
+            raise R3LabError(f"spike steps {s.min()}..{s.max()} fall outside series {name!r} of {v.size} steps")
+        after = [np.nanmean(v[t + 1:t + 1 + horizon]) for t in s if t + 1 < v.size
+                 and np.isfinite(v[t + 1:t + 1 + horizon]).any()]
+        out[name] = float(np.mean(after) - np.nanmean(v)) if after else float("nan")
+    return out
+
+
+def late_collapse(rewards: np.ndarray) -> RewardCollapse:
+    """The late-collapse variant of :func:`reward_collapse`: a 50-step warm-up and 10 steps below half the
+    running peak (:data:`LATE_COLLAPSE`), so the noisy first tens of steps of a long run neither set a peak that
+    is noise nor count as a collapse."""
+    return reward_collapse(rewards, **LATE_COLLAPSE)
+
+
+def bootstrap_mean_diff(a: np.ndarray, b: np.ndarray, *, n: int = 10000, level: float = 0.95,
+                        seed: int = 0) -> tuple[float, float, float]:
+    """``mean(a) - mean(b)`` with a percentile bootstrap interval at ``level`` (each side resampled with
+    replacement, ``n`` times, a fixed ``seed``). With 3 values a side the interval is coarse: it is a description
+    of the seeds, not a test."""
+    x, y = np.asarray(a, dtype=np.float64).ravel(), np.asarray(b, dtype=np.float64).ravel()
+    if x.size < 1 or y.size < 1 or not (np.isfinite(x).all() and np.isfinite(y).all()):
+        raise R3LabError(f"bootstrap_mean_diff needs finite values on both sides, got {x.size} and {y.size}")
+    if not 0 < level < 1:
+        raise R3LabError(f"level must be in (0, 1), got {level}")
+    rng = np.random.default_rng(seed)
+    d = (x[rng.integers(0, x.size, (n, x.size))].mean(axis=1) - y[rng.integers(0, y.size, (n, y.size))].mean(axis=1))
+    lo, hi = np.quantile(d, [(1 - level) / 2, (1 + level) / 2])
+    return float(x.mean() - y.mean()), float(lo), float(hi)
+
+
+def mann_whitney_exact(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
+    """The Mann-Whitney U of ``a`` against ``b`` (pairs with ``a > b``, ties half) and its exact two-sided p-value,
+    by enumerating every split of the pooled values (small samples only: at most 20 values). With 3 against 3 the
+    smallest two-sided p is 0.1 (2 of the 20 splits are as extreme as a complete separation): no 5% test can
+    reject, whatever the runs do."""
+    from itertools import combinations
+
+    x, y = np.asarray(a, dtype=np.float64).ravel(), np.asarray(b, dtype=np.float64).ravel()
+    if x.size < 1 or y.size < 1 or x.size + y.size > 20:
+        raise R3LabError(f"mann_whitney_exact takes 1..20 values in all, got {x.size} and {y.size}")
+
+    def u(p: np.ndarray, q: np.ndarray) -> float:
+        return float((p[:, None] > q[None, :]).sum() + 0.5 * (p[:, None] == q[None, :]).sum())
+
+    pooled = np.concatenate([x, y])
+    u_obs = u(x, y)
+    centre = x.size * y.size / 2
+    dev = abs(u_obs - centre)
+    count = total = 0
+    for idx in combinations(range(pooled.size), x.size):
+        mask = np.zeros(pooled.size, dtype=bool)
+        mask[list(idx)] = True
+        total += 1
+        count += abs(u(pooled[mask], pooled[~mask]) - centre) >= dev - 1e-12
+    return u_obs, count / total

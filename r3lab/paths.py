@@ -13,7 +13,7 @@ from r3lab.errors import R3LabError
 
 __all__ = ["data_dir", "model_dir", "corpus_path", "runs_dir", "results_dir", "figures_dir", "bench_script", "MODELS"]
 
-MODELS = ("tiny-qwen3-moe", "tiny-glm4-moe")  # the shipped checkpoints, in data/models/
+MODELS = ("tiny-qwen3-moe", "tiny-glm4-moe", "tiny-olmoe")  # the shipped checkpoints, in data/models/
 CHECKOUT = Path(__file__).resolve().parent.parent  # a source checkout's root (an installed wheel has no bench/ there)
 
 

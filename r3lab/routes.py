@@ -3,7 +3,9 @@
 One ``[total_tokens, num_layers, top_k]`` array in the compact dtype holds every sequence back to
 back; ``cu_seqlens`` marks where each starts (the packed-ragged layout of varlen attention), and
 ``layer_ids`` names the global layer number of each entry of the layer axis, so dense layers can be
-absent without shifting any MoE layer. This module knows no codec, engine or trainer.
+absent without shifting any MoE layer. ``weights`` (optional, float32, the same shape as ``values``) holds the
+routing weight the router gave each chosen expert (what the engine's MoE block multiplied that expert's output
+by), for replaying the engine's weights beside its ids (R3W). This module knows no codec, engine or trainer.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import numpy as np
 
 from r3lab.errors import RouteFormatError
 
-__all__ = ["Routes", "compact_dtype", "check_cu_seqlens", "check_distinct_rows"]
+__all__ = ["Routes", "compact_dtype", "check_cu_seqlens", "check_distinct_rows", "check_weights"]
 
 
 def compact_dtype(num_experts: int) -> np.dtype:
@@ -75,6 +77,21 @@ def check_distinct_rows(rows: np.ndarray) -> None:
         raise RouteFormatError(f"repeated expert id inside a top-k row: row {i} is {flat[i].tolist()}")
 
 
+def check_weights(weights: Any, shape: tuple[int, ...]) -> np.ndarray:
+    """Validate routing weights for ids of ``shape``: floats, the same shape, finite; a frozen float32 copy."""
+    w = np.asarray(weights)
+    if w.dtype.kind != "f" and not (w.size == 0 and w.dtype.kind in "iu"):
+        raise RouteFormatError(f"routing weights must be floats, got dtype {w.dtype}")
+    if w.shape != tuple(shape):
+        raise RouteFormatError(f"routing weights have shape {w.shape}, the ids {tuple(shape)}")
+    w = np.array(w, dtype=np.float32, order="C")
+    if w.size and not np.isfinite(w).all():
+        bad = np.argwhere(~np.isfinite(w))[0].tolist()
+        raise RouteFormatError(f"routing weight at [token, layer, k]={bad} is not finite ({w[tuple(bad)]})")
+    w.setflags(write=False)
+    return w
+
+
 def _as_layer_ids(layer_ids: Any, num_layers: int) -> np.ndarray:
     if layer_ids is None:
         ids = np.arange(num_layers, dtype=np.int64)
@@ -101,17 +118,22 @@ class Routes:
     ``values`` is ``[total_tokens, num_layers, top_k]`` and is stored in :func:`compact_dtype`; every id
     lies in ``[0, num_experts)`` and no row repeats an id. Construction validates all of it and raises
     :class:`~r3lab.errors.RouteFormatError` naming the problem. Instances are immutable.
+
+    ``weights`` (optional): float32 ``[total_tokens, num_layers, top_k]``, the router's weight for each id
+    (``weights[t, l, j]`` goes with ``values[t, l, j]``); every view below carries them along with the ids.
     """
 
-    __slots__ = ("values", "cu_seqlens", "num_experts", "layer_ids")
+    __slots__ = ("values", "cu_seqlens", "num_experts", "layer_ids", "weights")
     __hash__ = None  # type: ignore[assignment]
 
     values: np.ndarray
     cu_seqlens: np.ndarray
     num_experts: int
     layer_ids: np.ndarray
+    weights: np.ndarray | None
 
-    def __init__(self, values: Any, cu_seqlens: Any, num_experts: int, layer_ids: Any = None, *, validate: bool = True):
+    def __init__(self, values: Any, cu_seqlens: Any, num_experts: int, layer_ids: Any = None, *, validate: bool = True,
+                 weights: Any = None):
         dtype = compact_dtype(num_experts)
         arr = np.asarray(values)
         if arr.ndim != 3:
@@ -138,6 +160,7 @@ class Routes:
         object.__setattr__(self, "cu_seqlens", check_cu_seqlens(cu_seqlens, arr.shape[0]))
         object.__setattr__(self, "num_experts", int(num_experts))
         object.__setattr__(self, "layer_ids", _as_layer_ids(layer_ids, arr.shape[1]))
+        object.__setattr__(self, "weights", None if weights is None else check_weights(weights, arr.shape))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("Routes is immutable")
@@ -199,9 +222,15 @@ class Routes:
                     f"{p.num_experts}/{p.layer_ids.tolist()}/{p.top_k} "
                     f"differ from {first.num_experts}/{first.layer_ids.tolist()}/{first.top_k}"
                 )
+        has_w = [p.weights is not None for p in parts]
+        if any(has_w) and not all(has_w):
+            raise RouteFormatError(f"cannot concat: parts {[i for i, h in enumerate(has_w) if not h]} have no routing "
+                                   "weights and the others do (drop them with without_weights() first)")
         offsets = np.cumsum([0] + [p.total_tokens for p in parts[:-1]])
         cu = np.concatenate([[0]] + [p.cu_seqlens[1:] + off for p, off in zip(parts, offsets, strict=False)])
-        return cls(np.concatenate([p.values for p in parts]), cu, first.num_experts, first.layer_ids, validate=False)
+        w = np.concatenate([p.weights for p in parts]) if all(has_w) else None
+        return cls(np.concatenate([p.values for p in parts]), cu, first.num_experts, first.layer_ids, validate=False,
+                   weights=w)
 
     # ---- shape --------------------------------------------------------------------------------
     @property
@@ -223,8 +252,9 @@ class Routes:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: the id buffer plus the offsets and layer ids."""
-        return int(self.values.nbytes + self.cu_seqlens.nbytes + self.layer_ids.nbytes)
+        """Bytes held: the id buffer (and weights, if any) plus the offsets and layer ids."""
+        w = 0 if self.weights is None else self.weights.nbytes
+        return int(self.values.nbytes + w + self.cu_seqlens.nbytes + self.layer_ids.nbytes)
 
     def __len__(self) -> int:
         return int(self.cu_seqlens.size - 1)
@@ -232,7 +262,8 @@ class Routes:
     def __repr__(self) -> str:
         return (
             f"Routes(num_seqs={len(self)}, total_tokens={self.total_tokens}, layers={self.layer_ids.tolist()}, "
-            f"top_k={self.top_k}, num_experts={self.num_experts}, dtype={self.values.dtype})"
+            f"top_k={self.top_k}, num_experts={self.num_experts}, dtype={self.values.dtype}"
+            f"{', weights' if self.weights is not None else ''})"
         )
 
     def __eq__(self, other: object) -> bool:
@@ -244,9 +275,24 @@ class Routes:
             and np.array_equal(self.cu_seqlens, other.cu_seqlens)
             and self.values.shape == other.values.shape
             and np.array_equal(self.values, other.values)
+            and (self.weights is None) == (other.weights is None)
+            and (self.weights is None or (other.weights is not None and np.array_equal(self.weights, other.weights)))
         )
 
     # ---- views and reshapes --------------------------------------------------------------------
+    def with_weights(self, weights: Any) -> Routes:
+        """The same ids with these routing weights (``[total_tokens, num_layers, top_k]`` floats)."""
+        return Routes(self.values, self.cu_seqlens, self.num_experts, self.layer_ids, validate=False, weights=weights)
+
+    def without_weights(self) -> Routes:
+        """The same ids, no routing weights (ids-only replay and transport)."""
+        if self.weights is None:
+            return self
+        return Routes(self.values, self.cu_seqlens, self.num_experts, self.layer_ids, validate=False)
+
+    def _w(self, index: Any) -> np.ndarray | None:
+        return None if self.weights is None else self.weights[index]
+
     def sequence(self, i: int) -> np.ndarray:
         """The ``[T_i, L, K]`` routes of sequence i (a read-only view)."""
         n = len(self)
@@ -265,7 +311,8 @@ class Routes:
         starts = self.cu_seqlens[idx]
         rows = np.repeat(starts - np.concatenate([[0], np.cumsum(lens)[:-1]]), lens) + np.arange(lens.sum())
         return Routes(
-            self.values[rows], np.concatenate([[0], np.cumsum(lens)]), self.num_experts, self.layer_ids, validate=False
+            self.values[rows], np.concatenate([[0], np.cumsum(lens)]), self.num_experts, self.layer_ids, validate=False,
+            weights=self._w(rows),
         )
 
     def split(self, sections: int | Sequence[int]) -> list[Routes]:
@@ -276,7 +323,8 @@ class Routes:
             lo = int(b[0]) if b.size else 0
             hi = int(b[-1]) + 1 if b.size else 0
             if not b.size:
-                out.append(Routes(self.values[:0], [0], self.num_experts, self.layer_ids, validate=False))
+                out.append(Routes(self.values[:0], [0], self.num_experts, self.layer_ids, validate=False,
+                                  weights=self._w(slice(0, 0))))
                 continue
             t0, t1 = self.cu_seqlens[lo], self.cu_seqlens[hi]
             out.append(
@@ -286,6 +334,7 @@ class Routes:
                     self.num_experts,
                     self.layer_ids,
                     validate=False,
+                    weights=self._w(slice(t0, t1)),
                 )
             )
         return out
@@ -299,11 +348,16 @@ class Routes:
             raise RouteFormatError(f"layers {missing} not in these routes (have {self.layer_ids.tolist()})")
         want = np.unique(want)
         cols = [pos[int(g)] for g in want]
-        return Routes(self.values[:, cols, :], self.cu_seqlens, self.num_experts, want, validate=False)
+        return Routes(self.values[:, cols, :], self.cu_seqlens, self.num_experts, want, validate=False,
+                      weights=self._w((slice(None), cols, slice(None))))
 
     def sorted_rows(self) -> Routes:
-        """The same routes with each top-k row sorted ascending (the canonical form of a route set)."""
-        return Routes(np.sort(self.values, axis=2), self.cu_seqlens, self.num_experts, self.layer_ids, validate=False)
+        """The same routes with each top-k row sorted ascending (the canonical form of a route set); weights follow
+        their ids."""
+        order = np.argsort(self.values, axis=2, kind="stable")
+        w = None if self.weights is None else np.take_along_axis(self.weights, order, axis=2)
+        return Routes(np.take_along_axis(self.values, order, axis=2), self.cu_seqlens, self.num_experts,
+                      self.layer_ids, validate=False, weights=w)
 
     def to_padded(
         self, max_len: int | None = None, *, left_padded: bool = False, fill: int | None = None

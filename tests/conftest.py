@@ -7,6 +7,10 @@ and ``slow``, the union of the four. They are applied here by file (:data:`TIERS
 files is tiered without anyone remembering; a test elsewhere that needs one marks itself
 (``@pytest.mark.engine``) and gets ``slow`` too. ``bash scripts/test.sh`` runs everything;
 ``bash scripts/test.sh -m "not slow"`` is the fast tier.
+
+Engines: a test that needs vLLM on a shipped model takes the session's ``engine_pool`` fixture (one engine per model
+and options for the whole run, handed out in a fresh start's state and byte-checked; :mod:`r3lab.testing.engines`)
+instead of starting its own; the count printed at the end says which files still start engines.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ TIERS: dict[str, tuple[str, ...]] = {
     "test_quant.py": ("engine",),
     "test_rl.py": ("engine",),
     "test_rollout.py": ("engine",),
+    "test_r3w_engine.py": ("engine",),
     "test_attach.py": ("engine",),  # starts vLLM servers the way a user would
     "test_packaging.py": ("engine",),  # builds a wheel, installs it in a venv, runs the quick drift from it
     "test_rescore.py": ("engine", "megatron"),
@@ -38,6 +43,8 @@ TIERS: dict[str, tuple[str, ...]] = {
     "test_megatron_sync.py": ("engine", "megatron"),
     "test_trainer_megatron.py": ("engine", "megatron"),
     "test_megatron_load.py": ("megatron",),
+    "test_mtp.py": ("megatron",),
+    "test_olmoe.py": ("engine", "megatron"),
     "test_slicing.py": ("megatron",),
     "test_staging_dist.py": ("megatron",),
     "test_trainer_megatron_bridge.py": ("megatron",),
@@ -67,6 +74,26 @@ def _no_stdlib_distutils_left_behind():
     if core is not None and "_distutils" not in (getattr(core, "__file__", None) or ""):
         for name in [n for n in sys.modules if n == "distutils" or n.startswith("distutils.")]:
             del sys.modules[name]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_process_group_left_behind():
+    """Each test file starts without a torch.distributed group: a file that built a one-rank gloo group in this
+    process (Megatron's parallel state needs one) and kept it for its own tests has it torn down when the file ends,
+    Megatron's model-parallel groups and router-replay registry first, so the next file (and the check in
+    tests/test_trainer_megatron.py that the trainer module imports without one) sees a fresh process."""
+    import sys
+
+    yield
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    if "megatron.core" in sys.modules:
+        from r3lab.trainers.megatron.cpu import destroy_parallel
+
+        destroy_parallel(keep_process_group=False)
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -115,3 +142,19 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     if _ENGINE_STARTS:
         per_file = ", ".join(f"{f} {n}" for f, n in sorted(_ENGINE_STARTS.items()))
         terminalreporter.write_line(f"vLLM engines started: {sum(_ENGINE_STARTS.values())} ({per_file})")
+
+
+# ---- session-wide vLLM engines (r3lab.testing.engines): one per (model, options), reset at every hand-out ------------
+
+
+@pytest.fixture(scope="session")
+def engine_pool():
+    """The session's :class:`~r3lab.testing.engines.EnginePool`: ``engine_pool.engine(model, seed=0)`` is a vLLM engine
+    in a fresh start's state (checkpoint weights, version 0, empty prefix cache, RNGs seeded), byte-checked against
+    its first start; a module that pushes weights takes ``engine_pool.lease(...)`` (restored on the way out). Every
+    engine ends with the session."""
+    from r3lab.testing.engines import EnginePool
+
+    pool = EnginePool()
+    yield pool
+    pool.close()

@@ -45,6 +45,7 @@ DOCTOR_CASES = {
     "mtp_collision": ("slime", "MTP rows", "fail"),
     "replay_noop": ("own", "replay effect", "fail"),
     "replay_mismatch": ("own", "replayed routes", "fail"),
+    "mtp_trainer": ("own", "MTP rows", "fail"),
     "layer_outlier": ("own", "layer disagreement", "warn"),
 }
 
@@ -616,6 +617,8 @@ def own_run(root: str | Path, case: str = "clean", *, steps: int = 2, samples: i
                     rate[3] = 0.6
                 flip = rng.random((t.shape[0], len(MOE))) < rate
                 t[flip] = np.argsort(rng.random((int(flip.sum()), E)), axis=1)[:, :K]
+                if case == "mtp_trainer":  # the trainer's MTP router (numbered 1) recorded in layer 7's slot with
+                    t[:, -1] = t[:, 0]  # decoder layer 1's routes (NeMo-RL #3903); the engine's routes are clean
                 trn.append(t)
             er = Routes.from_list(eng, num_experts=E, layer_ids=MOE)
             tr = Routes.from_list(trn, num_experts=E, layer_ids=MOE)

@@ -103,10 +103,9 @@ def test_config_knobs():
 
 
 @pytest.fixture(scope="module")
-def engine():
-    from r3lab.rollout import RolloutEngine
-
-    with RolloutEngine(MODEL, seed=0) as eng:
+def engine(engine_pool):
+    """The session's engine (tests/conftest.py), restored to the checkpoint after the module."""
+    with engine_pool.lease(MODEL, seed=0) as eng:
         yield eng
 
 

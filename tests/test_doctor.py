@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from r3lab import doctor, metrics
-from r3lab.importers import NotAvailable, import_run, run_figures
+from r3lab.importers import import_run
 from r3lab.paths import results_dir
+from r3lab.viz import NotAvailable, run_figures
 
 RESULTS = results_dir()
 COMMITTED = [RESULTS / "drift-run", *sorted(p for p in (RESULTS / "rl").iterdir() if p.is_dir())]

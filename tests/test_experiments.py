@@ -3,7 +3,9 @@
 import numpy as np
 import pytest
 
+from r3lab.errors import ConfigError
 from r3lab.experiments import DriftConfig, drift_spread, run_drift
+from r3lab.paths import model_dir
 
 # What the README claims, pinned with a stated margin. Measured over prompt seeds 0-5 at 24 prompts x 32 tokens
 # (bf16 trainer with fp32 routers): the cut of k3 on route-flipped tokens was 3.8-21x (qwen3) and 12-68x (glm4),
@@ -16,9 +18,9 @@ AGREEING_TOLERANCE = 0.2  # agreeing tokens: R3 / none within 1 +- 0.2 (replayin
 
 
 @pytest.mark.parametrize("name", sorted(CLAIMS))
-def test_replaying_engine_routes_cuts_drift_on_flipped_tokens(name):
+def test_replaying_engine_routes_cuts_drift_on_flipped_tokens(name, engine_pool):
     config = DriftConfig(models=(name,), prompts=24, max_tokens=32, seeds=(0, 1, 2), trainer_dtypes=("bfloat16",))
-    rows = run_drift(config, progress=False)
+    rows = run_drift(config, progress=False, engines={name: engine_pool.engine(model_dir(name), seed=0)})
     assert [r.seed for r in rows] == [0, 1, 2]
     for r in rows:
         s = r.summary
@@ -83,14 +85,15 @@ def test_the_committed_reference_drift_run_is_consistent():
         assert metrics.k3_kl(tokens["logp_r3"], tokens["logp_infer"]) == pytest.approx(s["k3_r3"], rel=1e-12)
 
 
-def test_a_drift_run_records_the_trainers_routes_row_for_row_and_the_floor_scores(tmp_path):
+def test_a_drift_run_records_the_trainers_routes_row_for_row_and_the_floor_scores(tmp_path, engine_pool):
     """The run holds engine and trainer routes of the same rows and layers; the per-token flips the experiment
     computed are exactly where those two stored route sets differ at each sampled token's input position."""
     from r3lab import metrics
     from r3lab.runs import load
 
     config = DriftConfig(models=("tiny-qwen3-moe",), prompts=6, max_tokens=12, seeds=(0,), trainer_dtypes=("bfloat16",))
-    (row,) = run_drift(config, progress=False, runs_root=tmp_path, run_name="d")
+    engines = {"tiny-qwen3-moe": engine_pool.engine(model_dir("tiny-qwen3-moe"), seed=0)}
+    (row,) = run_drift(config, progress=False, runs_root=tmp_path, run_name="d", engines=engines)
     run = load(tmp_path / "d")
     engine, trainer = run.routes(0, "engine"), run.routes(0, "trainer")
     assert np.array_equal(engine.cu_seqlens, trainer.cu_seqlens) and np.array_equal(engine.layer_ids, trainer.layer_ids)
@@ -101,3 +104,20 @@ def test_a_drift_run_records_the_trainers_routes_row_for_row_and_the_floor_score
     assert metrics.set_differs(engine.values, trainer.values).mean() < 0.2  # the trainer's routes, not noise
     assert metrics.k3_kl(tok["logp_none_batched"], tok["logp_none"]) == pytest.approx(row.summary["k3_trainer_floor"])
     assert metrics.k3_kl(tok["logp_engine_again"], tok["logp_infer"]) == pytest.approx(row.summary["k3_engine_floor"])
+
+
+def test_an_engine_given_to_the_drift_run_must_be_the_runs():
+    """run_drift(engines=...) checks each given engine against the run before sampling with it (no engine starts)."""
+    from types import SimpleNamespace
+
+    qwen, glm = model_dir("tiny-qwen3-moe"), model_dir("tiny-glm4-moe")
+    config = DriftConfig(models=("tiny-qwen3-moe",), prompts=2, max_tokens=4, seeds=(0,))
+    with pytest.raises(ConfigError, match="holds"):
+        run_drift(config, progress=False,
+                  engines={"tiny-qwen3-moe": SimpleNamespace(model_dir=glm, engine_quant="none")})
+    with pytest.raises(ConfigError, match="engine_quant='int4'"):
+        run_drift(config, progress=False,
+                  engines={"tiny-qwen3-moe": SimpleNamespace(model_dir=qwen, engine_quant="int4")})
+    with pytest.raises(ConfigError, match="engine-url"):
+        run_drift(DriftConfig.from_dict({**config.to_dict(), "engine_url": "http://127.0.0.1:9"}), progress=False,
+                  engines={"tiny-qwen3-moe": SimpleNamespace(model_dir=qwen, engine_quant="none")})

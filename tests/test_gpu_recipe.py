@@ -137,7 +137,9 @@ def test_shipped_configs_carry_the_keys_transformers_4_reads(name):
     if cfg["model_type"] == "qwen3_moe":
         assert cfg["num_experts"] == cfg["num_local_experts"]
     with_keys = AutoConfig.from_pretrained(path).to_dict()
-    stripped = {k: v for k, v in cfg.items() if k not in ("rope_theta", "partial_rotary_factor", "num_experts")}
+    # the 4.x-only keys; num_experts is 4.x's for Qwen3-MoE but OLMoE's own key in both
+    only_4 = ("rope_theta", "partial_rotary_factor") + (("num_experts",) if cfg["model_type"] == "qwen3_moe" else ())
+    stripped = {k: v for k, v in cfg.items() if k not in only_4}
     without = AutoConfig.for_model(**stripped).to_dict()
     for d in (with_keys, without):
         d.pop("_name_or_path", None)
@@ -270,7 +272,10 @@ def test_shipped_checkpoints_read_the_same_under_transformers_4_and_5(transforme
                 assert value == raw[key], f"{path.name}: transformers 4 reads {key}={value}, config.json {raw[key]}"
         # the 4.x key (n_routed_experts / num_experts) says what the 5.x key (n_routed_experts / num_local_experts) says
         assert a["config"]["experts"] == raw.get("n_routed_experts", raw.get("num_experts"))
-        assert a["config"]["experts"] == raw.get("n_routed_experts", raw.get("num_local_experts")) > 1
+        # (OLMoE's key is num_experts under both)
+        five_key = "num_experts" if raw["model_type"] == "olmoe" else "num_local_experts"
+        five = raw.get("n_routed_experts", raw.get(five_key))
+        assert a["config"]["experts"] == five > 1
         assert a["config"]["rope_theta"] == raw["rope_parameters"]["rope_theta"]
 
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from r3lab import runs
-from r3lab.importers import KINDS, ImporterMissingError, ImportFormatError, detect_kind, import_run
+from r3lab.errors import ImporterMissingError, ImportFormatError
+from r3lab.importers import KINDS, detect_kind, import_run
 from r3lab.importers import registry as reg
 from r3lab.runs import RunFormatError, RunWriter
 
@@ -39,8 +40,8 @@ def _break_sample(src: Path, step: int, sample: int) -> None:
 
 # ---- the registry ---------------------------------------------------------------------------------------------------
 def test_every_importer_module_is_one_registry_entry_and_declares_its_options():
-    mods = {p.stem for p in (ROOT / "r3lab" / "importers").glob("*.py")} - {"__init__", "common", "figures",
-                                                                             "registry", "unpickle", "train_dumps"}
+    mods = {p.stem for p in (ROOT / "r3lab" / "importers").glob("*.py")} - {"__init__", "common", "registry",
+                                                                              "unpickle", "train_dumps"}
     named = {s.module.rsplit(".", 1)[1] for s in KINDS.values()}
     assert mods <= named, sorted(mods - named)  # a module without an entry would be unreachable
     for kind, spec in KINDS.items():
@@ -175,6 +176,7 @@ def test_run_writer_adds_to_its_config_and_writes_atomically(tmp_path):
         with pytest.raises(RunFormatError, match=r"\['x'\] are already set"):
             w.add_config({"x": 2})
         w.log_step({"step": 0})
+        assert not (w.path / "config.json").exists()  # an atomic run's config is written once, by finish
         w.finish({"steps": 1})
     assert w.path == tmp_path / "a" and sorted(p.name for p in tmp_path.iterdir()) == ["a"]
     assert runs.load(tmp_path / "a").config == {"x": 1, "late": [1, 2]}

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from r3lab import runs
-from r3lab.importers import ImportFormatError, UnsafeFileError, import_run, safe_torch_load, sample_tokens
+from r3lab.errors import ImportFormatError, UnsafeFileError
+from r3lab.importers import import_run, safe_torch_load, sample_tokens
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from r3lab import doctor, metrics, runs
-from r3lab.importers import ImportFormatError, nemo_rl, prime_rl, sample_tokens
+from r3lab.errors import ImportFormatError
+from r3lab.importers import nemo_rl, prime_rl, sample_tokens
 from r3lab.importers.nemo_rl import import_nemo_rl
 from r3lab.importers.prime_rl import import_prime_rl
 
@@ -188,6 +189,19 @@ def test_prime_rl_routes_from_rollout_micro_batches(tmp_path, cp, qwen3):
             want = _bin_rows(src, step, d, cp)[:, moe, :]
             assert np.array_equal(r.sequence(i).astype(np.int64), want.astype(np.int64))
     assert doctor.diagnose(run.path).ok
+
+
+def test_source_files_are_hashed_by_relative_path_so_each_steps_rank_file_is_kept(tmp_path):
+    """prime-rl names every step's export rank_0.jsonl: keyed by file name, the hashes of all but one collided."""
+    import hashlib
+
+    src = md.prime_rl_dump(tmp_path / "out", routes_bin=True)
+    run = runs.load(import_prime_rl(src, tmp_path / "run", config=md.model_config(tmp_path / "m")))
+    got = run.config["source"]["files"]
+    want = {f.relative_to(src).as_posix(): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in [*src.glob("token_exports/step_*/rank_*.jsonl"), *src.glob("rollouts/step_*/rank_*.bin")]}
+    assert len(want) == len(run.config["source"]["paths"]) == 2 * 2 * 2  # steps x ranks x (export, micro-batches)
+    assert got == want
 
 
 def test_prime_rl_routes_need_config_and_a_join_that_holds(tmp_path):

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from r3lab import doctor, runs
-from r3lab.importers import ImportFormatError, UnsafeFileError, sample_tokens
+from r3lab.errors import ImportFormatError, UnsafeFileError
+from r3lab.importers import sample_tokens
 from r3lab.importers import skyrl as sk
 from r3lab.importers import verl as vl
 
@@ -192,6 +193,18 @@ def test_verl_round_trip(tmp_path):
     report = doctor.diagnose(run)
     assert report.ok, report.text()
     assert report.check("route rows").status == "ok"
+
+
+def test_verl_source_files_are_hashed_by_step_folder(tmp_path):
+    """verl writes one gen_batch.dp per step folder: each is its own key (the step folder names it apart)."""
+    import hashlib
+
+    src, _ = g.verl_dump(tmp_path / "dump", steps=2)
+    files = runs.load(vl.import_verl(src, tmp_path / "run", config=g.CONFIG)).config["source"]["files"]
+    dumps = sorted(src.rglob("gen_batch.dp"))
+    root = dumps[0].parent.parent
+    assert len(dumps) == 2
+    assert files == {f.relative_to(root).as_posix(): hashlib.sha256(f.read_bytes()).hexdigest() for f in dumps}
 
 
 def test_verl_short_capture(tmp_path):

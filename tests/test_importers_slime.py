@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from r3lab import runs
-from r3lab.importers import ImportFormatError, import_run, sample_tokens
+from r3lab.errors import ImportFormatError
+from r3lab.importers import import_run, sample_tokens
 from r3lab.importers import miles as miles_mod
 from r3lab.importers import slime as slime_mod
 from r3lab.importers.train_dumps import assemble_cp, cp_response_spans, infer_cp_ranks

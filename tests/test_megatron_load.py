@@ -86,12 +86,12 @@ def _rank(rank: int, world: int, jobs: list) -> list[dict]:
             logits = tm.pipeline_forward(model.chunks, mine)
             rep.after_forward()
         last = pp == layout.pp - 1
-        lp_replay = tm.token_logprobs(logits, mine) if last else None
+        lp_replay = tm.logits_logprobs(logits, mine) if last else None
         with megatron_replay(model.chunks, mode="record") as rec:
             rec.begin_microbatch()
             logits = tm.pipeline_forward(model.chunks, mine)
             native = rec.after_forward()
-        lp_native = tm.token_logprobs(logits, mine) if last else None
+        lp_native = tm.logits_logprobs(logits, mine) if last else None
         rows = token_rows(np.full(len(seqs), S), layout, tp_rank=tp)
         exported = tm.export_hf_state_dict(model)
         export_check = None

@@ -66,10 +66,9 @@ def test_a_multi_turn_batch_scores_every_token_after_the_first_prompt():
 
 
 @pytest.fixture(scope="module")
-def engine():
-    from r3lab.rollout import RolloutEngine
-
-    with RolloutEngine(model_dir(QUICK.model), seed=0) as eng:
+def engine(engine_pool):
+    """The session's engine (tests/conftest.py), restored to the checkpoint after the module."""
+    with engine_pool.lease(model_dir(QUICK.model), seed=0) as eng:
         yield eng
 
 

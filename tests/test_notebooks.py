@@ -115,10 +115,10 @@ def test_notebook_06_opens_an_imported_run(tmp_path, monkeypatch):
 
 
 # Notebooks 02-04 on an imported run (the generated slime dump: engine routes and log-probs, no trainer routes, no
-# replay mode): (plotly figures, in-place notes) each must show. The figures are those the fields allow (expert load
-# imbalance; the drift densities, F(tau), delta histogram); the notes stand for the ones needing trainer routes, a
-# drift run's cells or a replay mode.
-IMPORTED_EXPECT = {"02_expert_distribution": (1, 5), "03_logprob_drift": (3, 8), "04_rl_ablation": (0, 5)}
+# replay mode): (plotly figures, in-place notes) each must show. The figures are those the fields allow (the
+# engine's expert load and imbalance; the drift densities, F(tau), delta histogram); the notes stand for the ones
+# needing trainer routes, a drift run's cells or a replay mode.
+IMPORTED_EXPECT = {"02_expert_distribution": (2, 4), "03_logprob_drift": (3, 8), "04_rl_ablation": (0, 5)}
 
 
 @pytest.mark.engine  # executes the notebook in a kernel (the dial notebook runs RL on an engine)
@@ -153,29 +153,84 @@ def test_notebook_takes_an_imported_run(name, tmp_path, monkeypatch):
     assert not list(tmp_path.joinpath("runs").glob("*")), "the notebook ran an experiment instead of the given run"
 
 
+def _executed(name: str, tmp_path: Path, params: dict) -> list:
+    """Run notebook ``name`` with ``params`` (and an ``out_dir`` under ``tmp_path``); its outputs, none an error."""
+    import papermill
+
+    executed = tmp_path / f"{name}.{len(list(tmp_path.glob('*.ipynb')))}.ipynb"
+    papermill.execute_notebook(str(ROOT / "notebooks" / f"{name}.ipynb"), str(executed),
+                               parameters={**params, "out_dir": str(tmp_path / "out")}, kernel_name="r3lab",
+                               cwd=str(tmp_path), execution_timeout=600, progress_bar=False)
+    outputs = [o for c in nbformat.read(executed, as_version=4).cells if c.cell_type == "code" for o in c.outputs]
+    errors = [o for o in outputs if o.output_type == "error"]
+    assert not errors, (name, errors[0].get("evalue"))
+    return outputs
+
+
+def _figures(outputs: list) -> list:
+    figures = [o for o in outputs if PLOTLY in o.get("data", {})]
+    assert all(f["data"][PLOTLY]["data"] for f in figures), "a figure without traces"
+    return figures
+
+
+@pytest.mark.engine  # a vLLM server started the way a user starts it, and notebooks executed in a kernel
+def test_notebooks_on_an_attached_server_and_a_capture_run(tmp_path, monkeypatch):
+    """Notebook 01 with ``engine_url`` samples through a server the user started (tests/user_vllm.py; its access log
+    shows the requests); ``r3lab capture`` through that server writes a run that notebooks 01 (``capture_run``), 02
+    (``drift_run``) and 06 (``run``) open: expert load, imbalance and the route view drawn, the rest noted."""
+    from user_vllm import QWEN, UserServers
+
+    from r3lab.cli import main
+    from r3lab.corpus import corpus_prompts
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    servers = UserServers(tmp_path)
+    run = tmp_path / "runs" / "cap"
+    try:
+        url = servers.get(QWEN)
+        small = {"prompts": 4, "max_tokens": 12, "repeats": 1}
+        assert len(_figures(_executed("01_capture_and_transport", tmp_path, {**small, "engine_url": url}))) == 2
+        log = next(tmp_path.glob("tiny-qwen3-moe-*.log")).read_text(errors="replace")
+        assert log.count("POST /v1/completions") >= 2, "notebook 01 did not sample through the attached server"
+        (tmp_path / "prompts.txt").write_text("\n".join(corpus_prompts(4, seed=0)) + "\n")
+        main(["capture", "--engine-url", url, "--prompts", str(tmp_path / "prompts.txt"), "--out", str(run),
+              "--tokens", "12", "--samples", "2", "--no-progress"])
+    finally:
+        servers.stop()
+    assert len(_figures(_executed("01_capture_and_transport", tmp_path, {**small, "capture_run": str(run)}))) == 2
+    out02 = _executed("02_expert_distribution", tmp_path, {"drift_run": str(run), "rl_runs": [str(run)],
+                                                           "runs_dir": str(tmp_path / "made")})
+    notes = [o.data["text/markdown"] for o in out02 if "text/markdown" in o.get("data", {})]
+    assert (len(_figures(out02)), len(notes)) == (2, 4), notes  # expert load and imbalance of the engine
+    assert not (tmp_path / "made").exists() or not list((tmp_path / "made").iterdir()), "02 ran an experiment"
+    out06 = _executed("06_your_run", tmp_path, {"run": str(run)})
+    titles = [f["data"][PLOTLY]["layout"].get("title", {}).get("text", "") for f in _figures(out06)]
+    assert len(titles) >= 3 and any("expert load" in t for t in titles), titles
+
+
 def test_imported_run_helpers_note_what_is_missing_and_pass_r3lab_runs_through(tmp_path):
     """The notebooks' helpers: a missing field of an imported run becomes a note that in_place passes on (also as
     a mapping's value); r3lab's own runs pass through of_kind unchanged; the token log-probs are the table's own."""
     import numpy as np
 
-    from r3lab import importers
+    from r3lab import viz
     from r3lab.runs import load, load_runs, reference_runs_dir
 
     run = load(make_dumps.imported_run(tmp_path))
-    trainer = importers.routes_or_note(run, 0, "trainer")
-    assert isinstance(trainer, importers.NotAvailable) and "trainer routes" in trainer.message
-    engine = importers.routes_or_note(run, 0, "engine")
+    trainer = viz.routes_or_note(run, 0, "trainer")
+    assert isinstance(trainer, viz.NotAvailable) and "trainer routes" in trainer.message
+    engine = viz.routes_or_note(run, 0, "engine")
     assert engine.total_tokens == run.routes(0, "engine").total_tokens
-    assert importers.in_place(dict, a=1, b={"t": trainer}) is trainer
-    assert importers.in_place(dict, a=1) == {"a": 1}
-    assert list(importers.drawn({"engine": engine, "trainer": trainer})) == ["engine"]
+    assert viz.in_place(dict, a=1, b={"t": trainer}) is trainer
+    assert viz.in_place(dict, a=1) == {"a": 1}
+    assert list(viz.drawn({"engine": engine, "trainer": trainer})) == ["engine"]
     tok = run.tokens([0])
-    infer, modes = importers.token_logprobs(tok)
+    infer, modes = viz.mismatch_logprobs(tok)
     assert list(modes) == ["trainer"] and np.array_equal(modes["trainer"], tok["logp_train"].to_numpy())
-    assert np.array_equal(infer, tok["logp_infer"].to_numpy()) and importers.noise_floors(tok) == {}
-    assert isinstance(importers.of_kind([run], "rl"), importers.NotAvailable)
+    assert np.array_equal(infer, tok["logp_infer"].to_numpy()) and viz.noise_floors(tok) == {}
+    assert isinstance(viz.of_kind([run], "rl"), viz.NotAvailable)
     own = load_runs(reference_runs_dir(), "tiny-qwen3-moe-default-")
-    assert importers.of_kind(own, "rl") is own
+    assert viz.of_kind(own, "rl") is own
 
 
 def test_generated_notebooks_match_their_generator():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -153,10 +154,10 @@ def test_engine_quant_knob(cls):
 
 
 @pytest.fixture(scope="module")
-def fixed_sample():
-    """Token sequences sampled once by the exact engine: every setting routes these same tokens (prefill)."""
-    with RolloutEngine(QWEN) as eng:
-        res = eng.generate(corpus_prompts(16, seed=3), SamplingConfig(max_tokens=32, seed=4))
+def fixed_sample(engine_pool):
+    """Token sequences sampled once by the exact engine (the session's): every setting routes these same tokens
+    (prefill)."""
+    res = engine_pool.engine(QWEN, seed=0).generate(corpus_prompts(16, seed=3), SamplingConfig(max_tokens=32, seed=4))
     return [r.token_ids for r in res]
 
 
@@ -180,7 +181,7 @@ def _quantized_checkpoint(tmp: Path, quant: str) -> Path:
     return out
 
 
-def test_dial_raises_routing_disagreement_and_reaches_the_engine(fixed_sample, tmp_path):
+def test_dial_raises_routing_disagreement_and_reaches_the_engine(fixed_sample, tmp_path, engine_pool):
     """Engine vs fp32 trainer on the same tokens: router disagreement grows along the dial. int8 < int6 < int4 with
     a margin (each at least 1.3x the last, none below int8), fp8 between int8 and int4 (its weight error is about
     int6's). A trainer holding the same int4 weights agrees with the int4 engine far better than the exact one
@@ -191,7 +192,8 @@ def test_dial_raises_routing_disagreement_and_reaches_the_engine(fixed_sample, t
     seqs = [s[:-1] for s in fixed_sample]  # the reference has len - 1 rows: route exactly those positions
     dis, routes = {}, {}
     for q in ("none", "int8", "fp8", "int6", "int4"):
-        with RolloutEngine(QWEN, engine_quant=q) as eng:
+        exact = q == "none"  # the exact engine is the session's (RolloutEngine(QWEN) with engine_quant="none")
+        with nullcontext(engine_pool.engine(QWEN, seed=0)) if exact else RolloutEngine(QWEN, engine_quant=q) as eng:
             routes[q] = _engine_prefill_routes(eng, seqs)
             if q == "int4":
                 sd = load_file(str(QWEN / "model.safetensors"))

@@ -22,13 +22,13 @@ from r3lab.replay import (
     find_hf_routers,
     find_orphaned_router_replays,
     hf_replay,
+    hf_token_logprobs,
     keep_routers_fp32,
     load_hf_model,
     megatron_replay,
     megatron_routers,
     recompute_routes,
     remove_router_casts,
-    token_logprobs,
 )
 from r3lab.routes import Routes
 from r3lab.slicing import ParallelLayout
@@ -312,18 +312,18 @@ def test_token_logprobs_records_what_the_routers_used(hf_model, request):
         lp_ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), -1)[3:-1].gather(
             1, TOKENS[0, 4:, None]
         )[:, 0]
-    lp, none = token_logprobs(hf_model, ids, prompt_len=4)
+    lp, none = hf_token_logprobs(hf_model, ids, prompt_len=4)
     assert none is None and lp.dtype == np.float64 and lp.shape == (8,)
     np.testing.assert_array_equal(lp, lp_ref.numpy().astype(np.float64))
-    lp_rec, own = token_logprobs(hf_model, np.asarray(ids), prompt_len=4, record=True)
+    lp_rec, own = hf_token_logprobs(hf_model, np.asarray(ids), prompt_len=4, record=True)
     np.testing.assert_array_equal(lp_rec, lp)  # recording changes nothing
     assert own.layer_ids.tolist() == MOE_LAYERS[family] and own.total_tokens == 12 and len(own) == 1
     moe = MOE_LAYERS[family]
     rng = np.random.default_rng(3)
     other = random_routes(rng, num_experts=E, top_k=K, num_layers=len(moe), lengths=[12], layer_ids=moe)
-    lp_other, used = token_logprobs(hf_model, ids, prompt_len=4, routes=other, record=True)
+    lp_other, used = hf_token_logprobs(hf_model, ids, prompt_len=4, routes=other, record=True)
     assert used == other and not np.allclose(lp_other, lp)
-    lp_own, used = token_logprobs(hf_model, ids, prompt_len=4, routes=own, record=True)
+    lp_own, used = hf_token_logprobs(hf_model, ids, prompt_len=4, routes=own, record=True)
     assert used == own
     np.testing.assert_array_equal(lp_own, lp)
     assert count_replay_hooks(hf_model) == 0
@@ -332,7 +332,7 @@ def test_token_logprobs_records_what_the_routers_used(hf_model, request):
 @pytest.mark.parametrize("hf_model", ["qwen3_moe"], indirect=True)
 def test_token_logprobs_bad_inputs(hf_model):
     ids = TOKENS[0].tolist()
-    own = token_logprobs(hf_model, ids, record=True)[1]
+    own = hf_token_logprobs(hf_model, ids, record=True)[1]
     for kw, msg in [
         (dict(prompt_len=0), "prompt_len"),
         (dict(prompt_len=13), "prompt_len"),
@@ -340,10 +340,10 @@ def test_token_logprobs_bad_inputs(hf_model):
         (dict(routes=Routes(own.values[:11], [0, 11], E, own.layer_ids)), "11 token rows for 12 tokens"),
     ]:
         with pytest.raises(ReplayError, match=msg):
-            token_logprobs(hf_model, ids, **kw)
+            hf_token_logprobs(hf_model, ids, **kw)
     for bad in ([], [[1, 2]], [0.5, 1.5]):
         with pytest.raises(ReplayError, match="token_ids"):
-            token_logprobs(hf_model, bad)
+            hf_token_logprobs(hf_model, bad)
     assert count_replay_hooks(hf_model) == 0
 
 
@@ -360,11 +360,11 @@ def test_shipped_models_replay_decoded_routes_exactly(shipped_bf16):
     name, model = shipped_bf16
     layout = MoELayout.from_model_dir(model_dir(name))
     ids = np.random.default_rng(0).integers(4, layout_vocab(name), 40).tolist()
-    lp, own = token_logprobs(model, ids, prompt_len=8, record=True)
+    lp, own = hf_token_logprobs(model, ids, prompt_len=8, record=True)
     assert own.layer_ids.tolist() == list(layout.moe_layer_ids) and own.total_tokens == 40
     decoded = decode(encode(own, "topk-set+zstd"))
     assert (decoded.values != own.values).any()  # GLM's top-k comes out unsorted; Qwen3's by score
-    lp_r3, used = token_logprobs(model, ids, prompt_len=8, routes=decoded, record=True)
+    lp_r3, used = hf_token_logprobs(model, ids, prompt_len=8, routes=decoded, record=True)
     assert used == decoded
     np.testing.assert_array_equal(lp_r3, lp)
     routes, lps = recompute_routes(model_dir(name), [ids, ids[:9]], model=model, return_logprobs=True)
@@ -384,18 +384,18 @@ def test_load_hf_model_fp32_routers_are_counted_and_removable():
     ids = list(range(4, 24))
     assert count_router_cast_hooks(model) == len(routers) == 8 and count_replay_hooks(model) == 0
     assert all(r.weight.dtype == torch.float32 for r in routers.values())
-    lp, _ = token_logprobs(model, ids)
+    lp, _ = hf_token_logprobs(model, ids)
     with pytest.raises(ReplayError, match="already run in fp32"):
         keep_routers_fp32(model)
     assert remove_router_casts(model) == 8
     assert count_router_cast_hooks(model) == 0 and remove_router_casts(model) == 0
     assert all(r.weight.dtype == torch.bfloat16 for r in routers.values())  # as loaded: transformers keeps them bf16
-    lp_bf16, _ = token_logprobs(model, ids)  # the plain bf16 model runs, and routes differently somewhere
+    lp_bf16, _ = hf_token_logprobs(model, ids)  # the plain bf16 model runs, and routes differently somewhere
     with keep_routers_fp32(model) as casts:
         assert len(casts) == count_router_cast_hooks(model) == 8
-        np.testing.assert_array_equal(token_logprobs(model, ids)[0], lp)
+        np.testing.assert_array_equal(hf_token_logprobs(model, ids)[0], lp)
     assert count_router_cast_hooks(model) == 0
-    np.testing.assert_array_equal(token_logprobs(model, ids)[0], lp_bf16)
+    np.testing.assert_array_equal(hf_token_logprobs(model, ids)[0], lp_bf16)
     assert load_hf_model(model_dir("tiny-qwen3-moe"), "float32") is not None
     with pytest.raises(ReplayError, match="dtype"):
         load_hf_model(model_dir("tiny-qwen3-moe"), "float16")
@@ -418,6 +418,7 @@ from r3lab.testing import megatron as mc  # noqa: E402  (megatron-core is a test
 def megatron_world():
     mc.init_cpu_parallel()  # also patches megatron for CPU, recomputation's RNG state included
     yield
+    mc.destroy_cpu_parallel(keep_process_group=False)
 
 
 @pytest.fixture(autouse=True)

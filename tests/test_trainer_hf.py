@@ -10,7 +10,7 @@ import torch
 
 from r3lab.errors import ConfigError
 from r3lab.paths import model_dir
-from r3lab.replay import token_logprobs
+from r3lab.replay import hf_token_logprobs
 from r3lab.routes import Routes
 from r3lab.trainers import PolicyUpdate, TokenBatch, Trainer
 from r3lab.trainers.hf import HFTrainer
@@ -28,7 +28,7 @@ def test_it_is_a_trainer_and_scores_a_lone_sample_as_the_one_sequence_forward(tr
     assert isinstance(trainer, Trainer)
     for q, p in zip(SEQS, PROMPTS, strict=True):
         got = trainer.score(TokenBatch.from_ids([q], [p]), record=True)
-        want, routes = token_logprobs(trainer.model, q, prompt_len=p, record=True)
+        want, routes = hf_token_logprobs(trainer.model, q, prompt_len=p, record=True)
         assert np.array_equal(got.logprobs, want)  # identical inputs and shapes: bit-equal
         assert got.routes == routes and got.routes.total_tokens == len(q)  # P + R rows: the trainer convention
 
@@ -37,7 +37,7 @@ def test_a_padded_batch_scores_each_sample_within_fp32_rounding(trainer):
     """Padding changes the matmul shapes and the expert batches, so the batch agrees with one-by-one scoring
     within fp32 rounding (1e-4 on log-probs of a few nats), not to the bit."""
     both = trainer.score(TokenBatch.from_ids(SEQS, PROMPTS), record=True, entropy=True)
-    alone = np.concatenate([token_logprobs(trainer.model, q, prompt_len=p)[0]
+    alone = np.concatenate([hf_token_logprobs(trainer.model, q, prompt_len=p)[0]
                             for q, p in zip(SEQS, PROMPTS, strict=True)])
     np.testing.assert_allclose(both.logprobs, alone, rtol=0, atol=1e-4)
     assert both.entropy.shape == both.logprobs.shape and (both.entropy > 0).all()

@@ -187,13 +187,15 @@ def test_the_layout_knobs_validate_and_derive_dp():
 
 
 # ---- the experiments with --trainer megatron --------------------------------------------------------------------
-def test_a_megatron_drift_run(tmp_path):
+def test_a_megatron_drift_run(tmp_path, engine_pool):
     from r3lab.experiments.drift import run_drift
 
     seen = []
     cfg = DriftConfig.quick(trainer="megatron", tp=2, models=("tiny-qwen3-moe",), trainer_dtypes=("float32",),
                             prompts=3, max_tokens=8)
-    rows = run_drift(cfg, progress=False, runs_root=tmp_path, on_trainer=lambda label, t, s: seen.append(t))
+    engines = {"tiny-qwen3-moe": engine_pool.engine(model_dir("tiny-qwen3-moe"), seed=0)}  # the session's engine
+    rows = run_drift(cfg, progress=False, runs_root=tmp_path, on_trainer=lambda label, t, s: seen.append(t),
+                     engines=engines)
     (row,) = rows
     s = row.summary
     assert 0 < s["tokens"] <= 3 * 8 and np.isfinite(s["k3_none"]) and np.isfinite(s["k3_r3"])  # EOS may end early
@@ -202,7 +204,7 @@ def test_a_megatron_drift_run(tmp_path):
     assert t._closed  # the run ended its ranks
 
 
-def test_a_megatron_rl_run_at_matched_weights_names_glms_group_routing(tmp_path):
+def test_a_megatron_rl_run_at_matched_weights_names_glms_group_routing(tmp_path, engine_pool):
     """GLM on Megatron at staleness 1 with old_logprobs="behaviour" (``r3lab rl --trainer megatron --old-logprobs
     behaviour --staleness 1``): a second Megatron trainer holds the behaviour weights; the summary and the printed
     comparison name the group-routing mismatch."""
@@ -213,8 +215,9 @@ def test_a_megatron_rl_run_at_matched_weights_names_glms_group_routing(tmp_path)
     cfg = RLConfig.quick(model="tiny-glm4-moe", trainer="megatron", tp=2, steps=3, prompts_per_step=2,
                          samples_per_prompt=4, max_tokens=8, mini_batches=2, mode="R3", staleness=1,
                          old_logprobs="behaviour")
-    with pytest.warns(UserWarning, match="top_k // topk_group"):
-        run = run_rl(cfg, progress=False, runs_root=tmp_path, run_name="glm-matched")
+    with engine_pool.lease(model_dir("tiny-glm4-moe"), seed=0) as engine, \
+            pytest.warns(UserWarning, match="top_k // topk_group"):  # the session's engine, restored after the run
+        run = run_rl(cfg, engine=engine, progress=False, runs_root=tmp_path, run_name="glm-matched")
     assert len(run.steps) == 3
     for rec in run.steps:
         assert np.isfinite(rec["reward_mean"]) and rec["engine_weight_version"] >= 0

@@ -312,8 +312,7 @@ def test_rl_token_logprobs_pools_each_modes_last_token_table(tmp_path):
     import numpy as np
 
     from r3lab.errors import R3LabError
-    from r3lab.runs import RunWriter, load
-    from r3lab.viz import rl_token_logprobs
+    from r3lab.runs import RunWriter, load, rl_token_logprobs
 
     want = {}
     for mode, seed in (("R3", 0), ("none", 0), ("R3", 1)):

@@ -34,11 +34,13 @@ from r3lab.compaction.codecs import (
     pipeline_configs,
     register_codec,
 )
+from r3lab.compaction.codecs.weights import WEIGHT_DTYPES, WeightCodec
 from r3lab.compaction.container import (
     DEFAULT_MAX_BYTES,
     FORMAT_VERSION,
     MAGIC,
     READ_VERSIONS,
+    WEIGHTS_FORMAT_VERSION,
     decode,
     encode,
     read_header,
@@ -61,7 +63,8 @@ __all__ = [
     "Codec", "IdCodec", "ByteCodec", "RowCodec", "Raw", "BitPack", "TopKSet", "TopKGaps", "Zstd", "BitPackPlanesV1",
     "register_codec", "get_codec", "pipeline_configs", "CODECS", "PIPELINES",
     "measure_codecs", "BASELINE",
-    "MAGIC", "FORMAT_VERSION", "READ_VERSIONS", "LEGACY_BITPACK", "DEFAULT_MAX_BYTES", "RouteFormatError",
+    "MAGIC", "FORMAT_VERSION", "WEIGHTS_FORMAT_VERSION", "READ_VERSIONS", "WeightCodec", "WEIGHT_DTYPES",
+    "LEGACY_BITPACK", "DEFAULT_MAX_BYTES", "RouteFormatError",
 ]
 
 

@@ -10,6 +10,7 @@ Layout (all integers little-endian)::
         "layer_ids": [...], "num_seqs": n}
     20+H        cu_seqlens, int64 [n + 1]
     20+H+8(n+1) payload: the codec pipeline's bytes (P of them)
+    (version 3, header "weights" set) the routing weights: W bytes, ``WeightCodec`` of the header's dtype
     end-4       CRC-32 of everything before it
 
 ``decode`` needs nothing else, checks every field and raises :class:`RouteFormatError` naming the
@@ -31,7 +32,12 @@ version 2 ``raw`` buffers whose bytes did not change, is the safe side to err on
 
 Versions:
 
-- **2** (current): every codec as its class docstring in :mod:`r3lab.compaction.codecs` says;
+- **3** (current, written for Routes that carry routing weights): version 2's frame, header and id payload,
+  plus a header field ``"weights": {"id": "weights", "dtype": "float32" | "float16" | "bfloat16"}`` and, after the
+  id payload, the weights block (:mod:`r3lab.compaction.codecs.weights`; its length follows from the shape and
+  dtype). Ids-only Routes are still written as version 2: those bytes did not change meaning, so every version 2
+  reader keeps reading them, and a version 2 reader refuses a buffer with weights at its version byte.
+- **2** (ids only): every codec as its class docstring in :mod:`r3lab.compaction.codecs` says;
   the version 1 reader is :mod:`r3lab.compaction.legacy`.
 - **1** (r3lab cf15985 up to d0a0f16): the same frame, and the same layouts for ``raw``,
   ``topk-set``, ``topk-gaps`` (from 24d9b0c), ``zstd``, and ``bitpack`` with ids of at most 8
@@ -54,6 +60,7 @@ import orjson
 
 from r3lab.compaction.codecs import PipelineSpec, parse_pipeline
 from r3lab.compaction.codecs.base import Buffer
+from r3lab.compaction.codecs.weights import WeightCodec, from_block, to_block
 from r3lab.compaction.framing import byte_view as _byte_view
 from r3lab.compaction.kernels import first_bad_row
 from r3lab.compaction.legacy import LEGACY_BITPACK, v1_coder
@@ -62,29 +69,40 @@ from r3lab.routes import Routes, check_cu_seqlens, compact_dtype
 
 __all__ = [
     "encode", "decode", "read_header",
-    "MAGIC", "FORMAT_VERSION", "READ_VERSIONS", "LEGACY_BITPACK", "DEFAULT_MAX_BYTES",
+    "MAGIC", "FORMAT_VERSION", "WEIGHTS_FORMAT_VERSION", "READ_VERSIONS", "LEGACY_BITPACK", "DEFAULT_MAX_BYTES",
 ]
 
 MAGIC = b"R3RT"
-#: the version :func:`encode` writes (see the versioning rule above)
+#: the version :func:`encode` writes for ids-only Routes (see the versioning rule above)
 FORMAT_VERSION = 2
+#: the version :func:`encode` writes for Routes with routing weights
+WEIGHTS_FORMAT_VERSION = 3
 #: every version :func:`decode` reads
-READ_VERSIONS = (1, 2)
+READ_VERSIONS = (1, 2, 3)
 _FIXED = struct.Struct("<4sB3xIQ")
 _CRC = struct.Struct("<I")
 #: default cap on decoded route bytes and on the encoded buffer (no decompression bombs)
 DEFAULT_MAX_BYTES = 8 << 30
 
 
-def encode(routes: Routes, codec: PipelineSpec = "raw") -> bytes:
+def encode(routes: Routes, codec: PipelineSpec = "raw", *, weights: str = "float32") -> bytes:
     """Encode Routes with a pipeline name (``"raw"``, ``"bitpack"``, ``"topk-set"``, ``"topk-set+zstd"``, ...),
-    a codec object, or a list of codec configs. The result decodes with :func:`decode` alone."""
+    a codec object, or a list of codec configs. The result decodes with :func:`decode` alone.
+
+    Routes with routing weights (``routes.weights``) are written as format version 3 with the weights in
+    ``weights`` (``"float32"``, ``"float16"``, ``"bfloat16"``); ``routes.without_weights()`` sends ids only."""
     if not isinstance(routes, Routes):
         raise RouteFormatError(f"encode expects Routes, got {type(routes).__name__}")
     coder, stages = parse_pipeline(codec)
+    wcodec = WeightCodec(weights)
     payload = coder.encode(routes.values, routes.num_experts)
     for stage in stages:
         payload = stage.encode(payload)
+    extra: dict[str, Any] = {}
+    wbytes = b""
+    if routes.weights is not None:
+        extra["weights"] = wcodec.get_config()
+        wbytes = wcodec.encode(to_block(routes.values, routes.weights))
     header = orjson.dumps(
         {
             "codec": [coder.get_config()] + [s.get_config() for s in stages],
@@ -93,14 +111,17 @@ def encode(routes: Routes, codec: PipelineSpec = "raw") -> bytes:
             "num_experts": routes.num_experts,
             "layer_ids": routes.layer_ids.tolist(),
             "num_seqs": len(routes),
+            **extra,
         }
     )
+    version = FORMAT_VERSION if routes.weights is None else WEIGHTS_FORMAT_VERSION
     body = b"".join(
         (
-            _FIXED.pack(MAGIC, FORMAT_VERSION, len(header), len(payload)),
+            _FIXED.pack(MAGIC, version, len(header), len(payload)),
             header,
             routes.cu_seqlens.astype("<i8").tobytes(),
             payload,
+            wbytes,
         )
     )
     return body + _CRC.pack(zlib.crc32(body))
@@ -173,9 +194,20 @@ def read_header(buf: bytes | bytearray | memoryview, *, max_bytes: int = DEFAULT
     if _FIXED.size + hlen > len(mv):
         raise RouteFormatError(f"truncated: header of {hlen} bytes runs past the end of a {len(mv)}-byte buffer")
     h = _parse_header(mv[_FIXED.size : _FIXED.size + hlen], max_bytes)
+    wlen = 0
+    if "weights" in h:
+        if version < WEIGHTS_FORMAT_VERSION:
+            raise RouteFormatError(f"a format version {version} header has a 'weights' field; routing weights "
+                                   f"exist from version {WEIGHTS_FORMAT_VERSION}")
+        wlen = WeightCodec.from_config(h["weights"]).encoded_size(tuple(h["shape"]))
+        if wlen > max_bytes:
+            raise RouteFormatError(f"routing weights of {wlen} bytes are over the cap of {max_bytes}")
+    elif version >= WEIGHTS_FORMAT_VERSION:
+        raise RouteFormatError(f"a format version {version} buffer without a 'weights' header field "
+                               f"(ids-only routes are version {FORMAT_VERSION})")
     cu_off = _FIXED.size + hlen
     pay_off = cu_off + 8 * (h["num_seqs"] + 1)
-    want = pay_off + plen + _CRC.size
+    want = pay_off + plen + wlen + _CRC.size
     if len(mv) < want:
         raise RouteFormatError(f"truncated: the header describes {want} bytes, the buffer has {len(mv)}")
     if len(mv) > want:
@@ -183,7 +215,8 @@ def read_header(buf: bytes | bytearray | memoryview, *, max_bytes: int = DEFAULT
     (crc,) = _CRC.unpack_from(mv, want - _CRC.size)
     if zlib.crc32(mv[: want - _CRC.size]) != crc:
         raise RouteFormatError("checksum mismatch: the encoded routes were corrupted")
-    return {**h, "format_version": version, "_cu_offset": cu_off, "_payload_offset": pay_off, "_payload_length": plen}
+    return {**h, "format_version": version, "_cu_offset": cu_off, "_payload_offset": pay_off, "_payload_length": plen,
+            "_weights_length": wlen}
 
 
 def decode(
@@ -220,4 +253,9 @@ def decode(
         what = f"expert id out of range [0, {E})" if problem == 0 else "repeated expert id inside a top-k row"
         where = f"row {row} (token {row // max(L, 1)}, layer {h['layer_ids'][row % L]})"
         raise RouteFormatError(f"{what}: {where} is {bad}")
-    return Routes(values, cu, E, h["layer_ids"], validate=False)
+    w = None
+    if "weights" in h:
+        w_off = h["_payload_offset"] + h["_payload_length"]
+        block = WeightCodec.from_config(h["weights"]).decode(mv[w_off : w_off + h["_weights_length"]], (T, L, K))
+        w = from_block(values, block)
+    return Routes(values, cu, E, h["layer_ids"], validate=False, weights=w)

@@ -14,6 +14,7 @@ import os
 import platform
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +23,7 @@ import numpy as np
 from r3lab import metrics
 from r3lab.config import TRAINER_DTYPES, DriftConfig
 from r3lab.corpus import corpus_prompts
-from r3lab.errors import ConfigError
+from r3lab.errors import ConfigError, R3LabError
 from r3lab.families import group_routing_note, model_group_routing
 from r3lab.paths import model_dir
 from r3lab.rollout import RolloutEngine, RolloutResult, SamplingConfig, append_last_row
@@ -57,6 +58,7 @@ class DriftSample:
     logp_none_batched: np.ndarray | None = None  # trainer, own routing, the whole set in one padded batch
     logp_engine_again: np.ndarray | None = None  # the engine scoring its own samples again (prefill)
     trainer_routes: Routes | None = None  # the trainer's own choice, rows and layers as the engine's routes
+    logp_r3w: np.ndarray | None = None  # trainer, replaying the engine's routes and routing weights (R3W)
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,8 @@ class DriftRow:
 def replay_drift(trainer: Scorer, results: Sequence[RolloutResult], *, progress: bool = False,
                  engine_again: Sequence[np.ndarray] | None = None) -> list[DriftSample]:
     """Score every sample without replay and with R3; flips are set-based, on the token's input position.
+
+    Samples whose routes carry the engine's routing weights are also scored with R3W (ids and weights replayed).
 
     Each sample is scored on its own (no padding). Noise floors ride along: a trainer that scores batches in one
     forward (``trainer.batch_forward``) scores the whole set once more in one padded batch (its drift against
@@ -93,7 +97,11 @@ def replay_drift(trainer: Scorer, results: Sequence[RolloutResult], *, progress:
         n = len(one.sequences[0])
         engine_routes = append_last_row(r.routes)  # the engine's P + R - 1 rows as the trainer's P + R
         native = trainer.score(one, record=True)
-        logp_r3 = trainer.score(one, routes=engine_routes).logprobs
+        logp_r3 = trainer.score(one, routes=engine_routes.without_weights()).logprobs
+        logp_r3w = None if engine_routes.weights is None else trainer.score(
+            one, routes=engine_routes, weights="stop").logprobs
+        if native.routes is None:
+            raise R3LabError(f"{type(trainer).__name__}.score(record=True) returned no routes")
         own_values = native.routes.select_layers(engine_routes.layer_ids).values
         flips = metrics.token_route_flips(engine_routes.values, own_values)
         rows = metrics.response_rows(np.array([0, n]), one.response_lengths, metrics.TRAINER_ROWS)
@@ -101,7 +109,7 @@ def replay_drift(trainer: Scorer, results: Sequence[RolloutResult], *, progress:
         again = None if engine_again is None else np.asarray(engine_again[i], dtype=np.float64)
         # stored in the engine's row convention, beside the engine's routes: no row for the last sampled token
         own = Routes(own_values[: n - 1], [0, n - 1], native.routes.num_experts, engine_routes.layer_ids)
-        samples.append(DriftSample(logp_infer, native.logprobs, logp_r3, flips[rows], batched[i], again, own))
+        samples.append(DriftSample(logp_infer, native.logprobs, logp_r3, flips[rows], batched[i], again, own, logp_r3w))
     return samples
 
 
@@ -127,6 +135,15 @@ def drift_summary(samples: Sequence[DriftSample]) -> dict[str, float]:
     for name in ("flipped", "agreeing"):  # absent when the sample has no such token
         if split["none"][name] is not None:
             out[f"k3_{name}_none"], out[f"k3_{name}_r3"] = split["none"][name], split["r3"][name]
+    if all(s.logp_r3w is not None for s in samples):
+        r3w = np.concatenate([s.logp_r3w for s in samples])
+        out["k3_r3w"] = metrics.k3_kl(r3w, inf)
+        out["f2_r3w"] = metrics.extreme_token_fraction(r3w, inf, 2.0)
+        out["abs_diff_r3w"] = float(np.mean(np.abs(r3w - inf)))
+        sw = metrics.k3_by_flip(r3w, inf, flip)
+        for name in ("flipped", "agreeing"):
+            if sw[name] is not None:
+                out[f"k3_{name}_r3w"] = sw[name]
     if all(s.logp_none_batched is not None for s in samples):
         out["k3_trainer_floor"] = metrics.k3_kl(np.concatenate([s.logp_none_batched for s in samples]), none)
     if all(s.logp_engine_again is not None for s in samples):
@@ -153,6 +170,10 @@ def _engine_options(config: DriftConfig) -> dict[str, Any]:
     in_process = trainer_spec(config.trainer).engine_in_process
     opts: dict[str, Any] = {} if in_process else {"seed": 0, "in_process": False}
     opts["engine_quant"] = config.engine_quant
+    if getattr(config, "replay_weights", False):
+        if not in_process:
+            raise ConfigError(f"replay_weights needs the in-process engine; trainer {config.trainer!r} runs it apart")
+        opts["capture_weights"] = True
     if config.gpu_memory_utilization is not None:
         opts["gpu_memory_utilization"] = config.gpu_memory_utilization
     return opts
@@ -173,6 +194,22 @@ def _engine(config: DriftConfig, path: Any) -> Any:
     return RolloutEngine(path, **_engine_options(config))
 
 
+def _given_engine(engines: Mapping[str, Any] | None, name: str, path: Any, config: DriftConfig) -> Any:
+    """The caller's engine for ``name``, checked against the run (same model folder, same ``engine_quant``)."""
+    eng = (engines or {}).get(name)
+    if eng is None:
+        return None
+    if config.engine_url is not None:
+        raise ConfigError("run_drift: engines= and --engine-url both name the engine; give one")
+    held = getattr(eng, "model_dir", None)
+    if held is not None and os.path.realpath(str(held)) != os.path.realpath(str(path)):
+        raise ConfigError(f"run_drift: the engine given for {name!r} holds {str(held)!r}, not {str(path)!r}")
+    if getattr(eng, "engine_quant", "none") != config.engine_quant:
+        raise ConfigError(f"run_drift: the engine given for {name!r} has engine_quant={eng.engine_quant!r}, the "
+                          f"run asks for {config.engine_quant!r}")
+    return eng
+
+
 def _release_device() -> None:
     import torch
 
@@ -188,6 +225,7 @@ def run_drift(
     runs_root: Any = None,
     run_name: str | None = None,
     on_trainer: Callable[[str, Scorer, list[RolloutResult]], None] | None = None,
+    engines: Mapping[str, RolloutEngine] | None = None,
 ) -> list[DriftRow]:
     """Run the drift experiment: per model, one engine sampling pass, then one scoring pass per trainer dtype.
 
@@ -195,6 +233,10 @@ def run_drift(
     trainer dtype, seed) cell, its per-token and per-sample tables, and the engine's and the trainer's routes.
     ``on_trainer(model label, trainer, samples of the first seed)`` runs once per loaded trainer (extra checks of a
     GPU script).
+
+    ``engines``: engines already started, by model name (a name of ``config.models``), as ``run_rl(engine=...)``
+    takes one: the run samples with them and leaves them open (a notebook's or the test suite's shared engines; they
+    must hold the checkpoint's weights). A model not named gets its own engine, closed after its sampling pass.
     """
     import torch
     from tqdm.auto import tqdm
@@ -210,7 +252,8 @@ def run_drift(
     try:
         for name in tqdm(config.models, desc="models", unit="model", disable=not progress):
             path = model_dir(name, config.data)
-            with _engine(config, path) as engine:
+            given = _given_engine(engines, name, path, config)
+            with nullcontext(given) if given is not None else _engine(config, path) as engine:
                 results = {s: engine.generate(*seed_inputs(config, s)) for s in config.seeds}
                 again = {s: engine.score([r.token_ids for r in res], start=[len(r.prompt_ids) for r in res])
                          for s, res in results.items()}
@@ -262,13 +305,16 @@ def write_drift_cell(writer: RunWriter, step: int, row: DriftRow, samples: Seque
         "logp_r3": np.concatenate([s.logp_r3 for s in samples]),
         "flipped": np.concatenate([s.flipped for s in samples]),
     }
-    for col in ("logp_none_batched", "logp_engine_again"):  # the noise floors' scores, when taken
+    for col in ("logp_none_batched", "logp_engine_again", "logp_r3w"):  # the noise floors' scores, when taken
         if all(getattr(s, col) is not None for s in samples):
             columns[col] = np.concatenate([getattr(s, col) for s in samples])
     writer.write_tokens(step, columns)
     writer.write_samples(step, Samples.from_ids([r.prompt_ids for r in results], [r.response_ids for r in results],
                                                 [r.logprobs for r in results], sampled))
-    writer.write_routes(step, "engine", RolloutEngine.stack_routes(results))  # every cell: each scores again alone
+    # ids only: the run format's routes files stay what they were (routing weights live in the token table's R3W
+    # log-probs; a run that keeps them is a run-format change, not made here)
+    # every cell: each scores again alone
+    writer.write_routes(step, "engine", RolloutEngine.stack_routes(results).without_weights())
     if all(s.trainer_routes is not None for s in samples):  # the trainer's own routes, row for row, every cell
         writer.write_routes(step, "trainer", Routes.concat([s.trainer_routes for s in samples]))
 

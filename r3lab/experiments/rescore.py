@@ -10,7 +10,9 @@ is replayed through an engine: the engine's side is what the run stored.
 
 Weights: a drift run scores the checkpoint it sampled with, so every cell can be scored again. An RL run's engine
 and trainer hold the starting checkpoint only at step 0; later steps need the weights of that step, which a run
-does not keep, so only step 0 is scored and asking for another step is an error that says so.
+does not keep, so only step 0 is scored and asking for another step is an error that says so. A capture run
+(``r3lab capture``: engine only) is scored like a drift cell at the checkpoint it names; it has no trainer's values
+to compare, so its ``source/*`` columns are empty, and its trainer dtype defaults to float32.
 """
 
 from __future__ import annotations
@@ -39,12 +41,13 @@ from r3lab.paths import model_dir
 from r3lab.rollout import RolloutResult
 from r3lab.routes import Routes
 from r3lab.runs import Run, RunWriter, load
-from r3lab.runs.format import check_run_name
+from r3lab.runs.format import CAPTURE_KIND, check_run_name
 from r3lab.trainer_registry import TRAINER_REGISTRY, trainer_spec
 
 __all__ = ["rescore_run", "rescore_table", "stored_results", "RESCORE_KINDS"]
 
-RESCORE_KINDS = ("drift", "rl")  # the runs whose samples can be scored again
+RESCORE_KINDS = ("drift", "rl", CAPTURE_KIND)  # the runs whose samples can be scored again
+CAPTURE_DTYPE = "float32"  # a capture run's trainer dtype when none is given (it has no trainer of its own)
 _COMPARED = ("tokens", "flipped_share", "k3_none", "k3_r3", RLMetric.ENGINE_TRAINER_DISAGREEMENT)
 
 
@@ -96,6 +99,8 @@ def _disagreement(engine: Routes, trainer: Routes) -> float:
 
 def _trainer_label(cfg: dict[str, Any]) -> str:
     """The source run's trainer as the table names it (its layout too, for a layout trainer)."""
+    if "trainer" in cfg and cfg["trainer"] is None:  # a capture run: the engine alone
+        return "no trainer (engine-only capture)"
     t = str(cfg.get("trainer", "hf"))
     spec = TRAINER_REGISTRY.get(t)
     if spec is None:  # a run of a trainer this checkout does not know: its name as written
@@ -127,10 +132,11 @@ def _source_cells(run: Run, steps: Sequence[int] | None, trainer_dtype: str | No
         if s not in records:
             raise ConfigError(f"run {run.name!r} has no step {s} (steps {sorted(records)[:20]})")
         rec = records[s]
-        dtype = trainer_dtype or str(rec["trainer_dtype"])
+        dtype = trainer_dtype or str(rec.get("trainer_dtype") or CAPTURE_DTYPE)
         key = (str(rec["model"]), int(rec["seed"]), dtype)
         # the same samples in the same dtype are one cell; the source compared is the cell of that dtype if any
-        if key not in chosen or (records[chosen[key]]["trainer_dtype"] != dtype and rec["trainer_dtype"] == dtype):
+        if key not in chosen or (records[chosen[key]].get("trainer_dtype") != dtype
+                                 and rec.get("trainer_dtype") == dtype):
             chosen[key] = s
     cells = []
     for (model, seed, dtype), s in sorted(chosen.items(), key=lambda kv: kv[1]):
@@ -138,7 +144,7 @@ def _source_cells(run: Run, steps: Sequence[int] | None, trainer_dtype: str | No
         src = {k: rec.get(k) for k in _COMPARED}
         if s in run.route_steps("trainer") and s in run.route_steps("engine"):
             src[RLMetric.ENGINE_TRAINER_DISAGREEMENT] = _disagreement(run.routes(s, "engine"), run.routes(s, "trainer"))
-        src["trainer_dtype"] = rec["trainer_dtype"]
+        src["trainer_dtype"] = rec.get("trainer_dtype")
         cells.append(_Cell(s, model, seed, dtype, src))
     return cells
 
@@ -163,7 +169,7 @@ def _rl_source(run: Run, step: int, rec: dict[str, Any]) -> dict[str, Any]:
 
 def _source_logps(run: Run, step: int) -> dict[str, np.ndarray]:
     """The original trainer's per-token log-probs of a step (none, and R3 where it has them), at sampled tokens."""
-    if step not in run.token_steps():
+    if run.kind == CAPTURE_KIND or step not in run.token_steps():  # a capture run has no trainer
         return {}
     t = run.tokens([step])
     keep = t["loss_mask"].to_numpy(bool) if "loss_mask" in t else np.ones(len(t), bool)
@@ -209,8 +215,8 @@ def rescore_run(run_path: str | os.PathLike[str], *, trainer: str = "hf", tp: in
     src_path = Path(run_path)
     source = load(src_path)
     if source.kind not in RESCORE_KINDS:
-        raise R3LabError(f"run {source.name!r} is a {source.kind!r} run; rescore scores drift and RL runs (their "
-                         "per-sample tables)")
+        raise R3LabError(f"run {source.name!r} is a {source.kind!r} run; rescore scores drift, RL and capture runs "
+                         "(their per-sample tables)")
     if not source.finished:
         raise R3LabError(f"run {source.name!r} is not finished ({source.state}: no summary.json); rescore scores "
                          "finished runs only")

@@ -1,7 +1,7 @@
 """Verifiable rewards for the RL loop, on the made-up words of the shipped Markov corpus (one token per word).
 
 The corpus (``data/corpus/README.md``): 16 topics of 24 words; each word has 2-4 successors inside its topic with
-Dirichlet(0.7) weights, and with probability 0.03 a step jumps to a random word. Two tasks, by name (``TASKS``,
+Dirichlet(0.7) weights, and with probability 0.03 a step jumps to a random word. Three tasks, by name (``TASKS``,
 the ``--task`` knob):
 
 * ``letter`` (:class:`LetterTask`): distinct response words that start with a target letter, per response word.
@@ -15,7 +15,12 @@ the ``--task`` knob):
   levels are many and the ceiling is far above the start: corpus windows of 16 words score about 0.27, a greedy
   walk over real edges 0.79 (0.57 at 64 words, 0.16 at 256 without leaving the topic). Measured
   (bench/results/tasks.md, 40 quick steps): GRPO rose from 0.31 to about 0.42 in 15 steps and then flattened,
-  GSPO kept rising to 0.53; whether it keeps rising for hundreds of steps is not measured yet.
+  GSPO kept rising to 0.53. Over hundreds of quick steps (lr 3e-3) it does not keep rising: a one-seed pilot of
+  300 steps at int4 rose to about 0.67 and then fell (to 0.12 without replay around steps 125-175, to 0.27 with R3
+  after step 200), both flagged by the collapse detector.
+* ``ladder`` (:class:`LadderTask`): transitions onto the next letter of the first-letter cycle, per transition;
+  a context-dependent target (each word's successors must move onto one letter class) for the long-horizon sweep
+  (bench/bench_horizon.py, whose table states how it climbed).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from r3lab.config import TASKS as TASK_NAMES
 from r3lab.errors import R3LabError
 from r3lab.paths import corpus_path
 
-__all__ = ["Task", "LetterTask", "EdgeTask", "TASKS", "make_task"]
+__all__ = ["Task", "LetterTask", "EdgeTask", "LadderTask", "TASKS", "make_task"]
 
 
 class Task(Protocol):
@@ -98,10 +103,47 @@ class EdgeTask:
         return float(np.unique(a[hit] * self.size + b[hit]).size / (ids.size - 1))
 
 
+class LadderTask:
+    """Reward: response transitions ``a -> b`` whose ``b`` starts with the letter after ``a``'s first letter, per
+    transition (``len - 1``; 0 below 2 tokens).
+
+    The letters are the first letters of the vocabulary's words in alphabetical order, read as a cycle (the shipped
+    vocabulary has 14: b d f g k l m n p r s t v z, so after z comes b). Special tokens (``<...>``) never score, on
+    either side. Unlike ``letter`` (one global preference, learnt in tens of steps) the target depends on the
+    previous word: every word's next-word distribution must move onto one letter class, which the corpus chain
+    (2-4 successors inside a topic) almost never offers, so the start is low (about 1/14 of transitions by chance)
+    and the ceiling (1.0: any walk down the letter cycle) far. Each transition scores on its own, so the reward is
+    graded in steps of ``1 / (len - 1)``.
+    """
+
+    def __init__(self, tokenizer: Any):
+        vocab = tokenizer.get_vocab()
+        size = max(vocab.values()) + 1
+        first = {w: w[0] for w in vocab if w and not w.startswith("<")}
+        if not first:
+            raise R3LabError("the vocabulary has no word to climb (every token is special)")
+        self.letters = sorted(set(first.values()))
+        if len(self.letters) < 2:
+            raise R3LabError(f"the ladder needs two first letters at least, the vocabulary has {self.letters}")
+        index = {c: i for i, c in enumerate(self.letters)}
+        self.letter_of = np.full(size, -1, dtype=np.int64)  # token id -> its first letter's rung (-1: special)
+        for w, c in first.items():
+            self.letter_of[vocab[w]] = index[c]
+
+    def reward(self, response_ids: Sequence[int]) -> float:
+        ids = np.asarray(response_ids, dtype=np.int64)
+        if ids.size < 2:
+            return 0.0
+        a, b = self.letter_of[ids[:-1]], self.letter_of[ids[1:]]
+        hit = (a >= 0) & (b >= 0) & (b == (a + 1) % len(self.letters))
+        return float(hit.sum() / (ids.size - 1))
+
+
 # the registry: task name -> its builder from (tokenizer, config); names and help texts live in r3lab.config.TASKS
 TASKS: dict[str, Callable[[Any, Any], Task]] = {
     "letter": lambda tokenizer, config: LetterTask(tokenizer, config.target_letter),
     "edges": lambda tokenizer, config: EdgeTask(tokenizer, data=config.data),
+    "ladder": lambda tokenizer, config: LadderTask(tokenizer),
 }
 if set(TASKS) != set(TASK_NAMES):
     raise R3LabError(f"the task registry {sorted(TASKS)} and r3lab.config.TASKS {sorted(TASK_NAMES)} disagree")

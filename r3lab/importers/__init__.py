@@ -5,7 +5,8 @@
 ``src`` (:func:`detect_kind`). An option the kind does not declare is refused by name. Imports are all or
 nothing: a refused or failed one leaves no run folder. Importers read files and write runs; they import neither
 engines nor trainers, and nothing they read can run code (see :mod:`r3lab.importers.common`).
-:func:`run_figures` draws every figure a run's fields allow (own or imported; notebook 06).
+The figures of an imported run (every one its fields allow, a note in place of the rest) are
+:func:`r3lab.viz.run_figures`; its kind is :data:`r3lab.runs.IMPORT_KIND`.
 """
 
 from __future__ import annotations
@@ -16,32 +17,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from r3lab.errors import ImportFormatError, UnsafeFileError
-from r3lab.importers.common import IMPORT_KIND, LayerMap, safe_torch_load, sample_tokens
-from r3lab.importers.figures import (
-    NotAvailable,
-    column_or_note,
-    drawn,
-    health_figure,
-    in_place,
-    noise_floors,
-    of_kind,
-    rl_token_logprobs,
-    routes_or_note,
-    run_figures,
-    token_logprobs,
-)
+from r3lab.errors import ImportFormatError
+from r3lab.importers.common import LayerMap, safe_torch_load, sample_tokens
 from r3lab.importers.miles import import_miles
 from r3lab.importers.nemo_rl import import_nemo_rl
 from r3lab.importers.prime_rl import import_prime_rl
-from r3lab.importers.registry import AUTO, REGISTRY, ImporterMissingError, ImporterSpec, check_options, detect_kind
+from r3lab.importers.registry import AUTO, REGISTRY, ImporterSpec, check_options, detect_kind
 from r3lab.importers.slime import import_slime
 
-__all__ = ["KINDS", "IMPORT_KIND", "import_run", "import_slime", "import_miles", "import_nemo_rl", "import_prime_rl",
-           "ImportFormatError", "UnsafeFileError", "LayerMap", "safe_torch_load", "sample_tokens",
-           "run_figures", "health_figure", "NotAvailable", "drawn", "in_place", "routes_or_note", "of_kind",
-           "token_logprobs", "noise_floors", "column_or_note", "rl_token_logprobs", "detect_kind", "AUTO",
-           "ImporterSpec", "ImporterMissingError"]
+__all__ = ["KINDS", "import_run", "import_slime", "import_miles", "import_nemo_rl", "import_prime_rl",
+           "LayerMap", "safe_torch_load", "sample_tokens", "detect_kind", "AUTO", "ImporterSpec"]
 
 KINDS: Mapping[str, ImporterSpec] = REGISTRY
 """Every dump kind by name -> its registry entry (:class:`ImporterSpec`: import function, options, detect)."""

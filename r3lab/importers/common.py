@@ -24,7 +24,7 @@ import hashlib
 import json
 import os
 import pickle
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,13 +35,12 @@ from r3lab import metrics
 from r3lab.errors import ImportFormatError, UnsafeFileError
 from r3lab.moe_layout import MoELayout
 from r3lab.routes import Routes
-from r3lab.runs import RunWriter
+from r3lab.runs import IMPORT_KIND, RunWriter
 
 __all__ = ["NUMPY_ALLOWLIST", "safe_torch_load", "refuse_pickles",
-           "read_jsonl", "file_sha256", "LayerMap", "Sample", "CaptureLog", "write_run", "IMPORT_KIND",
+           "read_jsonl", "file_sha256", "file_hashes", "LayerMap", "Sample", "CaptureLog", "write_run",
            "sample_tokens", "mtp_layer_count", "MTP_CONFIG_KEYS", "jsonl_samples", "layout_config", "FLOAT_COLUMNS"]
 
-IMPORT_KIND = "imported"
 REFUSED_SUFFIXES = {".pkl": "a Python pickle", ".pickle": "a Python pickle", ".dill": "a dill pickle",
                     ".joblib": "a joblib pickle"}
 _TOKEN_CHUNK = 4096  # samples per parquet row group: what an import holds of a step's token columns at once
@@ -308,6 +307,19 @@ def _check_routes(s: Sample, sample_no: int, lmap: LayerMap, log: CaptureLog) ->
     return r[:, moe, :]
 
 
+def file_hashes(files: Sequence[Path]) -> dict[str, str]:
+    """SHA-256 of each source file, keyed by its path relative to the folder all of them share (POSIX ``/``).
+
+    A file name alone is not a key: prime-rl writes a ``rank_0.jsonl`` per step folder and verl a ``gen_batch.dp``
+    per step, which collided (one hash kept). Files of one folder keep their names as keys, so runs imported
+    before this (``config.source.files`` keyed by name) read the same."""
+    paths = [Path(os.path.abspath(f)) for f in files]
+    if not paths:
+        return {}
+    root = Path(os.path.commonpath([q.parent for q in paths]))
+    return {q.relative_to(root).as_posix(): file_sha256(q) for q in paths}
+
+
 def write_run(samples: Iterable[Sample], out: str | os.PathLike, *, source_format: str, files: Iterable[Path],
               layer_map: LayerMap | None, extra: Mapping[str, Any] | None = None) -> Path:
     """Stream samples (grouped by step, steps ascending) into an r3lab run folder ``out``; returns its path.
@@ -326,8 +338,7 @@ def write_run(samples: Iterable[Sample], out: str | os.PathLike, *, source_forma
     """
     files = [Path(f) for f in files]
     outp = Path(out)
-    config = {"source": {"format": source_format, "files": {f.name: file_sha256(f) for f in files},
-                         "paths": [str(f) for f in files]},
+    config = {"source": {"format": source_format, "files": file_hashes(files), "paths": [str(f) for f in files]},
               "row_convention": "P+R-1", **(dict(extra or {}))}
     if layer_map is not None:
         lay = layer_map.layout

@@ -9,7 +9,7 @@ both in :mod:`r3lab.replay.common`:
 * :mod:`r3lab.replay.hf`: transformers; :func:`hf_replay` / :class:`HFReplay` hook each MoE router of
   Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, GPT-OSS, DeepSeek-V3 and GLM-4-MoE models, and the same hooks
   record. :mod:`r3lab.replay.hf_model`: :func:`score_batch` is the trainer's one log-prob forward
-  (:func:`token_logprobs` one sequence of it), :func:`recompute_routes` the engine-convention recomputation,
+  (:func:`hf_token_logprobs` one sequence of it), :func:`recompute_routes` the engine-convention recomputation,
   :func:`load_hf_model` a checkpoint with fp32 routers.
 
 Importing this package imports torch, not megatron-core or transformers (each is imported when used).
@@ -17,19 +17,28 @@ Layer ids are the 0-based global decoder-layer index everywhere (as in :class:`r
 """
 
 from r3lab.replay.common import ReplayError, check_route_tensor
-from r3lab.replay.hf import ROUTER_RULES, HFReplay, count_replay_hooks, find_hf_routers, hf_replay
+from r3lab.replay.hf import ROUTER_RULES, WEIGHT_REPLAY, HFReplay, count_replay_hooks, find_hf_routers, hf_replay
 from r3lab.replay.hf_model import (
     RouterCasts,
     Scores,
     count_router_cast_hooks,
+    hf_token_logprobs,
     keep_routers_fp32,
     load_hf_model,
     recompute_routes,
     remove_router_casts,
     score_batch,
-    token_logprobs,
 )
-from r3lab.replay.megatron import MegatronReplay, find_orphaned_router_replays, megatron_replay, megatron_routers
+from r3lab.replay.megatron import (
+    MTP_MODES,
+    MegatronReplay,
+    MegatronRouterMap,
+    find_orphaned_router_replays,
+    megatron_replay,
+    megatron_router_map,
+    megatron_routers,
+)
+from r3lab.replay.megatron_weights import MegatronWeightReplay, megatron_weight_replay
 
 __all__ = [
     "ReplayError",
@@ -37,12 +46,18 @@ __all__ = [
     "MegatronReplay",
     "megatron_replay",
     "megatron_routers",
+    "megatron_router_map",
+    "MegatronRouterMap",
+    "MTP_MODES",
+    "MegatronWeightReplay",
+    "megatron_weight_replay",
     "find_orphaned_router_replays",
     "hf_replay",
     "HFReplay",
     "find_hf_routers",
     "count_replay_hooks",
     "ROUTER_RULES",
+    "WEIGHT_REPLAY",
     "RouterCasts",
     "keep_routers_fp32",
     "remove_router_casts",
@@ -50,6 +65,6 @@ __all__ = [
     "load_hf_model",
     "Scores",
     "score_batch",
-    "token_logprobs",
+    "hf_token_logprobs",
     "recompute_routes",
 ]

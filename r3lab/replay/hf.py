@@ -24,6 +24,16 @@ The auxiliary load-balancing loss (``output_router_logits``) still sees the rout
 
 Hooks are removed when the context exits, also on exceptions.
 
+**Routing-weight replay (R3W).** ``weights="stop"`` replays the engine's routing weights beside its ids
+(``Routes.weights``, captured by :mod:`r3lab.rollout.weights`): the experts are mixed with exactly the engine's
+weights, held constant, so the language-model loss sends no gradient into the router (as prime-rl #3509,
+"Total Router Recall", does: its replayed ``routed_weights`` replace the router's ``topk_weights`` and the router
+logits are detached, see :mod:`r3lab.replay.megatron`). ``weights="straight"`` is the variant that keeps the
+gradient: the forward uses the engine's weights, the backward the live rule's gradient at the replayed ids
+(``w_engine + w_live - w_live.detach()``, a straight-through estimator), so the router keeps learning from the
+loss while the forward matches the engine. The router's own logits are returned unchanged in both (the
+auxiliary load-balancing loss still sees them).
+
 The same hooks are this package's one router recorder (``mode="record"``, routers matched by class);
 :mod:`r3lab.replay.hf_model` builds the trainer's one log-prob forward on them.
 """
@@ -49,7 +59,12 @@ __all__ = [
     "hf_replay",
     "find_hf_routers",
     "count_replay_hooks",
+    "WEIGHT_REPLAY",
 ]
+
+#: how :func:`hf_replay` treats routing weights: None (ids only, R3; the live rule's weights), "stop" (the
+#: engine's weights, no router gradient: R3W), "straight" (the engine's weights forward, the live gradient back)
+WEIGHT_REPLAY = (None, "stop", "straight")
 
 Rule = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -134,9 +149,17 @@ class HFReplay:
         calls: ``{layer_id: number of router calls seen}`` in either mode.
     """
 
-    def __init__(self, model: torch.nn.Module, mode: str, *, record_replayed: bool = False):
+    def __init__(self, model: torch.nn.Module, mode: str, *, record_replayed: bool = False,
+                 weights: str | None = None):
         if mode not in ("replay", "record"):
             raise ReplayError(f"mode must be 'replay' or 'record', got {mode!r}")
+        if weights not in WEIGHT_REPLAY:
+            raise ReplayError(f"weights must be one of {WEIGHT_REPLAY}, got {weights!r}")
+        if weights is not None and mode != "replay":
+            raise ReplayError("weights applies to mode='replay'")
+        self.weights = weights
+        self._w: dict[int, torch.Tensor] | None = None
+        self.replayed_weights: dict[int, list[torch.Tensor]] = {}
         if record_replayed and mode != "replay":
             raise ReplayError("record_replayed applies to mode='replay' (mode='record' always records)")
         self.model = model
@@ -174,6 +197,14 @@ class HFReplay:
             checked[g] = t
         self._ids = checked
         self._on_device = {}
+        self._w = None
+        if self.weights is not None:
+            if not isinstance(routes, Routes) or routes.weights is None:
+                raise ReplayError(f"weights={self.weights!r} replays the engine's routing weights: give Routes that "
+                                  "carry them (RolloutEngine(capture_weights=True))")
+            have = {int(g): j for j, g in enumerate(routes.layer_ids)}
+            w = routes.weights if attention_mask is None else _scatter_padded(routes, attention_mask, routes.weights)
+            self._w = {g: torch.from_numpy(np.ascontiguousarray(w[:, have[g], :])) for g in self.layer_ids}
 
     def _per_layer(self, routes: Any, attention_mask: Any) -> dict[int, Any]:
         if isinstance(routes, Routes):
@@ -269,7 +300,17 @@ class HFReplay:
                 )
             if self.record_replayed:
                 self.recorded[g].append(ids.clone())  # what the experts are handed
-            return logits, rule(module, logits, ids), ids
+            live = rule(module, logits, ids)
+            if self.weights is None:
+                return logits, live, ids
+            assert self._w is not None  # set_routes checked it
+            ew = self._w[g].to(device=live.device, dtype=live.dtype)
+            if ew.shape != live.shape:
+                raise ReplayError(f"layer {g}: replay weights {tuple(ew.shape)} vs the router's {tuple(live.shape)}")
+            w = ew if self.weights == "stop" else ew + (live - live.detach())
+            if self.record_replayed:
+                self.replayed_weights.setdefault(g, []).append(w.detach().clone())
+            return logits, w, ids
 
         return hook
 
@@ -282,6 +323,7 @@ def hf_replay(
     *,
     attention_mask: Any = None,
     record_replayed: bool = False,
+    weights: str | None = None,
 ) -> Iterator[HFReplay]:
     """Replay (or record) the expert ids of every MoE router of a transformers model inside the block.
 
@@ -290,9 +332,11 @@ def hf_replay(
     under ``gradient_checkpointing_enable()`` replays the same ids. ``mode="record"``: the routers route
     natively and the context's :attr:`HFReplay.recorded` / :meth:`HFReplay.to_routes` return what they chose.
     ``record_replayed=True`` (replay mode) also records the ids each router call used, for the same accessors.
+    ``weights`` (:data:`WEIGHT_REPLAY`): also replay the routing weights ``routes`` carries (module docstring);
+    with ``record_replayed`` the weights each call used land in :attr:`HFReplay.replayed_weights`.
     The hooks are removed on exit, also when the block raises.
     """
-    state = HFReplay(model, mode, record_replayed=record_replayed)
+    state = HFReplay(model, mode, record_replayed=record_replayed, weights=weights)
     if mode == "record" and (routes is not None or attention_mask is not None):
         raise ReplayError("mode='record' takes no routes")
     if routes is not None:
@@ -304,8 +348,10 @@ def hf_replay(
         state._remove()
 
 
-def _scatter_padded(routes: Routes, attention_mask: Any) -> np.ndarray:
-    """Place packed sequence i at the unmasked positions of row i of a ``[B, S]`` mask; padding -> arange(k)."""
+def _scatter_padded(routes: Routes, attention_mask: Any, weights: np.ndarray | None = None) -> np.ndarray:
+    """Place packed sequence i at the unmasked positions of row i of a ``[B, S]`` mask; padding -> arange(k).
+
+    With ``weights`` (``[T, L, K]``) the same placement of the weights, padding -> ``1 / top_k``."""
     mask = torch.as_tensor(attention_mask).bool().cpu().numpy()
     if mask.ndim != 2:
         raise ReplayError(f"attention_mask must be [B, S], got shape {mask.shape}")
@@ -316,6 +362,10 @@ def _scatter_padded(routes: Routes, attention_mask: Any) -> np.ndarray:
         raise ReplayError(
             f"attention_mask row lengths {row_lens.tolist()} differ from the sequence lengths {routes.lengths.tolist()}"
         )
+    if weights is not None:
+        wout = np.full((mask.size, routes.num_layers, routes.top_k), 1.0 / routes.top_k, dtype=np.float32)
+        wout[mask.reshape(-1)] = weights
+        return wout
     out = np.empty((mask.size, routes.num_layers, routes.top_k), dtype=np.int64)
     out[...] = np.arange(routes.top_k)
     out[mask.reshape(-1)] = routes.values

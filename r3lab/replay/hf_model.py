@@ -2,7 +2,7 @@
 
 :func:`score_batch` is the trainer's one forward that scores tokens: a right-padded batch, optionally
 replaying routes (:func:`~r3lab.replay.hf.hf_replay`) or recording what the routers chose, with or without
-gradients. :func:`token_logprobs` (one sequence, no grad) and :func:`recompute_routes` (the engine's row
+gradients. :func:`hf_token_logprobs` (one sequence, no grad) and :func:`recompute_routes` (the engine's row
 convention) are built on it. transformers itself is imported only by :func:`load_hf_model`.
 """
 
@@ -31,7 +31,7 @@ __all__ = [
     "load_hf_model",
     "Scores",
     "score_batch",
-    "token_logprobs",
+    "hf_token_logprobs",
     "recompute_routes",
 ]
 
@@ -176,13 +176,15 @@ def score_batch(
     record: bool = False,
     grad: bool = False,
     entropy: bool = False,
+    weights: str | None = None,
 ) -> Scores:
     """One forward over a right-padded batch ``ids [B, S]``; scores the positions where ``scored [B, S]`` is True.
 
     Position t is scored from the logits at t - 1 (so ``scored[:, 0]`` must be False). ``routes`` (one
     sequence per row, as many rows as the row's real tokens) is replayed in every MoE router; ``record``
     returns the ids the routers used (their own, or under replay the replayed ones). ``attention_mask``
-    None (or all ones) runs the plain causal forward.
+    None (or all ones) runs the plain causal forward. ``weights`` (``"stop"``, ``"straight"``; needs ``routes``
+    that carry routing weights) also replays the engine's routing weights (:func:`~r3lab.replay.hf.hf_replay`).
     """
     if ids.ndim != 2 or scored.shape != ids.shape:
         raise ReplayError(f"ids and scored must both be [B, S], got {tuple(ids.shape)} and {tuple(scored.shape)}")
@@ -200,7 +202,9 @@ def score_batch(
     if routes is not None:
         if not isinstance(routes, Routes):
             raise ReplayError(f"routes must be r3lab.Routes, got {type(routes).__name__}")
-        ctx: Any = hf_replay(model, routes, record_replayed=record, attention_mask=mask)
+        ctx: Any = hf_replay(model, routes, record_replayed=record, attention_mask=mask, weights=weights)
+    elif weights is not None:
+        raise ReplayError(f"weights={weights!r} needs routes (the engine's ids and weights)")
     elif record:
         ctx = hf_replay(model, mode="record")
     else:
@@ -221,20 +225,20 @@ def score_batch(
 
 
 @overload
-def token_logprobs(
+def hf_token_logprobs(
     model: torch.nn.Module, token_ids: Sequence[int], *, prompt_len: int = 1, routes: Routes | None = None,
     record: Literal[True],
 ) -> tuple[np.ndarray, Routes]: ...
 
 
 @overload
-def token_logprobs(
+def hf_token_logprobs(
     model: torch.nn.Module, token_ids: Sequence[int], *, prompt_len: int = 1, routes: Routes | None = None,
     record: bool = False,
 ) -> tuple[np.ndarray, Routes | None]: ...
 
 
-def token_logprobs(
+def hf_token_logprobs(
     model: torch.nn.Module,
     token_ids: Sequence[int],
     *,
@@ -284,7 +288,7 @@ def recompute_routes(
     want = list(layout.moe_layer_ids)
     per_seq, lps = [], []
     for i, seq in enumerate(sequences):
-        lp, used = token_logprobs(model, seq, prompt_len=1, record=True)
+        lp, used = hf_token_logprobs(model, seq, prompt_len=1, record=True)
         if used.layer_ids.tolist() != want:
             got = used.layer_ids.tolist()
             raise ReplayError(f"sequence {i}: the model's routers are layers {got}, {model_dir} says MoE layers {want}")

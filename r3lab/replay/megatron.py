@@ -16,19 +16,49 @@ One training step (works with or without activation recomputation)::
 or drive it by hand: ``rep.begin_microbatch()`` before each micro-batch forward, ``rep.after_forward()``
 right after it (switches to REPLAY_BACKWARD so a recomputation in backward pops the same ids).
 megatron-core is imported when a replay is built, not when this module is imported.
+
+Multi-token prediction (``mtp_num_layers``): what ``RouterReplay`` registers at megatron-core 0.16.1, measured by
+``tests/test_mtp.py`` on the tiny Qwen3-MoE shape (8 MoE decoder layers, ``mtp_num_layers=1``): **nine**
+instances, one per ``TopKRouter`` in construction order (``router.py`` l.205-207 creates one per router and
+``router_replay.py`` l.87 appends it to the class-level list l.26): decoder layers 0..7 first, then the MTP
+router (``gpt_model.py`` l.209 builds the decoder, l.219 the MTP block after it). Their ``layer_number``: decoder
+layer ``i`` is ``i + 1``; the MTP layer itself (``MultiTokenPredictionLayer``) is numbered from 1
+(``multi_token_prediction.py`` l.1072 ``build_layer(layer_spec, i + 1)``, l.620), while its inner
+``TransformerLayer`` and so its router get ``num_layers + k`` at this version (l.670 adds
+``num_layers - offset``, ``transformer_layer.py`` l.280 adds the offset back and l.371-372 hands it to the
+router): 9 here. At Megatron-LM main f2f0f7b the inner layers are numbered from 1 as well, so an MTP router shares
+``layer_number`` ``k`` with decoder layer ``k`` (NeMo-RL #4057 review), and NeMo-RL skips MTP routers by default
+(#3903). Either way ``layer_number`` and list position are version-dependent ways to find a router, so this
+module finds routers by *where they are*: :func:`megatron_router_map` takes the decoder's routers from its
+``TransformerBlock.layers`` (layer id from the decoder layer) and the MTP routers from the
+``MultiTokenPredictionBlock``, refuses any other router, and checks the count against the config
+(``moe_layer_freq``, ``mtp_num_layers``). :class:`MegatronReplay` feeds the decoder routers exactly the given
+routes and, by ``mtp=``, leaves the MTP routers live (default: they route on their own and a guard fails if
+anything sets a replay action on them), replays them from a route source of their own (``mtp_routes``) or
+records them; decoder routes never reach an MTP router, and a list holding an MTP router's routes among the
+decoder's is refused by its length.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from r3lab.replay.common import ReplayError, check_route_tensor
 
-__all__ = ["MegatronReplay", "megatron_replay", "megatron_routers", "find_orphaned_router_replays"]
+__all__ = [
+    "MegatronReplay",
+    "megatron_replay",
+    "megatron_routers",
+    "find_orphaned_router_replays",
+    "MegatronRouterMap",
+    "megatron_router_map",
+    "MTP_MODES",
+]
 
 
 def _megatron_classes() -> tuple[Any, Any, Any]:
@@ -52,25 +82,11 @@ def megatron_routers(model: Any) -> tuple[dict[int, Any], list[Any]]:
     """The ``TopKRouter`` modules of a Megatron model (or list of VPP chunks).
 
     Returns ``({layer_id: decoder router}, [MTP routers])``; layer ids are 0-based global
-    (``layer_number - 1``), ascending. MTP routers (under an ``mtp`` submodule) are not decoder routers.
+    (``layer_number - 1`` of the decoder layer holding the router), ascending; MTP routers in depth order.
+    Found and count-checked by :func:`megatron_router_map`.
     """
-    TopKRouter, _, _ = _megatron_classes()
-    decoder: dict[int, Any] = {}
-    mtp: list[Any] = []
-    for chunk in _chunks(model):
-        for name, mod in chunk.named_modules():
-            if not isinstance(mod, TopKRouter):
-                continue
-            if "mtp" in name.split("."):
-                mtp.append(mod)
-                continue
-            if mod.layer_number is None:
-                raise ReplayError(f"router {name!r} has no layer_number (built outside a TransformerLayer?)")
-            g = int(mod.layer_number) - 1
-            if g in decoder:
-                raise ReplayError(f"two decoder routers claim layer id {g} (layer_number {g + 1})")
-            decoder[g] = mod
-    return dict(sorted(decoder.items())), mtp
+    m = megatron_router_map(model)
+    return dict(m.decoder), list(m.mtp.values())
 
 
 def find_orphaned_router_replays(model: Any) -> list[Any]:
@@ -102,6 +118,13 @@ class MegatronReplay:
             ``model`` (earlier model builds): ``"raise"`` (default), ``"prune"`` (drop them from the registry)
             or ``"ignore"`` (a second live model, e.g. a reference model, legitimately owns them; this class
             sets and clears ids per router, so they never receive this model's ids and keep their own state).
+        mtp: what the MTP routers (``mtp_num_layers``) do, one of :data:`MTP_MODES`: ``"live"`` (default: they
+            route on their own, as NeMo-RL does by default (#3903), and a guard raises if anything sets a replay
+            action on them), ``"replay"`` (mode replay: from ``mtp_routes``) or ``"record"`` (mode record: their
+            own routes, in :attr:`recorded_mtp`). Decoder routes never reach an MTP router in any mode.
+        mtp_routes: for ``mtp="replay"``, the MTP routers' own route source, one entry per micro-batch, each a
+            list of int ``[tokens, top_k]`` arrays (one per MTP router, depth order) or ``{depth: array}``: e.g.
+            the MTP layers' rows an importer set apart, or the trainer's own recorded with ``mtp="record"``.
     """
 
     def __init__(
@@ -112,6 +135,8 @@ class MegatronReplay:
         *,
         num_experts: int | None = None,
         orphans: str = "raise",
+        mtp: str = "live",
+        mtp_routes: Sequence[Any] | None = None,
     ):
         _, self._RR, self._A = _megatron_classes()
         if mode not in ("replay", "record"):
@@ -138,6 +163,12 @@ class MegatronReplay:
         if not self._replays:
             raise ReplayError("no RouterReplay instance: build the model with moe_enable_routing_replay=True")
         self.layer_ids = list(self.routers) or list(range(len(self._replays)))
+        self._mtp = _MTPReplay(self, model, mtp, mtp_routes)
+
+    @property
+    def recorded_mtp(self) -> list[dict[int, torch.Tensor]]:
+        """With ``mtp="record"``: ``{depth: int64 [tokens, top_k]}`` per micro-batch, the MTP routers' own routes."""
+        return self._mtp.recorded
 
     def _check_model(self, model: Any, num_experts: int | None, orphans: str) -> dict[int, Any]:
         if orphans not in ("raise", "prune", "ignore"):
@@ -190,7 +221,12 @@ class MegatronReplay:
                 f"micro-batch routes must be a list or mapping of per-router ids, got {type(routes).__name__}"
             )
         if len(routes) != n:
-            raise ReplayError(f"{len(routes)} id tensors for {n} routers on this rank (layers {self.layer_ids})")
+            n_mtp = len(self._mtp.routers)
+            hint = ""
+            if n_mtp and len(routes) == n + n_mtp:
+                hint = (f": {n} decoder routers plus {n_mtp} MTP routers? Decoder layers get the decoder's routes "
+                        "only; pass the MTP routers' own as mtp_routes with mtp='replay'")
+            raise ReplayError(f"{len(routes)} id tensors for {n} routers on this rank (layers {self.layer_ids}){hint}")
         out, tokens = [], None
         for g, ids in zip(self.layer_ids, routes, strict=True):
             t = check_route_tensor(
@@ -206,20 +242,22 @@ class MegatronReplay:
         for rr in self._replays:
             rr.set_router_replay_action(action)
 
-    def begin_microbatch(self, routes: Any = None, *, forward_only: bool = False) -> None:
+    def begin_microbatch(self, routes: Any = None, *, forward_only: bool = False, mtp_routes: Any = None) -> None:
         """Call before each micro-batch forward.
 
         Replay: validate this micro-batch's ids (``routes``, or else the next not yet used entry of
         ``per_microbatch_routes``), hand
         them to the routers and set REPLAY_FORWARD. ``forward_only=True`` (no backward follows, e.g. old
         log-probs) drops the entry again from the REPLAY_BACKWARD queue so no stale ids reach a later
-        recomputation. Record: set RECORD.
+        recomputation. Record: set RECORD. ``mtp_routes``: this micro-batch's MTP ids (``mtp="replay"``; else the
+        next entry of the constructor's ``mtp_routes``).
         """
         self._require_active()
         if self.mode == "record":
             if routes is not None:
                 raise ReplayError("mode='record' takes no routes")
             self._set_action(self._A.RECORD)
+            self._mtp.begin(mtp_routes, forward_only)
             return
         if routes is None:
             if self._next >= len(self._queue):
@@ -237,6 +275,7 @@ class MegatronReplay:
                     raise ReplayError("RouterReplay.set_target_indices did not queue the ids (megatron-core changed?)")
                 queue.pop()
         self._set_action(self._A.REPLAY_FORWARD)
+        self._mtp.begin(mtp_routes, forward_only)
 
     def after_forward(self) -> dict[int, torch.Tensor] | None:
         """Call right after each micro-batch forward (before its backward).
@@ -245,6 +284,7 @@ class MegatronReplay:
         Record: collect and return ``{layer_id: int64 [tokens, top_k]}`` (also appended to :attr:`recorded`).
         """
         self._require_active()
+        self._mtp.after_forward()
         if self.mode == "replay":
             self._set_action(self._A.REPLAY_BACKWARD)
             return None
@@ -273,7 +313,7 @@ class MegatronReplay:
         if not self._active:
             raise ReplayError("MegatronReplay is not active: use it as a context manager")
 
-    def _check_tokens(self, g: int, rr: Any) -> Callable:
+    def _check_tokens(self, g: int | str, rr: Any) -> Callable:
         A = self._A
 
         def pre_hook(module: Any, args: Any, kwargs: Any) -> None:
@@ -301,6 +341,7 @@ class MegatronReplay:
             rr.clear_indices()
         for g, r in self.routers.items():  # empty without a model: then Megatron's own errors apply
             self._hooks.append(r.register_forward_pre_hook(self._check_tokens(g, r.router_replay), with_kwargs=True))
+        self._mtp.enter()
         self._active = True
         if self.mode == "record":
             self._set_action(self._A.RECORD)
@@ -315,6 +356,7 @@ class MegatronReplay:
         for rr in self._replays:
             rr.clear_router_replay_action()
             rr.clear_indices()
+        self._mtp.exit()
 
 
 @contextmanager
@@ -325,7 +367,253 @@ def megatron_replay(
     *,
     num_experts: int | None = None,
     orphans: str = "raise",
+    mtp: str = "live",
+    mtp_routes: Sequence[Any] | None = None,
 ) -> Iterator[MegatronReplay]:
     """Context manager form of :class:`MegatronReplay`; this model's actions, ids and hooks are cleared on exit."""
-    with MegatronReplay(model, per_microbatch_routes, mode, num_experts=num_experts, orphans=orphans) as rep:
+    with MegatronReplay(model, per_microbatch_routes, mode, num_experts=num_experts, orphans=orphans, mtp=mtp,
+                        mtp_routes=mtp_routes) as rep:
         yield rep
+
+
+# ---- MTP: the routers after the decoder -------------------------------------------------------------------------
+MTP_MODES = ("live", "replay", "record")
+"""What :class:`MegatronReplay` does with the MTP routers: ``live`` (route on their own), ``replay`` (from
+``mtp_routes``), ``record`` (their own routes, in ``recorded_mtp``)."""
+
+
+@dataclass(frozen=True)
+class MegatronRouterMap:
+    """Where each ``TopKRouter`` of a Megatron model sits (this rank), found by module identity, never by position.
+
+    ``decoder``: ``{layer id: router}``, the router of ``TransformerBlock.layers[i]`` under the id of that decoder
+    layer (``layer.layer_number - 1``, global under PP/VPP). ``mtp``: ``{depth: router}``, the router of the MTP
+    block's layer ``depth`` (``MultiTokenPredictionLayer.layer_number - 1``). ``dense``: decoder layer ids on this
+    rank without a router. ``mtp_layers``: MTP layers on this rank (with or without a router).
+    """
+
+    decoder: dict[int, Any]
+    mtp: dict[int, Any]
+    dense: tuple[int, ...] = ()
+    mtp_layers: int = 0
+
+    def replays(self) -> list[Any]:
+        """Every router's ``RouterReplay`` instance: decoder layers ascending, then MTP depths."""
+        return [r.router_replay for r in [*self.decoder.values(), *self.mtp.values()]]
+
+
+def _layer_router(layer: Any, TopKRouter: Any, where: str) -> Any:
+    r = getattr(getattr(layer, "mlp", None), "router", None)
+    if r is None:
+        return None
+    if not isinstance(r, TopKRouter):
+        raise ReplayError(f"{where}: router is a {type(r).__name__}, not a TopKRouter (RouterReplay needs TopKRouter)")
+    if r.layer_number != layer.layer_number:  # transformer_layer.py l.371-372 hands the layer's number down
+        raise ReplayError(
+            f"{where}: router layer_number {r.layer_number} differs from its layer's {layer.layer_number} "
+            "(megatron-core changed how routers are numbered?)"
+        )
+    return r
+
+
+def _moe_pattern(config: Any) -> list[int]:
+    """Megatron's ``moe_layer_freq`` as one 0/1 per decoder layer (as ``gpt_layer_specs.py`` l.579-596 reads it)."""
+    f, n = config.moe_layer_freq, int(config.num_layers)
+    if isinstance(f, int):
+        return [1 if i % f == 0 else 0 for i in range(n)]
+    if isinstance(f, (list, tuple)) and len(f) == n:
+        return [int(x) for x in f]
+    raise ReplayError(f"moe_layer_freq={f!r} is neither an int nor a list of {n} entries")
+
+
+def megatron_router_map(model: Any) -> MegatronRouterMap:
+    """Find this rank's decoder and MTP routers by where they sit, and check their count against the config.
+
+    Decoder routers are taken from each ``TransformerBlock``'s ``layers`` (so a router is matched to *its*
+    decoder layer, whatever its ``layer_number`` or its place in RouterReplay's global list), MTP routers from
+    each ``MultiTokenPredictionBlock``'s layers (``.transformer_layer.mlp.router``). Raises :class:`ReplayError`
+    when a ``TopKRouter`` sits anywhere else, two routers claim one layer, the decoder's routed layers differ from
+    ``moe_layer_freq``, the MTP block has other than ``mtp_num_layers`` layers or MTP routers, or two routers share
+    one ``RouterReplay``: then the registered routers are not decoder MoE layers + MTP MoE layers.
+    """
+    TopKRouter, _, _ = _megatron_classes()
+    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    decoder: dict[int, Any] = {}
+    mtp: dict[int, Any] = {}
+    dense: list[int] = []
+    mtp_layers = 0
+    config = None
+    for chunk in _chunks(model):
+        claimed: set[int] = set()
+        for name, mod in chunk.named_modules():
+            if isinstance(mod, TransformerBlock):
+                config = mod.config
+                for i, layer in enumerate(mod.layers):
+                    g = int(layer.layer_number) - 1
+                    r = _layer_router(layer, TopKRouter, f"{name}.layers.{i}")
+                    if r is None:
+                        dense.append(g)
+                        continue
+                    if g in decoder:
+                        raise ReplayError(f"two decoder routers claim layer id {g} (layer_number {g + 1})")
+                    decoder[g] = r
+                    claimed.add(id(r))
+            elif isinstance(mod, MultiTokenPredictionBlock):
+                config = mod.config
+                for j, layer in enumerate(mod.layers):
+                    mtp_layers += 1
+                    d = int(layer.layer_number) - 1
+                    r = _layer_router(layer.transformer_layer, TopKRouter, f"{name}.layers.{j}.transformer_layer")
+                    if r is None:
+                        continue
+                    if d in mtp:
+                        raise ReplayError(f"two MTP routers claim depth {d}")
+                    mtp[d] = r
+                    claimed.add(id(r))
+        stray = [n for n, m in chunk.named_modules() if isinstance(m, TopKRouter) and id(m) not in claimed]
+        if stray:
+            raise ReplayError(
+                f"routers {stray} sit neither in the decoder's layers nor in the MTP block: r3lab cannot tell which "
+                "routes they should get (it never assigns routes by a router's place in RouterReplay's list)"
+            )
+    rmap = MegatronRouterMap(dict(sorted(decoder.items())), dict(sorted(mtp.items())), tuple(sorted(dense)),
+                             mtp_layers)
+    if config is not None and config.num_moe_experts:
+        _check_router_count(rmap, config)
+    return rmap
+
+
+def _check_router_count(rmap: MegatronRouterMap, config: Any) -> None:
+    pattern = _moe_pattern(config)
+    here = sorted([*rmap.decoder, *rmap.dense])
+    want = [g for g in here if 0 <= g < len(pattern) and pattern[g]]
+    if sorted(rmap.decoder) != want:
+        raise ReplayError(
+            f"decoder routers on layers {sorted(rmap.decoder)}, but moe_layer_freq routes layers {want} of this "
+            f"rank's {here}: the routers registered are not the decoder's MoE layers"
+        )
+    n_mtp = int(getattr(config, "mtp_num_layers", None) or 0)
+    if rmap.mtp_layers:
+        if rmap.mtp_layers != n_mtp:
+            raise ReplayError(f"the MTP block has {rmap.mtp_layers} layers, config.mtp_num_layers={n_mtp}")
+        want_mtp = n_mtp if pattern[-1] else 0  # each MTP layer wraps the last decoder layer's spec (l.700)
+        if len(rmap.mtp) != want_mtp:
+            raise ReplayError(
+                f"{len(rmap.mtp)} MTP routers for {n_mtp} MTP layers (the last decoder layer is "
+                f"{'MoE' if pattern[-1] else 'dense'}): expected {want_mtp}"
+            )
+    reps = [rr for rr in rmap.replays() if rr is not None]
+    if len({id(rr) for rr in reps}) != len(reps):
+        raise ReplayError("two routers share one RouterReplay instance: the registered routers are not one per layer")
+
+
+class _MTPReplay:
+    """What :class:`MegatronReplay` does with the MTP routers (kept apart from the decoder's, see ``MTP_MODES``)."""
+
+    def __init__(self, owner: MegatronReplay, model: Any, how: str, per_microbatch: Sequence[Any] | None):
+        if how not in MTP_MODES:
+            raise ReplayError(f"mtp must be one of {MTP_MODES}, got {how!r}")
+        if how != "replay" and per_microbatch is not None:
+            raise ReplayError(f"mtp={how!r} takes no mtp_routes (pass mtp='replay' to replay the MTP routers)")
+        if how != "live" and how != owner.mode:
+            raise ReplayError(f"mtp={how!r} needs mode={how!r}, got mode={owner.mode!r}")
+        if model is None:
+            if how != "live":
+                raise ReplayError(f"mtp={how!r} needs the model (to tell its MTP routers from the decoder's)")
+            self.routers: dict[int, Any] = {}
+        else:
+            self.routers = megatron_router_map(model).mtp
+        if how != "live" and not self.routers:
+            raise ReplayError(f"mtp={how!r}, but the model has no MTP router on this rank")
+        reg = {id(rr) for rr in owner._RR.global_router_replay_instances}
+        missing = [d for d, r in self.routers.items() if id(r.router_replay) not in reg]
+        if missing:
+            raise ReplayError(f"MTP routers of depths {missing} are not in RouterReplay's global registry")
+        self.how, self.owner = how, owner
+        self.depths = list(self.routers)
+        self._replays = [r.router_replay for r in self.routers.values()]
+        self._queue = list(per_microbatch) if per_microbatch is not None else []
+        self._next = 0
+        self._hooks: list[Any] = []
+        self.recorded: list[dict[int, torch.Tensor]] = []
+
+    def _validated(self, routes: Any) -> list[torch.Tensor]:
+        if isinstance(routes, Mapping):
+            keys = sorted(int(k) for k in routes)
+            if keys != self.depths:
+                raise ReplayError(f"MTP ids given for depths {keys}; this rank's MTP routers are depths {self.depths}")
+            routes = [routes[d] if d in routes else routes[str(d)] for d in self.depths]
+        elif isinstance(routes, (str, bytes)) or not isinstance(routes, Sequence):
+            raise ReplayError(
+                f"mtp_routes must be a list or mapping of per-MTP-router ids, got {type(routes).__name__}"
+            )
+        if len(routes) != len(self.depths):
+            raise ReplayError(f"{len(routes)} MTP id tensors for {len(self.depths)} MTP routers (depths {self.depths})")
+        o = self.owner
+        return [check_route_tensor(ids, top_k=o.top_k, num_experts=o.num_experts, what=f"MTP depth {d}",
+                                   allow_3d=False) for d, ids in zip(self.depths, routes, strict=True)]
+
+    def begin(self, routes: Any, forward_only: bool) -> None:
+        if self.how == "live":
+            if routes is not None:
+                raise ReplayError("mtp_routes given, but mtp='live' (pass mtp='replay')")
+            return
+        if self.how == "record":
+            for rr in self._replays:
+                rr.set_router_replay_action(self.owner._A.RECORD)
+            return
+        if routes is None:
+            if self._next >= len(self._queue):
+                raise ReplayError(f"no mtp_routes for micro-batch {self._next}: {len(self._queue)} were given")
+            routes = self._queue[self._next]
+            self._next += 1
+        for rr, t in zip(self._replays, self._validated(routes), strict=True):
+            rr.set_target_indices(t)
+            if forward_only:  # as MegatronReplay.begin_microbatch: drop the queued REPLAY_BACKWARD entry again
+                if not rr.replay_backward_list or rr.replay_backward_list[-1] is not t:
+                    raise ReplayError("RouterReplay.set_target_indices did not queue the ids (megatron-core changed?)")
+                rr.replay_backward_list.pop()
+            rr.set_router_replay_action(self.owner._A.REPLAY_FORWARD)
+
+    def after_forward(self) -> None:
+        if self.how == "replay":
+            for rr in self._replays:
+                rr.set_router_replay_action(self.owner._A.REPLAY_BACKWARD)
+        elif self.how == "record":
+            got = {}
+            for d, rr in zip(self.depths, self._replays, strict=True):
+                idx = rr.get_recorded_indices()
+                if idx is None:
+                    raise ReplayError(f"MTP depth {d} recorded nothing: did the MTP block run (labels given)?")
+                got[d] = idx.detach().to(torch.int64).clone()
+            self.recorded.append(got)
+
+    def _live_guard(self, d: int, rr: Any) -> Callable:
+        def pre_hook(module: Any, args: Any, kwargs: Any) -> None:
+            if rr.router_replay_action is not None:
+                raise ReplayError(
+                    f"MTP router (depth {d}) has replay action {rr.router_replay_action.name} while r3lab keeps it "
+                    "live: something set every router's action (RouterReplay.set_global_router_replay_action or "
+                    "set_replay_data, which feed routers by their place in the global list); an MTP router must "
+                    "never route with a decoder layer's ids. Use mtp='replay' with mtp_routes to replay it"
+                )
+
+        return pre_hook
+
+    def enter(self) -> None:
+        for rr in self._replays:
+            rr.clear_indices()
+            rr.clear_router_replay_action()
+        for d, r in self.routers.items():
+            hook = self._live_guard(d, r.router_replay) if self.how == "live" else self.owner._check_tokens(
+                f"MTP depth {d}", r.router_replay)
+            self._hooks.append(r.register_forward_pre_hook(hook, with_kwargs=True))
+
+    def exit(self) -> None:
+        while self._hooks:
+            self._hooks.pop().remove()
+        for rr in self._replays:
+            rr.clear_router_replay_action()
+            rr.clear_indices()

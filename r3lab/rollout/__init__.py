@@ -13,7 +13,7 @@ and nothing here imports the trainer side (slicing, replay).
 """
 
 from r3lab.moe_layout import ModelConfigError, MoELayout
-from r3lab.rollout.attach import API_KEY_ENV, AttachedServer, AttachError, connect, parse_completion
+from r3lab.rollout.attach import API_KEY_ENV, AttachedServer, AttachError, connect, parse_completion, served_model
 from r3lab.rollout.engine import RolloutEngine
 from r3lab.rollout.server import RolloutServer
 from r3lab.rollout.types import (
@@ -40,6 +40,7 @@ __all__ = [
     "split_turn_routes",
     "parse_completion",
     "connect",
+    "served_model",
     "AttachedServer",
     "AttachError",
     "API_KEY_ENV",

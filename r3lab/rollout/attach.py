@@ -28,12 +28,14 @@ from typing import Any
 import numpy as np
 
 from r3lab.compaction import DEFAULT_MAX_BYTES, read_vllm_npy_base64
+from r3lab.config import ATTACHED_RL_REASON
 from r3lab.errors import AttachError, R3LabError
 from r3lab.moe_layout import MoELayout
 from r3lab.rollout._common import Closing, check_model_dir, check_prompts
 from r3lab.rollout.types import RolloutError, RolloutResult, SamplingConfig, validate_engine_routes
 
-__all__ = ["API_KEY_ENV", "AttachError", "CompletionsClient", "AttachedServer", "connect", "parse_completion"]
+__all__ = ["API_KEY_ENV", "AttachError", "CompletionsClient", "AttachedServer", "connect", "served_model",
+           "parse_completion"]
 
 API_KEY_ENV = "R3LAB_ENGINE_API_KEY"
 START_HINT = ("start it as: python -m vllm.entrypoints.openai.api_server --model {model} "
@@ -156,8 +158,7 @@ class CompletionsClient(Closing):
     def update_weights(self, *_: Any, **__: Any) -> None:
         """An attached server has no weight-update path r3lab drives: refuse with the reason."""
         raise AttachError(f"the engine at {self.url} was started outside r3lab; r3lab cannot push the trainer's "
-                          "weights into it (vLLM's OpenAI server has no weight-update endpoint r3lab implements). "
-                          "Run RL with a local engine (no --engine-url)")
+                          f"weights into it: {ATTACHED_RL_REASON}")
 
 
 class AttachedServer(CompletionsClient):
@@ -183,8 +184,9 @@ class AttachedServer(CompletionsClient):
     def close(self) -> None:  # nothing to end: the server belongs to the user
         pass
 
-    def _tokenize(self) -> Any:
-        """The local checkpoint's tokenizer (the trainer's copy), loaded on first use of a text prompt."""
+    @property
+    def tokenizer(self) -> Any:
+        """The local checkpoint's tokenizer (the trainer's copy; None if it ships none), loaded on first use."""
         tok = self.__dict__.get("_tokenizer")
         if tok is None:
             if not (self.model_dir / "tokenizer.json").is_file() and not (self.model_dir / "tokenizer_config.json"
@@ -193,7 +195,12 @@ class AttachedServer(CompletionsClient):
             from transformers import AutoTokenizer
 
             tok = self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
-        return lambda text: tok.encode(text, add_special_tokens=False)
+        return tok
+
+    def _tokenize(self) -> Any:
+        """Text prompts are encoded with the local checkpoint's tokenizer (no special tokens, as the engines do)."""
+        tok = self.tokenizer
+        return None if tok is None else (lambda text: tok.encode(text, add_special_tokens=False))
 
     def handshake(self) -> None:
         """Served model and max length from ``/v1/models``; one probe completion whose routes fit ``model``."""
@@ -260,6 +267,19 @@ def connect(url: str, *, model: str | os.PathLike, api_key: str | None = None, t
     """Attach to a running vLLM server at ``url``; ``model`` is the local checkpoint the routes must match."""
     return AttachedServer(url, model=model, api_key=api_key, timeout_s=timeout_s, retries=retries,
                           max_in_flight=max_in_flight)
+
+
+def served_model(url: str, *, api_key: str | None = None, timeout_s: float = 30.0) -> str:
+    """The name the server at ``url`` serves its model under (``/v1/models``; vLLM: the ``--model`` it was given)."""
+    client = CompletionsClient()
+    client.url = url.rstrip("/")
+    if not client.url.startswith(("http://", "https://")):
+        raise AttachError(f"engine url {url!r} must start with http:// or https://")
+    client.api_key = api_key if api_key is not None else (os.environ.get(API_KEY_ENV) or None)
+    data = client._http("/v1/models", timeout=timeout_s).get("data")
+    if not isinstance(data, list) or not data or not isinstance(data[0], dict) or "id" not in data[0]:
+        raise AttachError(f"{client.url}/v1/models lists no model; is this a vLLM server?")
+    return str(data[0]["id"])
 
 
 def parse_completion(resp: dict[str, Any], layout: MoELayout, prompts: Sequence[Sequence[int]], *, n: int = 1,

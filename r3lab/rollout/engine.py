@@ -75,6 +75,10 @@ class RolloutEngine(Closing):
     ``progress`` shows progress bars (``tqdm.auto``: terminal or notebook) for loading the weights and
     for each ``generate`` (which can override it per call); off by default.
 
+    ``capture_weights=True`` also records the top-k routing weights the engine's routers produced, next to the
+    ids (``result.routes.weights``; :mod:`r3lab.rollout.weights`): in-process engine, one worker only. vLLM's
+    own outputs and its HTTP API carry ids only.
+
     ``engine_quant`` (``"none"``, ``"fp8"``, ``"int8"``, ``"int6"``, ``"int4"``) turns the mismatch dial: a
     simulation of weight quantization (:mod:`r3lab.rollout.quant`). The attention and expert weights are
     quantized per output channel and dequantized to the engine's dtype, at start and at every
@@ -83,7 +87,7 @@ class RolloutEngine(Closing):
 
     def __init__(self, model: str | os.PathLike, *, seed: int = 0, max_model_len: int | None = None,
                  in_process: bool = True, cpu_threads_bind: str | None = None, progress: bool = False,
-                 engine_quant: str = "none", **engine_kwargs: Any):
+                 engine_quant: str = "none", capture_weights: bool = False, **engine_kwargs: Any):
         self.model_dir, self.layout = check_model_dir(model)  # raises before any process starts
         if engine_quant not in QUANT_SETTINGS:
             raise RolloutError(f"engine_quant must be one of {QUANT_SETTINGS}, got {engine_quant!r}")
@@ -128,12 +132,19 @@ class RolloutEngine(Closing):
         self.start_seconds = time.perf_counter() - t0
         self.tokenizer = self._llm.get_tokenizer()
         self.weight_version = 0
-        if engine_quant != "none":  # the checkpoint's dial weights, simulated-quantized, replace the exact ones
-            try:
+        self._weights = None
+        try:
+            if capture_weights:
+                if not (self._capture and self.in_process):
+                    raise RolloutError("capture_weights needs route capture and in_process=True")
+                from r3lab.rollout.weights import install_weight_capture
+
+                self._weights = install_weight_capture(self._llm)
+            if engine_quant != "none":  # the checkpoint's dial weights, simulated-quantized, replace the exact ones
                 self._push_weights(self._checkpoint_weights())
-            except BaseException:
-                self.close()
-                raise
+        except BaseException:
+            self.close()
+            raise
 
     # ---- lifecycle (``with RolloutEngine(...) as eng:`` closes it) ---------------------------------
     def close(self) -> None:
@@ -171,6 +182,8 @@ class RolloutEngine(Closing):
         from vllm.inputs import TokensPrompt
 
         params = [sampling.to_vllm(s) for s in starts]
+        if self._weights is not None:
+            self._weights.clear()
         outs = self._llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], params,
                                   use_tqdm=_progress_bar(self.progress if progress is None else progress))
         results = []
@@ -181,10 +194,21 @@ class RolloutEngine(Closing):
                 if self._capture:
                     routes = validate_engine_routes(c.routed_experts, self.layout, prompt_len=len(ids[i]),
                                                     response_len=len(resp), start=s, where=f"prompt {i} sample {j}")
+                    if self._weights is not None:
+                        routes = routes.with_weights(self._sample_weights(out, c, len(out.outputs))
+                                                     [:, list(self.layout.moe_layer_ids), :])
                 else:
                     routes = None
                 results.append(RolloutResult(i, j, list(ids[i]), resp, lp, routes, c.finish_reason, s))
         return results
+
+    def _sample_weights(self, out: Any, c: Any, n: int) -> np.ndarray:
+        from r3lab.rollout.weights import engine_request_id
+
+        if self._weights is None:
+            raise RuntimeError("routing weights asked of an engine started without capture_weights=True")
+        rid = engine_request_id(out.request_id, c.index, n, self._weights.request_ids())
+        return self._weights.pop(rid, c.routed_experts)
 
     def score(self, sequences: Sequence[Sequence[int]], *, start: int | Sequence[int] = 1) -> list[np.ndarray]:
         """The engine's log-probability of each token of each sequence given the tokens before it (prefill).

@@ -10,6 +10,11 @@ arrays only, no pickles, size-capped) and the routes pass the same validation as
 engine's (:func:`r3lab.rollout.validate_engine_routes`), so both paths return equal
 :class:`~r3lab.rollout.RolloutResult` lists for the same seed and batch.
 
+Routing weights: vLLM's API does not return them. ``routed_experts`` holds the expert ids only (vllm 0.30:
+``RoutedExpertsCapturer.capture(layer_id, topk_ids)`` never sees the weights), so routes from a server never carry
+``Routes.weights`` and R3W (ids and weights replayed) needs the in-process engine,
+``RolloutEngine(..., capture_weights=True)`` (:mod:`r3lab.rollout.weights`).
+
 The server logs to its log file (``log_path``): vLLM and uvicorn at WARNING unless ``$VLLM_LOGGING_LEVEL``
 is set (then vLLM logs at that level, uvicorn at its default). This module does not import the in-process engine.
 """

@@ -149,12 +149,20 @@ def validate_engine_routes(raw: Any, layout: MoELayout, *, prompt_len: int, resp
 
 
 def append_last_row(routes: Routes) -> Routes:
-    """Add one ``arange(top_k)`` row at the end of every sequence (rows for all P + R tokens)."""
+    """Add one ``arange(top_k)`` row at the end of every sequence (rows for all P + R tokens).
+
+    Routing weights, if the routes carry them, get ``1 / top_k`` on that row (it scores no sampled token)."""
     parts = []
     pad = np.broadcast_to(np.arange(routes.top_k, dtype=routes.values.dtype), (1, routes.num_layers, routes.top_k))
     for i in range(len(routes)):
         parts.append(np.concatenate([routes.sequence(i), pad]))
-    return Routes.from_list(parts, num_experts=routes.num_experts, layer_ids=routes.layer_ids)
+    out = Routes.from_list(parts, num_experts=routes.num_experts, layer_ids=routes.layer_ids)
+    if routes.weights is None:
+        return out
+    wpad = np.full((1, routes.num_layers, routes.top_k), 1.0 / routes.top_k, dtype=np.float32)
+    w = [np.concatenate([routes.weights[routes.cu_seqlens[i]:routes.cu_seqlens[i + 1]], wpad])
+         for i in range(len(routes))]
+    return out.with_weights(np.concatenate(w))
 
 
 def assemble_turns(turns: Sequence[RolloutResult]) -> Routes:

@@ -28,13 +28,14 @@ per replay mode).
 """
 
 from r3lab.runs.follow import FollowedRun, Job, RunFollower
-from r3lab.runs.format import READABLE_VERSIONS, RUN_FORMAT, RUN_FORMAT_VERSION, RunFormatError
+from r3lab.runs.format import IMPORT_KIND, READABLE_VERSIONS, RUN_FORMAT, RUN_FORMAT_VERSION, RunFormatError
 from r3lab.runs.reader import Run, list_runs, load, load_runs, parse_step_line, read_stopped, reference_runs_dir
 from r3lab.runs.samples import Samples
 from r3lab.runs.tokens import mode_order, rl_token_logprobs
 from r3lab.runs.writer import RunWriter, mark_stopped, r3lab_source, versions
 
-__all__ = ["RUN_FORMAT", "RUN_FORMAT_VERSION", "READABLE_VERSIONS", "RunFormatError", "RunWriter", "Run", "load",
+__all__ = ["IMPORT_KIND", "RUN_FORMAT",
+           "RUN_FORMAT_VERSION", "READABLE_VERSIONS", "RunFormatError", "RunWriter", "Run", "load",
            "list_runs", "versions", "r3lab_source", "mark_stopped", "read_stopped",
            "parse_step_line", "load_runs", "reference_runs_dir", "RunFollower", "FollowedRun", "Job", "mode_order",
            "rl_token_logprobs", "Samples"]

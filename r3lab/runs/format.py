@@ -7,8 +7,9 @@ from pathlib import Path
 
 from r3lab.errors import RunFormatError
 
-__all__ = ["RUN_FORMAT", "RUN_FORMAT_VERSION", "READABLE_VERSIONS", "SAMPLES_VERSION", "STOPPED_FILE", "RunFormatError",
-           "check_run_name", "check_routes_name", "tokens_file", "samples_file", "routes_file", "step_of"]
+__all__ = ["RUN_FORMAT", "RUN_FORMAT_VERSION", "READABLE_VERSIONS", "SAMPLES_VERSION", "STOPPED_FILE", "CAPTURE_KIND",
+           "RunFormatError", "check_run_name", "check_routes_name", "tokens_file", "samples_file", "routes_file",
+           "step_of", "IMPORT_KIND"]
 
 RUN_FORMAT = "r3lab-run"
 # 2: stopped.json marks a run stopped before its end; config.json's versions name r3lab's path
@@ -17,7 +18,10 @@ RUN_FORMAT = "r3lab-run"
 RUN_FORMAT_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)  # a version-1 run has no stopped.json: unfinished means running, stopped or killed
 SAMPLES_VERSION = 3  # the first version with per-sample tables (older runs cannot be scored again)
+IMPORT_KIND = "imported"  # the kind of a run r3lab.importers wrote from another framework's dump
 STOPPED_FILE = "stopped.json"  # {"state": "stopped", "at": ISO time, "steps": complete steps, "reason": str}
+# an engine-only run (r3lab capture): the files of version 3, step 0 only, no trainer's tables or routes
+CAPTURE_KIND = "capture"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _WHAT = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
 

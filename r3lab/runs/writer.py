@@ -104,7 +104,9 @@ class RunWriter:
     ``atomic=True`` (imports: all or nothing) writes under a hidden temporary name beside the run
     (``.NAME.partial-XXXXXXXX``) and renames it to ``NAME`` in :meth:`finish`; left by an exception (Ctrl-C
     included), the ``with`` block removes the temporary folder, so there is no run at all rather than a stopped one.
-    :attr:`path` is where files go now (the temporary folder until :meth:`finish`, the run after it).
+    :attr:`path` is where files go now (the temporary folder until :meth:`finish`, the run after it). An atomic run's
+    ``config.json`` is written once, in :meth:`finish` (with what :meth:`add_config` added); a live run's at the start
+    and again on each :meth:`add_config`.
     """
 
     def __init__(self, root: str | os.PathLike[str], name: str, kind: str, config: Mapping[str, Any], *,
@@ -121,7 +123,8 @@ class RunWriter:
         self._meta = {"format": RUN_FORMAT, "version": RUN_FORMAT_VERSION, "kind": kind, "name": name,
                       "created": _now(),
                       "config": _jsonable(dict(config)), "versions": versions()}
-        self._write_config()
+        if not atomic:  # a follower reads a live run's config now; an atomic run's is written once, in finish()
+            self._write_config()
         self._steps = open(self.path / "steps.jsonl", "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self.finished = False
 
@@ -140,7 +143,8 @@ class RunWriter:
         if taken:
             raise RunFormatError(f"config keys {taken} are already set in run {str(self.final_path)!r}")
         cfg.update(_jsonable(dict(entries)))
-        self._write_config()
+        if not self.atomic:
+            self._write_config()
 
     def log_step(self, record: Mapping[str, Any]) -> None:
         """Append one step's metrics (must hold an integer ``step``)."""
@@ -188,6 +192,8 @@ class RunWriter:
 
     def finish(self, summary: Mapping[str, Any]) -> None:
         """Write ``summary.json`` (the mark of a finished run) and close."""
+        if self.atomic:
+            self._write_config()
         tmp = self.path / "summary.json.tmp"
         tmp.write_text(json.dumps(_jsonable(dict(summary)), indent=2, allow_nan=False) + "\n")
         tmp.replace(self.path / "summary.json")

@@ -93,7 +93,9 @@ class TinyGPTSpec:
     The layout gives the layers (``num_layers``; ``moe_layer_ids`` have a router, the others are dense,
     e.g. DeepSeek-style leading dense layers) and tp/pp/vpp/cp/ep, sequence parallelism and uneven
     first/last pipeline stages. ``etp``: expert tensor-parallel size (None: tp), a Megatron knob that
-    slicing does not need. ``extra_config`` goes to ``TransformerConfig`` last.
+    slicing does not need. ``mtp_num_layers``: multi-token-prediction layers after the decoder (on the last
+    stage; each wraps the last decoder layer's spec, so it has a router when that layer is MoE); a model with
+    them needs ``labels`` in its forward. ``extra_config`` goes to ``TransformerConfig`` last.
     """
 
     layout: ParallelLayout
@@ -106,6 +108,7 @@ class TinyGPTSpec:
     vocab_size: int = 128
     max_sequence_length: int = 256
     etp: int | None = None
+    mtp_num_layers: int = 0
     params_dtype: torch.dtype = torch.float32
     extra_config: dict = dataclasses.field(default_factory=dict)
 
@@ -169,6 +172,8 @@ class TinyGPTSpec:
             apply_rope_fusion=False,
             persist_layer_norm=False,
         )
+        if self.mtp_num_layers:
+            kw["mtp_num_layers"] = self.mtp_num_layers
         kw.update(self.extra_config)
         return TransformerConfig(**kw)
 

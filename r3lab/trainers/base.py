@@ -158,8 +158,9 @@ class Scorer(Protocol):
     batch_forward: bool  # score() runs a multi-sample batch as one forward (the drift experiment's trainer floor)
 
     def score(self, batch: TokenBatch, *, routes: Routes | None = None, record: bool = False,
-              entropy: bool = False) -> TrainerScores:
-        """No-grad log-probs of the scored tokens; ``routes`` replays them, ``record`` returns the routes used."""
+              entropy: bool = False, weights: str | None = None) -> TrainerScores:
+        """No-grad log-probs of the scored tokens; ``routes`` replays them, ``record`` returns the routes used;
+        ``weights`` (``"stop"``/``"straight"``) also replays the routing weights ``routes`` carry (R3W)."""
         ...
 
     def close(self) -> None:

@@ -1,7 +1,7 @@
 """The transformers trainer: one model, AdamW, routing replay through :mod:`r3lab.replay` (its hooks).
 
 Scoring is :func:`r3lab.replay.score_batch` over a right-padded batch (:func:`padded_batch`); a one-sample batch
-runs the plain causal forward, as :func:`r3lab.replay.token_logprobs` does. Weights go back to the engine in the
+runs the plain causal forward, as :func:`r3lab.replay.hf_token_logprobs` does. Weights go back to the engine in the
 checkpoint's names (``revert_weight_conversion``: transformers 5 fuses each MoE block's experts on load).
 """
 
@@ -64,14 +64,16 @@ class HFTrainer(Trainer):
         return cls(model, lr=lr)
 
     def score(self, batch: TokenBatch, *, routes: Routes | None = None, record: bool = False,
-              entropy: bool = False) -> TrainerScores:
-        s = score_batch(self.model, *padded_batch(batch), routes=routes, record=record, entropy=entropy)
+              entropy: bool = False, weights: str | None = None) -> TrainerScores:
+        s = score_batch(self.model, *padded_batch(batch), routes=routes, record=record, entropy=entropy,
+                        weights=weights)
         return TrainerScores(_numpy(s.logprobs), s.routes, _numpy(s.entropy))
 
-    def policy_step(self, batch: TokenBatch, update: PolicyUpdate, *, routes: Routes | None = None) -> PolicyStepStats:
+    def policy_step(self, batch: TokenBatch, update: PolicyUpdate, *, routes: Routes | None = None,
+                    weights: str | None = None) -> PolicyStepStats:
         if self.optimizer is None:
             raise ConfigError("this HFTrainer has no optimizer: build it with lr=... to take policy steps")
-        cur = score_batch(self.model, *padded_batch(batch), routes=routes, grad=True, entropy=True)
+        cur = score_batch(self.model, *padded_batch(batch), routes=routes, grad=True, entropy=True, weights=weights)
         loss = clipped_policy_loss(cur.logprobs, update)
         self.optimizer.zero_grad(set_to_none=True)
         loss.loss.backward()

@@ -125,7 +125,10 @@ class MegatronBridgeTrainer(Scorer):
         return cls(load_bridge_model(path, dtype), vocab_size=vocab)
 
     def score(self, batch: TokenBatch, *, routes: Routes | None = None, record: bool = False,
-              entropy: bool = False) -> TrainerScores:
+              entropy: bool = False, weights: str | None = None) -> TrainerScores:
+        if weights is not None:
+            raise ConfigError(f"weights={weights!r} (R3W, the engine's routing weights) is replayed by the "
+                              "transformers trainer only (--trainer hf); this trainer replays expert ids")
         if entropy:
             raise ConfigError("the megatron-bridge scorer computes no entropy")
         if routes is not None and len(routes) != len(batch):

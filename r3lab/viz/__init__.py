@@ -11,11 +11,27 @@ downloaded).
 Modules: ``style`` (template, sizes, colours, :func:`finish`), ``ticks`` (tick values and labels from the data's
 range), ``exporting`` (files), and the figure builders ``results`` (tables and runs), ``routing`` (routes and
 expert load), ``logprobs`` (log-prob drift per token), ``phase`` (the phase diagram and its staleness figure, from
-``r3lab.runs.phase`` records) and ``paper`` (the paper figures from committed results).
+``r3lab.runs.phase`` records), ``paper`` (the paper figures from committed results) and ``available`` (every figure
+a run's fields allow, own or imported: :func:`run_figures`; :func:`in_place` and the ``*_or_note`` helpers hand a
+:class:`NotAvailable` note to the notebooks' cells where an imported run lacks a field).
 """
 
-from r3lab.runs import rl_token_logprobs  # re-exported: the notebooks read RL token tables through viz
+from r3lab.viz.available import (
+    NotAvailable,
+    column_or_note,
+    drawn,
+    expert_load,
+    health_figure,
+    in_place,
+    mismatch_logprobs,
+    noise_floors,
+    of_kind,
+    rl_logprobs_or_note,
+    routes_or_note,
+    run_figures,
+)
 from r3lab.viz.exporting import EXPORT_FORMATS, export, export_figures, find_chromium
+from r3lab.viz.horizon import horizon_figure
 from r3lab.viz.logprobs import (
     delta_histogram_figure,
     extreme_fraction_figure,
@@ -55,6 +71,8 @@ __all__ = ["MODE_COLORS", "mode_color", "ONE_COLUMN", "TWO_COLUMN", "TEMPLATE", 
            "route_view_figure", "codec_figure", "expert_load_comparison_figure", "layer_disagreement_figure",
            "load_imbalance_figure", "load_shift_figure", "prob_density_figure", "extreme_fraction_figure",
            "delta_histogram_figure", "flip_split_figure", "layer_drift_figure", "response_differs",
-           "most_flipped_sample", "rl_token_logprobs", "export_figures", "paper_figures", "paper_figure_set",
+           "most_flipped_sample", "export_figures", "paper_figures", "paper_figure_set",
            "SOURCE_COLORS", "NOT_DRAWN", "NOTEBOOK_CONFIG", "LabFigure", "finish", "axis_ticks", "tick_labels",
-           "tick_values", "phase_figure", "staleness_figure", "OBJECTIVE_STYLES"]
+           "tick_values", "phase_figure", "staleness_figure", "OBJECTIVE_STYLES", "horizon_figure", "NotAvailable",
+           "health_figure", "run_figures", "drawn", "expert_load", "in_place", "routes_or_note", "of_kind",
+           "mismatch_logprobs", "noise_floors", "column_or_note", "rl_logprobs_or_note"]

@@ -24,12 +24,13 @@ from r3lab.viz.phase import phase_figure, staleness_figure
 from r3lab.viz.results import drift_figure, rl_curves_figure, transport_figure
 from r3lab.viz.routing import expert_load_comparison_figure
 
-__all__ = ["paper_figures", "paper_figure_set", "PHASE_COMMAND"]
+__all__ = ["paper_figures", "paper_figure_set", "PHASE_COMMAND", "HORIZON_COMMAND"]
 
 TRANSPORT_POPULARITY = "uniform"  # the transport figure's workload: expert popularity as the benchmark draws it
 _DTYPE_SHORT = {"bfloat16": "bf16", "float32": "fp32"}
 _SWEPT = ("mode", "seed")  # what varies inside one comparison
 PHASE_COMMAND = "python bench/bench_phase.py"  # what regenerates bench/results/phase/
+HORIZON_COMMAND = "python bench/bench_horizon.py --work DIR"  # what regenerates bench/results/horizon/
 
 
 def _short(model: str) -> str:
@@ -47,9 +48,9 @@ def _default_knobs(run: Run) -> bool:
 def paper_figure_set(results: str | os.PathLike) -> dict[str, go.Figure]:
     """Every paper figure by file name, built from the committed results in ``results``.
 
-    Reads only files: ``transport.json``, the reference drift run ``drift-run/``, the reference RL runs ``rl/``
-    and the phase-diagram runs ``phase/``. A missing input is an error that names it and the command that
-    regenerates it, never a silently skipped figure.
+    Reads only files: ``transport.json``, the reference drift run ``drift-run/``, the reference RL runs ``rl/``,
+    the phase-diagram runs ``phase/`` and the long-horizon runs ``horizon/``. A missing input is an error that names
+    it and the command that regenerates it, never a silently skipped figure.
     """
     import orjson
 
@@ -91,7 +92,22 @@ def paper_figure_set(results: str | os.PathLike) -> dict[str, go.Figure]:
                              "`python bench/bench_rl.py`")
         figures[f"rl_k3_{_short(model)}"] = rl_curves_figure(runs, title=f"{model}: train-inference k3 KL per RL step")
     figures.update(_phase_figures(need(results / "phase", PHASE_COMMAND)))
+    figures["horizon"] = _horizon_figure(need(results / "horizon", HORIZON_COMMAND))
     return figures
+
+
+def _horizon_figure(folder: Path) -> go.Figure:
+    """The long-horizon figure (k3 and reward with seed bands, the spike aftermath) from the committed runs."""
+    from r3lab.viz.horizon import horizon_figure
+
+    found = list_runs(folder)
+    bad = [f"{p.name}: {r}" for p, r in found if isinstance(r, RunFormatError)]
+    if bad:
+        raise R3LabError(f"unreadable long-horizon runs (`{HORIZON_COMMAND}` regenerates them): " + "; ".join(bad))
+    runs = [r for _, r in found if isinstance(r, Run)]
+    if not runs:
+        raise R3LabError(f"no long-horizon runs in {folder}: `{HORIZON_COMMAND}`")
+    return horizon_figure(runs)
 
 
 def _phase_figures(folder: Path) -> dict[str, go.Figure]:

@@ -12,15 +12,15 @@ from typing import Any
 
 import numpy as np
 
-from r3lab.config import MODES, RL_SEEDS, RLConfig, RLMetric, run_name
-from r3lab.errors import ConfigError
+from r3lab.config import ATTACHED_RL_REASON, MODES, RL_SEEDS, RLConfig, RLMetric, run_name
+from r3lab.errors import AttachError, ConfigError
 from r3lab.experiments.rl.batch import StepRollout, engine_noise_floor, sample_step
 from r3lab.experiments.rl.report import collapse_state, finish_run, write_step
 from r3lab.experiments.rl.trainer import load_trainer, scorer_at
 from r3lab.experiments.rl.update import StepResult, train_step
 from r3lab.experiments.tasks import make_task
 from r3lab.paths import model_dir
-from r3lab.rollout import RolloutEngine
+from r3lab.rollout import AttachedServer, RolloutEngine
 from r3lab.runs import RunWriter, mark_stopped
 
 __all__ = ["RLRun", "StaleWeights", "run_rl", "run_comparison", "default_prefix", "start_engine"]
@@ -79,6 +79,8 @@ def start_engine(config: RLConfig, path: Any) -> Any:
 
 
 def _check_engine(engine: RolloutEngine | None, config: RLConfig) -> None:
+    if isinstance(engine, AttachedServer):  # before the trainer loads: its update_weights would refuse after it
+        raise AttachError(f"RL cannot run on the attached server at {engine.url}: {ATTACHED_RL_REASON}")
     if engine is not None and getattr(engine, "engine_quant", "none") != config.engine_quant:
         raise ConfigError(f"the engine given runs engine_quant={engine.engine_quant!r}, the config asks for "
                           f"{config.engine_quant!r}: start it with RolloutEngine(..., engine_quant=...)")

@@ -36,7 +36,7 @@ from r3lab.trainers.megatron.cpu import (
     local_block_spec,
     patch_megatron_for_cpu,
 )
-from r3lab.trainers.megatron.forward import causal_mask, forward_tokens, gather_vocab, pipeline_forward, token_logprobs
+from r3lab.trainers.megatron.forward import causal_mask, forward_tokens, gather_vocab, logits_logprobs, pipeline_forward
 from r3lab.trainers.megatron.launch import LaunchTimeout, launch
 
 __all__ = [
@@ -64,5 +64,5 @@ __all__ = [
     "model_group_routing",
     "patch_megatron_for_cpu",
     "pipeline_forward",
-    "token_logprobs",
+    "logits_logprobs",
 ]

@@ -2,8 +2,9 @@
 
 The name and format mapping (Hugging Face <-> Megatron names, q/k/v and gate/up fusion, TP split and
 merge rules) is mbridge 0.15.1's (the bridge verl uses; ``pip install --no-deps mbridge==0.15.1``), family
-by family (``qwen3_moe``, ``glm4_moe``, ...). What this module adds, because mbridge assumes Transformer
-Engine and CUDA:
+by family (``qwen3_moe``, ``glm4_moe``, ...), or r3lab's own for a family mbridge does not map (the family's
+``megatron_bridge`` in :mod:`r3lab.families`, e.g. OLMoE: :mod:`r3lab.trainers.megatron.bridges.olmoe`). What
+this module adds, because mbridge assumes Transformer Engine and CUDA:
 
 * the model is built with Megatron's local spec (:func:`~r3lab.trainers.megatron.cpu.local_block_spec`);
   its parameter names differ from TE's in two places, translated before mbridge's mapping:
@@ -43,12 +44,13 @@ from typing import Any
 import torch
 
 from r3lab.errors import MegatronLoadError
-from r3lab.families import group_routing_mismatch, megatron_overrides, model_group_routing
+from r3lab.families import FAMILIES, family_of, group_routing_mismatch, megatron_overrides, model_group_routing
 from r3lab.moe_layout import MoELayout
 from r3lab.slicing import ParallelLayout
 from r3lab.trainers.megatron.cpu import CPU_CONFIG, gpt_chunks, init_parallel, patch_megatron_for_cpu
 from r3lab.trainers.megatron.mbridge_api import (
     bridge_class,
+    check_mbridge_api,
     hf_names,
     mbridge_registry,
     merge_across_tp,
@@ -110,11 +112,20 @@ def layout_for(model_dir: str | Path, **parallel: Any) -> ParallelLayout:
 
 
 def _bridge(hf_config: Any, dtype: torch.dtype):
-    cls = bridge_class(hf_config.model_type)
+    """The family's own mapping (``megatron_bridge`` in :mod:`r3lab.families`), else mbridge's."""
+    fam = family_of(str(hf_config.model_type))
+    if fam is not None and fam.megatron_bridge is not None:
+        import importlib
+
+        module, _, name = fam.megatron_bridge.partition(":")
+        cls = getattr(importlib.import_module(module), name)
+        check_mbridge_api(cls)
+    else:
+        cls = bridge_class(hf_config.model_type)
     if cls is None:
-        raise MegatronLoadError(
-            f"mbridge has no mapping for model_type {hf_config.model_type!r}; known: {sorted(mbridge_registry())}"
-        )
+        known = sorted({*mbridge_registry(), *(f.model_type for f in FAMILIES.values() if f.megatron_bridge)})
+        raise MegatronLoadError(f"neither mbridge nor r3lab.families maps model_type {hf_config.model_type!r} to "
+                                f"Megatron; known: {known} (docs/adding-a-model-family.md)")
     return cls(hf_config, dtype=dtype)
 
 
@@ -206,6 +217,7 @@ def build_model(
         position_embedding_type="rope",
         rotary_percent=rotary_percent,
         rotary_base=int(rotary_base) if float(rotary_base).is_integer() else rotary_base,
+        spec_hook=getattr(bridge, "local_spec_hook", None),
     )
     out = MegatronModel(chunks, layout, model_dir, bridge, hf_config)
     if load:

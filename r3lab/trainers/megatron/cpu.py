@@ -33,6 +33,7 @@ __all__ = [
     "cpu_patches_applied",
     "CPURMSNorm",
     "local_block_spec",
+    "local_mtp_block_spec",
     "CPU_CONFIG",
     "init_parallel",
     "gpt_chunks",
@@ -116,8 +117,9 @@ class CPURMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = bool(config.sequence_parallel)  # grads all-reduced over TP
 
 
-def local_block_spec(config, vp_stage: int | None = None):
-    """Megatron's local GPT block spec for ``config`` (this rank's stage) with every norm a :class:`CPURMSNorm`."""
+def local_block_spec(config, vp_stage: int | None = None, spec_hook: Callable[[Any], Any] | None = None):
+    """Megatron's local GPT block spec for ``config`` (this rank's stage) with every norm a :class:`CPURMSNorm`,
+    then edited by ``spec_hook`` (a family's own modules, e.g. OLMoE's full-width q/k norms)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.identity_op import IdentityOp
 
@@ -136,17 +138,41 @@ def local_block_spec(config, vp_stage: int | None = None):
             attn = dataclasses.replace(attn, submodules=dataclasses.replace(asub, **norms))
         sub = dataclasses.replace(sub, input_layernorm=CPURMSNorm, pre_mlp_layernorm=CPURMSNorm, self_attention=attn)
         layer_specs.append(dataclasses.replace(ls, submodules=sub))
-    return dataclasses.replace(spec, layer_specs=layer_specs, layer_norm=CPURMSNorm)
+    spec = dataclasses.replace(spec, layer_specs=layer_specs, layer_norm=CPURMSNorm)
+    return spec if spec_hook is None else spec_hook(spec)
 
 
-def gpt_chunks(config: Any, vpp: int, prepare: Callable[[torch.nn.Module], Any] | None = None,
-               **model_kwargs: Any) -> list[torch.nn.Module]:
+def local_mtp_block_spec(config, vp_stage: int | None = None, spec_hook: Callable[[Any], Any] | None = None):
+    """The multi-token-prediction block spec for this rank's stage on the local spec, or None (no MTP here).
+
+    Megatron's own :func:`get_gpt_mtp_block_spec` (megatron-core 0.16.1, ``gpt_layer_specs.py`` l.653-723: the MTP
+    layer wraps the *last* decoder layer's spec, l.700, and is built on the last pipeline stage only) with its
+    norms made :class:`CPURMSNorm` like the decoder's. ``None`` unless ``config.mtp_num_layers`` is set.
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    if not getattr(config, "mtp_num_layers", None):
+        return None
+    spec = get_gpt_mtp_block_spec(config, local_block_spec(config, vp_stage, spec_hook), use_transformer_engine=False,
+                                  vp_stage=vp_stage)
+    if spec is None:
+        return None
+    norms = dict(enorm=CPURMSNorm, hnorm=CPURMSNorm, layer_norm=CPURMSNorm)
+    layers = [dataclasses.replace(ls, submodules=dataclasses.replace(ls.submodules, **norms))
+              for ls in spec.layer_specs]
+    return dataclasses.replace(spec, layer_specs=layers)
+
+
+def gpt_chunks(config: Any, vpp: int, prepare: Callable[[torch.nn.Module], Any] | None = None, *,
+               spec_hook: Callable[[Any], Any] | None = None, **model_kwargs: Any) -> list[torch.nn.Module]:
     """This rank's GPTModel chunks on the local spec, one per virtual pipeline stage (``vpp``; 1: one chunk).
 
     The first chunk of the first stage embeds (``pre_process``), the last chunk of the last stage has the output
-    layer (``post_process``). ``prepare(chunk)`` runs on each chunk right after it is built, before the next one
-    (weights set in construction order); ``model_kwargs`` go to ``GPTModel``. The one chunk loop of the
-    checkpoint loader and the test models (:mod:`r3lab.testing.megatron`).
+    layer (``post_process``). ``spec_hook`` edits the local spec (:func:`local_block_spec`). ``prepare(chunk)``
+    runs on each chunk right after it is built, before the next one (weights set in construction order);
+    ``model_kwargs`` go to ``GPTModel``. The one chunk loop of the checkpoint loader and the test models
+    (:mod:`r3lab.testing.megatron`). With ``config.mtp_num_layers`` the chunk of the last stage also gets
+    Megatron's MTP block (:func:`local_mtp_block_spec`).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -158,10 +184,11 @@ def gpt_chunks(config: Any, vpp: int, prepare: Callable[[torch.nn.Module], Any] 
         vp_stage = vp if virtual else None
         model = GPTModel(
             config=config,
-            transformer_layer_spec=local_block_spec(config, vp_stage),
+            transformer_layer_spec=local_block_spec(config, vp_stage, spec_hook),
             pre_process=pp_rank == 0 and vp == 0,
             post_process=pp_rank == pp - 1 and vp == (virtual or 1) - 1,
             vp_stage=vp_stage,
+            mtp_block_spec=local_mtp_block_spec(config, vp_stage, spec_hook),
             **model_kwargs,
         )
         if prepare is not None:

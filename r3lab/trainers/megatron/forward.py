@@ -2,7 +2,7 @@
 
 Megatron's local attention takes an explicit mask (:func:`causal_mask`). :func:`pipeline_forward` runs one
 forward-only micro-batch through every (virtual) pipeline stage with gloo point-to-point sends; the last
-stage gets the logits ``[B, S, V/tp]``, which :func:`token_logprobs` gathers over the tensor-parallel group
+stage gets the logits ``[B, S, V/tp]``, which :func:`logits_logprobs` gathers over the tensor-parallel group
 into fp32 log-probabilities of the given tokens.
 """
 
@@ -15,7 +15,7 @@ import torch
 
 from r3lab.errors import R3LabError
 
-__all__ = ["causal_mask", "forward_tokens", "pipeline_forward", "gather_vocab", "vocab_log_softmax", "token_logprobs",
+__all__ = ["causal_mask", "forward_tokens", "pipeline_forward", "gather_vocab", "vocab_log_softmax", "logits_logprobs",
            "token_entropy", "response_values"]
 
 
@@ -129,7 +129,7 @@ def vocab_log_softmax(logits: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(full[:, :-1], dim=-1)
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+def logits_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """fp32 ``log p(tokens[:, t] | tokens[:, :t])`` for t >= 1, ``[B, S - 1]``, from this rank's ``[B, S, V/tp]``."""
     return vocab_log_softmax(logits).gather(2, tokens[:, 1:, None].long())[..., 0]
 

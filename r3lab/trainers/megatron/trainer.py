@@ -305,7 +305,10 @@ class MegatronTrainer(Closing, Trainer):
 
     # ---- the Trainer interface ------------------------------------------------------------------
     def score(self, batch: TokenBatch, *, routes: Routes | None = None, record: bool = False,
-              entropy: bool = False) -> TrainerScores:
+              entropy: bool = False, weights: str | None = None) -> TrainerScores:
+        if weights is not None:
+            raise ConfigError(f"weights={weights!r} (R3W, the engine's routing weights) is replayed by the "
+                              "transformers trainer only (--trainer hf); this trainer replays expert ids")
         t0 = time.perf_counter()
         payload, shares, total = self._padded(batch)
         staged_info, staged = self._stage(batch, routes, total)

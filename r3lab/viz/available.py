@@ -1,5 +1,9 @@
-"""Every figure a run's fields allow (own or imported), through the public ``r3lab.viz`` builders; in place of each
-figure a run lacks a field for, a :class:`NotAvailable` that says which field and what needs it (notebook 06)."""
+"""Every figure a run's fields allow (own or imported), through the ``r3lab.viz`` builders; in place of each figure a
+run lacks a field for, a :class:`NotAvailable` that says which field and what needs it (notebooks 02-04 and 06).
+
+The notebooks' cells stay logic-free on imported runs: :func:`in_place` passes a :class:`NotAvailable` on instead of
+drawing, and :func:`routes_or_note`, :func:`of_kind`, :func:`column_or_note` and :func:`rl_logprobs_or_note` hand one
+out where an imported run lacks a field. Runs made by r3lab still raise as before."""
 
 from __future__ import annotations
 
@@ -11,11 +15,11 @@ import numpy as np
 
 from r3lab.doctor import HEALTH_NAMES, LOGP_TRAIN_COLUMNS, facts, health_series
 from r3lab.errors import R3LabError
-from r3lab.importers.common import IMPORT_KIND
-from r3lab.runs import Run, load
+from r3lab.runs import IMPORT_KIND, Run, load, rl_token_logprobs
+from r3lab.runs.format import CAPTURE_KIND
 
-__all__ = ["NotAvailable", "health_figure", "run_figures", "drawn", "in_place", "routes_or_note", "of_kind",
-           "token_logprobs", "noise_floors", "column_or_note", "rl_token_logprobs"]
+__all__: list[str] = []  # NotAvailable, health_figure, run_figures, drawn, in_place, routes_or_note, of_kind,
+# expert_load, mismatch_logprobs, noise_floors, column_or_note, rl_logprobs_or_note: exported by the facade, r3lab.viz
 
 
 class NotAvailable:
@@ -35,7 +39,7 @@ def health_figure(run: Run | str | os.PathLike):
     """The doctor's mismatch health per step: k3, F(2), IS ESS and TIS clip fraction (one panel each)."""
     from plotly.subplots import make_subplots
 
-    from r3lab.viz import finish
+    from r3lab.viz.style import finish
 
     r = run if isinstance(run, Run) else load(run)
     steps, ser, n = health_series(r)
@@ -116,9 +120,6 @@ def drawn(figures: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in figures.items() if not isinstance(v, NotAvailable)}
 
 
-# Notebooks 02-04 on imported runs: the cells stay logic-free; a field an imported run lacks comes back as a
-# NotAvailable, and in_place passes it on instead of the figure. Runs made by r3lab still raise as before.
-
 def _first_missing(values: Any) -> NotAvailable | None:
     for v in values:
         if isinstance(v, NotAvailable):
@@ -137,13 +138,28 @@ def in_place(build: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return missing if missing is not None else build(*args, **kwargs)
 
 
+_PARTIAL = {IMPORT_KIND: "imported run", CAPTURE_KIND: "engine-only capture run"}  # runs that may lack a field
+
+
 def routes_or_note(run: Run, step: int, what: str) -> Any:
-    """The run's ``what`` routes (``"engine"``, ``"trainer"``) at ``step``; for an imported run without them, a
-    :class:`NotAvailable` naming them (a run made by r3lab that lacks them raises, as :meth:`Run.routes` does)."""
-    if run.kind == IMPORT_KIND and step not in run.route_steps(what):
-        return NotAvailable(f"imported run {run.name!r} has no {what} routes at step {step} (stored: "
+    """The run's ``what`` routes (``"engine"``, ``"trainer"``) at ``step``; for an imported or capture run without
+    them, a :class:`NotAvailable` naming them (a drift or RL run that lacks them raises, as :meth:`Run.routes`)."""
+    if run.kind in _PARTIAL and step not in run.route_steps(what):
+        return NotAvailable(f"{_PARTIAL[run.kind]} {run.name!r} has no {what} routes at step {step} (stored: "
                             f"{run.route_steps(what)}): the figures comparing {what} routes need them")
     return run.routes(step, what)
+
+
+def expert_load(engine: Any, trainer: Any, *, title: str = "expert load") -> Any:
+    """Engine vs trainer expert load per layer (``viz.expert_load_comparison_figure``); with no trainer routes (a
+    :class:`NotAvailable`: an imported or capture run), the engine's load alone (``viz.expert_load_figure``)."""
+    from r3lab import viz
+
+    if isinstance(engine, NotAvailable):
+        return engine
+    if isinstance(trainer, NotAvailable):
+        return viz.expert_load_figure(engine, title=f"{title} (engine only: the run has no trainer routes)")
+    return viz.expert_load_comparison_figure(engine, trainer, title=title)
 
 
 _KIND_NEEDS = {"drift": "the drift experiment's per-cell k3 of none and R3 (r3lab drift)",
@@ -155,16 +171,17 @@ def of_kind(runs: Run | Sequence[Run], kind: str) -> Any:
     ``kind`` figure needs that an imported run lacks. A run of another kind made by r3lab passes through, so the
     figure raises on it as before."""
     some = [runs] if isinstance(runs, Run) else list(runs)
-    imported = [r.name for r in some if r.kind == IMPORT_KIND]
+    imported = [r.name for r in some if r.kind in _PARTIAL]
     if imported:
-        return NotAvailable(f"imported run(s) {imported} are not {kind} runs: this figure needs {_KIND_NEEDS[kind]}")
+        return NotAvailable(f"imported or capture run(s) {imported} are not {kind} runs: this figure needs "
+                            f"{_KIND_NEEDS[kind]}")
     return runs
 
 
 _TRAIN_LABELS = {"logp_none": "none", "logp_r3": "R3"}
 
 
-def token_logprobs(tokens: Any) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+def mismatch_logprobs(tokens: Any) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """``(logp_infer, {label: trainer log-probs})`` of a token table: a drift run's ``none`` and ``R3`` scores,
     else an imported run's trainer scores (``logp_train``, label ``trainer``)."""
     if "logp_infer" not in tokens:
@@ -197,12 +214,10 @@ def column_or_note(tokens: Any, name: str, needs: str) -> Any:
     return NotAvailable(f"this run's tokens have no {name!r} column: {needs}")
 
 
-def rl_token_logprobs(runs: Sequence[Run], step: int | None = None) -> Any:
-    """``viz.rl_token_logprobs`` of r3lab RL runs, ``(logps, flipped)``; for imported runs a pair of
+def rl_logprobs_or_note(runs: Sequence[Run], step: int | None = None) -> Any:
+    """:func:`r3lab.runs.rl_token_logprobs` of r3lab RL runs, ``(logps, flipped)``; for imported runs a pair of
     :class:`NotAvailable` (they carry no replay mode to pool by)."""
-    from r3lab import viz
-
     checked = of_kind(runs, "rl")
     if isinstance(checked, NotAvailable):
         return checked, checked
-    return viz.rl_token_logprobs(checked, step)
+    return rl_token_logprobs(checked, step)

