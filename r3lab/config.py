@@ -78,7 +78,6 @@ RL_TRAINERS = tuple(name for name, spec in TRAINER_REGISTRY.items() if spec.poli
 _TRAINER_HELP = ("the trainer: hf (transformers, CPU), megatron (Megatron-core on tp*pp*dp gloo CPU ranks) or "
                  "megatron-bridge (GPU node, drift only)")
 
-<<<<<<< HEAD
 # running on a Ray cluster (r3lab.cluster): the same fields on both configs
 _CLUSTER_HELP = ("run the engine and the trainer (its ranks) as Ray actors: ray ($RAY_ADDRESS, else the cluster "
                  "`ray start` made on this machine; never a new one), a GCS address HOST:PORT, or ray://HOST:PORT "
@@ -118,13 +117,11 @@ def _check_cluster(config: Any) -> None:
     if config.cluster_timeout <= 0:
         raise ConfigError(f"{{cluster_timeout}} must be > 0, got {config.cluster_timeout!r}", field="cluster_timeout")
 
-=======
 # why RL refuses an attached server (RLConfig.engine_url; the attached client's update_weights says the same)
 ATTACHED_RL_REASON = ("the RL loop pushes the trainer's updated weights into the engine after every step, and r3lab "
                       "has no weight-update path into a server it did not start (vLLM 0.30's dev-mode "
                       "/update_weights moves weights over NCCL or CUDA IPC only, GPU to GPU); run RL with a local "
                       "engine")
->>>>>>> main
 
 # the seeds an RL comparison runs when none are given (r3lab rl, run_comparison), and with --quick (and the widgets)
 RL_SEEDS = (0, 1, 2)
@@ -301,15 +298,12 @@ class RLConfig(_Config):
     token_steps: int = knob(0, "also write per-token tables every this many steps (0: first and last step only)")
     noise_every: int = knob(10, "score the engine's samples again by prefill every this many steps (0: never)")
     data: str | None = knob(None, "the data folder with models/ and corpus/", unset="the checkout's data/")
-<<<<<<< HEAD
     cluster: str | None = knob(None, _CLUSTER_HELP, unset="this machine, no Ray")
     engine_resources: str | None = knob(None, _ENGINE_RESOURCES_HELP, unset='{"CPU": 1}')
     trainer_resources: str | None = knob(None, _TRAINER_RESOURCES_HELP, unset='{"CPU": 1}')
     cluster_timeout: float = knob(300.0, _CLUSTER_TIMEOUT_HELP)
-=======
     engine_url: str | None = knob(None, "refused: RL needs an engine it can push weights into (r3lab drift and "
                                   "r3lab capture take --engine-url)", unset="a local engine")
->>>>>>> main
 
     _quick: typing.ClassVar[dict[str, Any]] = {"steps": 10, "prompts_per_step": 4, "samples_per_prompt": 8,
                                                "max_tokens": 16, "mini_batches": 2, "lr": 3e-3}
@@ -391,15 +385,12 @@ class DriftConfig(_Config):
     engine_url: str | None = knob(None, "a running vLLM server to sample from (started with "
                                   "--enable-return-routed-experts; its API key from $R3LAB_ENGINE_API_KEY); "
                                   "--models names the local checkpoint it serves", unset="start a local engine")
-<<<<<<< HEAD
     cluster: str | None = knob(None, _CLUSTER_HELP, unset="this machine, no Ray")
     engine_resources: str | None = knob(None, _ENGINE_RESOURCES_HELP, unset='{"CPU": 1}')
     trainer_resources: str | None = knob(None, _TRAINER_RESOURCES_HELP, unset='{"CPU": 1}')
     cluster_timeout: float = knob(300.0, _CLUSTER_TIMEOUT_HELP)
-=======
     replay_weights: bool = knob(False, "also capture the engine's routing weights and score R3W (the engine's ids "
                                 "and weights replayed; in-process engine only: vLLM's API returns ids only)")
->>>>>>> main
 
     _quick: typing.ClassVar[dict[str, Any]] = {"prompts": 8, "max_tokens": 16, "seeds": (0,)}
 
@@ -427,16 +418,13 @@ class DriftConfig(_Config):
             if self.engine_quant != "none":
                 raise ConfigError("{engine_quant} applies to a local engine; quantise the attached server yourself",
                                   field="engine_quant", fields=("engine_url",))
-<<<<<<< HEAD
             if self.engine_resources is not None:
                 raise ConfigError("{engine_resources} places an engine actor; with {engine_url} the server samples",
                                   field="engine_resources", fields=("engine_url",))
-        _check_cluster(self)
-=======
             if self.replay_weights:
                 raise ConfigError("{replay_weights} needs the in-process engine: vLLM's HTTP API returns expert ids "
                                   "only, never routing weights", field="replay_weights", fields=("engine_url",))
->>>>>>> main
+        _check_cluster(self)
 
     def to_cli_args(self) -> list[str]:
         """The ``r3lab drift`` arguments that run exactly this config."""
