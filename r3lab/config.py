@@ -166,12 +166,17 @@ class RLMetric:
 
 
 def knob(default: Any, help: str, *, choices: Sequence[Any] | None = None, flag: str | None = None,
-         unset: str = "off") -> Any:
+         unset: str = "off", quiet: bool = False) -> Any:
     """A config field with its help text (and choices): the one place a knob is described.
 
-    ``unset`` says what a ``None`` default means in help texts; ``flag`` renames the command-line flag.
+    ``unset`` says what a ``None`` default means in help texts; ``flag`` renames the command-line flag; ``quiet``:
+    ``to_cli_args`` spells the field out only when it differs from ``default`` (a knob that matters only with
+    another one, such as ``--cluster-timeout`` with ``--cluster``, so the commands of runs without it stay as they
+    were).
     """
     meta: dict[str, Any] = {"help": help, "unset": unset}
+    if quiet:
+        meta["quiet"] = True
     if choices is not None:
         meta["choices"] = tuple(choices)
     if flag is not None:
@@ -301,7 +306,7 @@ class RLConfig(_Config):
     cluster: str | None = knob(None, _CLUSTER_HELP, unset="this machine, no Ray")
     engine_resources: str | None = knob(None, _ENGINE_RESOURCES_HELP, unset='{"CPU": 1}')
     trainer_resources: str | None = knob(None, _TRAINER_RESOURCES_HELP, unset='{"CPU": 1}')
-    cluster_timeout: float = knob(300.0, _CLUSTER_TIMEOUT_HELP)
+    cluster_timeout: float = knob(300.0, _CLUSTER_TIMEOUT_HELP, quiet=True)
     engine_url: str | None = knob(None, "refused: RL needs an engine it can push weights into (r3lab drift and "
                                   "r3lab capture take --engine-url)", unset="a local engine")
 
@@ -388,7 +393,7 @@ class DriftConfig(_Config):
     cluster: str | None = knob(None, _CLUSTER_HELP, unset="this machine, no Ray")
     engine_resources: str | None = knob(None, _ENGINE_RESOURCES_HELP, unset='{"CPU": 1}')
     trainer_resources: str | None = knob(None, _TRAINER_RESOURCES_HELP, unset='{"CPU": 1}')
-    cluster_timeout: float = knob(300.0, _CLUSTER_TIMEOUT_HELP)
+    cluster_timeout: float = knob(300.0, _CLUSTER_TIMEOUT_HELP, quiet=True)
     replay_weights: bool = knob(False, "also capture the engine's routing weights and score R3W (the engine's ids "
                                 "and weights replayed; in-process engine only: vLLM's API returns ids only)")
 
@@ -553,6 +558,8 @@ def _to_cli_args(config: _Config, sweeps: Mapping[str, Sequence[Any] | None]) ->
             args += [_flag(dest), *map(str, values)]
         elif v is None:
             continue  # None is the default (off / the checkout's data)
+        elif f.metadata.get("quiet") and v == f.default:
+            continue  # spelled out only when set (knob(quiet=True))
         elif _is_tuple(hints[f.name]):
             args += [_flag(dest), *map(str, v)]
         elif isinstance(v, bool):

@@ -28,22 +28,11 @@ TRAINER = '{"trainer": 1}'
 
 @pytest.fixture(scope="module")
 def cluster():
-    import ray
-    from ray.cluster_utils import Cluster
+    from r3lab.cluster.local import local_cluster
 
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("RAY_raylet_start_wait_time_s", "180")  # a loaded 2-core box starts raylets slowly
-    c = Cluster(initialize_head=True, head_node_args=dict(num_cpus=1, resources={"engine": 1},
-                                                          object_store_memory=150 << 20, include_dashboard=False))
-    try:
-        trainer_node = c.add_node(num_cpus=2, resources={"trainer": 2}, object_store_memory=150 << 20)
-        ray.init(address=c.address, log_to_driver=False, configure_logging=False)
-        ids = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
-        engine_id = next(i for i, r in ids.items() if "engine" in r)
-        yield {"engine": engine_id, "trainer": trainer_node.node_id}
-    finally:
-        ray.shutdown()
-        c.shutdown()
+    nodes = [dict(num_cpus=1, resources={"engine": 1}), dict(num_cpus=2, resources={"trainer": 2})]
+    with local_cluster(nodes) as (engine_id, trainer_id):
+        yield {"engine": engine_id, "trainer": trainer_id}
 
 
 def _alive(pid: int) -> bool:
@@ -51,6 +40,16 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
+    return True
+
+
+def _all_gone(pids, within: float = 30.0) -> bool:
+    """Every process in ``pids`` has exited within ``within`` s (ray.kill returns before the worker process exits)."""
+    deadline = time.monotonic() + within
+    while any(_alive(p) for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
     return True
 
 
@@ -65,7 +64,7 @@ def test_the_engine_and_the_ranks_land_on_their_nodes(cluster):
         with load_trainer("megatron", path, TrainerOptions(tp=2), resources=TRAINER) as tr:
             assert tr.node_ids == [cluster["trainer"]] * 2
             pids = tr.pids
-        assert not any(_alive(p) for p in pids)
+        assert _all_gone(pids)
     with pytest.raises(ClusterError, match="no node of the cluster can hold the engine actor"):
         RayEngine(path, resources='{"GPU": 1}')
 
@@ -138,6 +137,6 @@ def test_a_rank_killed_mid_step_ends_the_run_within_its_bound(cluster, tmp_path)
     msg = str(e.value)
     assert name in msg and tr.members[1].node_id[:16] in msg and "every rank actor was ended" in msg
     assert took < 300 + bound  # two steps' work plus the bound, not a hang
-    assert not any(_alive(p) for p in tr.pids)  # no rank process left behind
+    assert _all_gone(tr.pids)  # no rank process left behind
     stopped = json.loads((tmp_path / "killed" / "stopped.json").read_text())
     assert stopped["state"] == "stopped" and name in stopped["reason"]

@@ -4,6 +4,7 @@ configs' cluster knobs validated. No raylet starts here (fast tier)."""
 
 from __future__ import annotations
 
+import functools
 import socket
 import time
 
@@ -35,8 +36,14 @@ def _closed_port() -> int:
 def test_no_cluster_is_a_clear_error_and_none_is_started(monkeypatch):
     import ray
 
+    import ray._private.services as services
+
     assert not ray.is_initialized()
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    # "auto" finds any GCS process on this machine (Ray's legacy lookup): hide another test's or job's cluster
+    none_found = functools.lru_cache(maxsize=1)(lambda: [])  # Ray clears the lookup's cache before it looks
+    monkeypatch.setattr(services, "find_gcs_addresses", none_found)
+    monkeypatch.setattr(services, "find_bootstrap_address", lambda temp_dir: None)
     t0 = time.monotonic()
     with pytest.raises(ClusterError, match="no Ray cluster to join.*ray start --head"):
         connect("ray")
@@ -69,3 +76,20 @@ def test_the_configs_cluster_knobs_are_checked():
         DriftConfig.quick(cluster="ray", trainer_resources='{"GPU": "one"}')
     with pytest.raises(ConfigError, match="--cluster-timeout must be > 0"):
         DriftConfig.quick(cluster="ray", cluster_timeout=0)
+
+
+def test_the_cluster_flags_appear_in_a_command_only_when_set():
+    from r3lab.cli import _parser
+    from r3lab.config import config_overrides
+
+    for cfg in (RLConfig.quick(), DriftConfig.quick()):  # the commands of runs without a cluster: as before
+        assert not any(a.startswith("--cluster") or a.endswith("-resources") for a in cfg.to_cli_args())
+    cfg = RLConfig.quick(trainer="megatron", tp=2, cluster="10.0.0.5:6379", engine_resources='{"GPU": 1}',
+                         trainer_resources='{"GPU": 1}', cluster_timeout=45.0)
+    args = cfg.to_cli_args()
+    assert args[args.index("--cluster-timeout") + 1] == "45.0"
+    back = RLConfig(**config_overrides(_parser().parse_args(["rl", *args]), RLConfig))
+    assert back == cfg  # the command runs exactly this config
+    drift = DriftConfig.quick(cluster="ray", cluster_timeout=300.0)
+    back = DriftConfig(**config_overrides(_parser().parse_args(["drift", *drift.to_cli_args()]), DriftConfig))
+    assert back == drift and "--cluster-timeout" not in drift.to_cli_args()
