@@ -28,7 +28,7 @@ TRAINER = '{"trainer": 1}'
 
 @pytest.fixture(scope="module")
 def cluster():
-    from r3lab.cluster.local import local_cluster
+    from r3lab.testing.cluster import local_cluster
 
     nodes = [dict(num_cpus=1, resources={"engine": 1}), dict(num_cpus=2, resources={"trainer": 2})]
     with local_cluster(nodes) as (engine_id, trainer_id):

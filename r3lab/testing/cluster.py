@@ -1,4 +1,4 @@
-"""A multi-node Ray cluster on one machine, for tests and benches: :func:`local_cluster`.
+"""A multi-node Ray cluster on one machine for tests and benches (r3lab.cluster on two raylets): :func:`local_cluster`.
 
 Each node is a raylet of its own with its own resources (``ray.cluster_utils.Cluster``, the tool Ray's own tests use
 for multi-node behaviour), so placement by resources, the object store between nodes and actors dying on one node
