@@ -35,7 +35,6 @@ def _closed_port() -> int:
 
 def test_no_cluster_is_a_clear_error_and_none_is_started(monkeypatch):
     import ray
-
     import ray._private.services as services
 
     assert not ray.is_initialized()
