@@ -20,7 +20,7 @@ the whole batch would show it. Layouts: ``tp2`` (one DP rank: each rank's share 
 (two DP ranks: each reads half).
 
     nice -n 10 python bench/bench_cluster.py                # writes bench/results/cluster.md
-    python bench/bench_cluster.py --steps 2 --layouts tp2   # a shorter run (prints, writes nothing)
+    python bench/bench_cluster.py --layouts tp2             # one layout (prints, writes nothing)
 """
 
 from __future__ import annotations
@@ -64,13 +64,14 @@ def _record_puts(trainer: Any) -> dict[str, int]:
     return sizes
 
 
-def run(cfg: RLConfig) -> dict[str, Any]:
-    """``cfg.steps`` steps of the RL loop with every phase timed; the bytes each rank read; the step metrics."""
+def run(cfg: RLConfig, engine: Any) -> dict[str, Any]:
+    """``cfg.steps`` steps of the RL loop on ``engine`` (reset to the checkpoint first, as ``run_rl`` does with a
+    shared engine) with every phase timed; the bytes each rank read; the step metrics."""
     import torch
 
     from r3lab.experiments.rl import load_trainer, train_step
     from r3lab.experiments.rl.batch import sample_step
-    from r3lab.experiments.rl.loop import StaleWeights, start_engine
+    from r3lab.experiments.rl.loop import StaleWeights
     from r3lab.experiments.tasks import make_task
 
     path = model_dir(cfg.model, cfg.data)
@@ -79,7 +80,7 @@ def run(cfg: RLConfig) -> dict[str, Any]:
     steps: list[dict[str, float]] = []
     metrics: list[dict[str, Any]] = []
     read: dict[int, int] = defaultdict(int)
-    with start_engine(cfg, path) as engine, load_trainer(cfg, path) as trainer:
+    with load_trainer(cfg, path) as trainer:
         sizes = _record_puts(trainer)
         weights = StaleWeights(engine, trainer.export_weights(), cfg.staleness)
         task = make_task(engine.tokenizer, cfg)
@@ -161,25 +162,30 @@ def table(results: dict[str, dict[str, dict[str, Any]]], steps: int, seconds: fl
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=3, help="RL steps per run (step 0 is shown apart)")
+    ap.add_argument("--steps", type=int, default=2, help="RL steps per run (step 0 is shown apart)")
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     ap.add_argument("--out", default=None, help="write the table here (default: bench/results/cluster.md with the "
                     "default settings; a shorter run only prints)")
     args = ap.parse_args()
     if args.steps < 2:
         ap.error("--steps must be >= 2 (step 0 is warm-up)")
+    from r3lab.experiments.rl.loop import start_engine
     from r3lab.testing.cluster import local_cluster
 
     t0 = time.perf_counter()
     results: dict[str, dict[str, dict[str, Any]]] = {k: {} for k in args.layouts}
-    for layout in args.layouts:
-        results[layout]["local"] = run(config(layout, args.steps, cluster=False))
-        print(f"local {layout}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    first = config(args.layouts[0], args.steps, cluster=False)
+    with start_engine(first, model_dir(first.model, first.data)) as engine:  # one engine start per side
+        for layout in args.layouts:
+            results[layout]["local"] = run(config(layout, args.steps, cluster=False), engine)
+            print(f"local {layout}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     nodes = [dict(num_cpus=1, resources={"engine": 1}), dict(num_cpus=2, resources={"trainer": 2})]
     with local_cluster(nodes):
-        for layout in args.layouts:
-            results[layout]["cluster"] = run(config(layout, args.steps, cluster=True))
-            print(f"cluster {layout}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        first = config(args.layouts[0], args.steps, cluster=True)
+        with start_engine(first, model_dir(first.model, first.data)) as engine:
+            for layout in args.layouts:
+                results[layout]["cluster"] = run(config(layout, args.steps, cluster=True), engine)
+                print(f"cluster {layout}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     text = table(results, args.steps, time.perf_counter() - t0)
     print(text)
     default = args.steps == ap.get_default("steps") and args.layouts == list(LAYOUTS)
