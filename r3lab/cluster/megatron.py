@@ -27,12 +27,15 @@ import os
 import time
 import uuid
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from r3lab.cluster.connect import actor_options, check_placeable, connect, node_here, parse_resources
 from r3lab.cluster.waits import Member, gather
 from r3lab.errors import ClusterError
 from r3lab.trainers.megatron.trainer import MegatronTrainer
+
+if TYPE_CHECKING:
+    from r3lab.trainers.megatron.worker import RankState
 
 __all__ = ["RayMegatronTrainer", "RemoteWeights", "RankHost"]
 
@@ -41,7 +44,14 @@ class RankHost:
     """What runs inside one rank actor: this rank's :class:`~r3lab.trainers.megatron.worker.RankState`."""
 
     def __init__(self, rank: int, world: int):
-        self.rank, self.world, self.state = rank, world, None
+        self.rank, self.world = rank, world
+        self._state: RankState | None = None
+
+    @property
+    def state(self) -> RankState:
+        if self._state is None:
+            raise ClusterError(f"rank {self.rank}: called before start")
+        return self._state
 
     def where(self) -> dict[str, Any]:
         """This actor's node, IP and pid; rank 0 also a free port on its node (the world's master port)."""
@@ -53,8 +63,7 @@ class RankHost:
         from r3lab.staging import RayBackend
         from r3lab.trainers.megatron.worker import build_rank
 
-        self.state = build_rank(self.rank, self.world, master_addr, port, spec, RayBackend)
-        s = self.state
+        self._state = s = build_rank(self.rank, self.world, master_addr, port, spec, RayBackend)
         return dict(rank=self.rank, dp=s.dp, pp=s.pp, tp=s.tp, pid=os.getpid())
 
     def call(self, cmd: str, kwargs: dict[str, Any]) -> Any:
@@ -172,7 +181,7 @@ class RayMegatronTrainer(MegatronTrainer):
     # ---- plumbing ------------------------------------------------------------------------------
     @property
     def pids(self) -> list[int]:
-        return [m.pid for m in self._members]
+        return [m.pid for m in self._members if m.pid is not None]
 
     @property
     def node_ids(self) -> list[str]:

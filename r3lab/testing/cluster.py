@@ -79,7 +79,8 @@ def local_cluster(nodes: Sequence[Mapping[str, Any]], *, object_store_mb: int = 
             cluster = Cluster(initialize_head=True, head_node_args=head)
             added = [cluster.add_node(**{**base, **n, **agent_ports()}) for n in nodes[1:]]
             ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
-            ids = [cluster.head_node.node_id] + [n.node_id for n in added]
+            head_node: Any = cluster.head_node  # set by initialize_head
+            ids = [head_node.node_id] + [n.node_id for n in added]
             alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
             if set(ids) - alive:
                 raise ClusterError(f"local_cluster: nodes {sorted(set(ids) - alive)} did not come up")

@@ -69,7 +69,7 @@ def default_prefix(model: str) -> str:
 def start_engine(config: RLConfig, path: Any) -> Any:
     """The engine ``config`` asks for: in this process, or in a Ray actor placed by ``config.engine_resources``
     (``config.cluster``; :class:`r3lab.cluster.RayEngine`, the same calls)."""
-    opts = dict(seed=config.seed, dtype=config.engine_dtype, engine_quant=config.engine_quant)
+    opts: dict[str, Any] = dict(seed=config.seed, dtype=config.engine_dtype, engine_quant=config.engine_quant)
     if config.cluster is not None:
         from r3lab.cluster import RayEngine
 

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from r3lab._process import Closing, free_port
-from r3lab.errors import ConfigError, MegatronTrainerError
+from r3lab.errors import ConfigError, MegatronTrainerError, R3LabError
 from r3lab.families import group_routing_mismatch
 from r3lab.moe_layout import MoELayout
 from r3lab.routes import Routes
@@ -110,7 +110,7 @@ class MegatronTrainer(Closing, Trainer):
         world = self.layout.world_size
         self._store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
                                     timeout=_td(max(self.timeout_s, 60.0)))
-        self._backend = StoreBackend(self._store)
+        self._backend: Any = StoreBackend(self._store)  # the Ray ranks' trainer puts a RayBackend here
         spec = self._rank_spec(lr)
         ctx = mp.get_context("spawn")
         port = free_port()
@@ -135,7 +135,7 @@ class MegatronTrainer(Closing, Trainer):
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs]
 
-    def _fail(self, message: str) -> MegatronTrainerError:
+    def _fail(self, message: str) -> R3LabError:
         self.close()
         return MegatronTrainerError(f"Megatron trainer ({self._describe()}): {message}; every rank was ended")
 
