@@ -1,14 +1,13 @@
 """The engine and the Megatron ranks as Ray actors on a two-node cluster (r3lab.cluster), against the local path.
 
-One two-raylet cluster per module (:func:`r3lab.testing.cluster.local_cluster`, Ray's ``cluster_utils.Cluster``
-with the raylet told its agents' ports, so it starts on a loaded 2-core machine): node A holds the custom resource ``engine`` (1 CPU), node B holds
-``trainer`` (2 CPUs). Asserted: the engine actor lands on A and both TP ranks on B (node ids); a quick drift through
-the cluster equals the local drift for the same seed bit for bit (same kernels, same inputs: vLLM in an actor is
-vLLM in a process, gloo ranks in actors are gloo ranks in processes); a 2-step RL run with Megatron TP2 equals the
-local one bit for bit; killing a rank actor mid-step ends the run within its bound, naming the actor and its node,
-leaving no rank process, and the run folder says stopped with that reason. Raylets, vLLM and two Megatron ranks:
-run under the heavy lock (``flock /tmp/r3lab-heavy.lock``).
-"""
+One two-raylet cluster per module (:func:`r3lab.testing.cluster.local_cluster`: Ray's ``cluster_utils.Cluster``,
+each raylet told its agents' ports so that it starts on a loaded 2-core machine): node A holds the custom resource
+``engine`` (1 CPU), node B holds ``trainer`` (2 CPUs). Asserted: the engine actor lands on A and both TP ranks on B
+(node ids); a quick drift through the cluster equals the local drift for the same seed bit for bit (same kernels,
+same inputs: vLLM in an actor is vLLM in a process, gloo ranks in actors are gloo ranks in processes); a 2-step RL
+run with Megatron TP2 equals the local one bit for bit; killing a rank actor mid-step ends the run within its bound,
+naming the actor and its node, leaving no rank process, and the run folder says stopped with that reason. Raylets,
+vLLM and two Megatron ranks: run under the heavy lock (``flock /tmp/r3lab-heavy.lock``)."""
 
 from __future__ import annotations
 
