@@ -106,6 +106,7 @@ def _parser() -> argparse.ArgumentParser:
                     "run: step 0, the only one at known weights)")
     rs.add_argument("--data", help="the data folder holding the run's model (default: the run's own)")
     rs.add_argument("--no-progress", action="store_true", help="no progress bars")
+    _add_cluster_flags(rs)
     b = sub.add_parser("bench", help="run a benchmark from a source checkout's bench/ folder")
     b.add_argument("name", choices=sorted(BENCHMARKS) or None,
                    help="; ".join(f"{k}: {v}" for k, v in BENCHMARKS.items()) or "a benchmark of bench/ (needs a "
@@ -167,12 +168,25 @@ def _add_field_flags(parser: argparse.ArgumentParser, cls: type, names: tuple[st
                             choices=f.metadata.get("choices"), help=f"{f.metadata['help']} (default: {f.default})")
 
 
+def _add_cluster_flags(parser: argparse.ArgumentParser) -> None:
+    """``--cluster``, ``--trainer-resources`` and ``--cluster-timeout`` as the drift config has them."""
+    import dataclasses
+
+    fields = {f.name: f for f in dataclasses.fields(DriftConfig)}
+    for n, typ in (("cluster", str), ("trainer_resources", str), ("cluster_timeout", float)):
+        f = fields[n]
+        default = f.metadata["unset"] if f.default is None else f.default
+        parser.add_argument("--" + n.replace("_", "-"), type=typ, default=f.default,
+                            help=f"{f.metadata['help']} (default: {default})")
+
+
 def _rescore(args: argparse.Namespace) -> None:
     from r3lab.experiments.rescore import rescore_run, rescore_table
 
     path = rescore_run(args.run, trainer=args.trainer, tp=args.tp, pp=args.pp, ep=args.ep,
                        trainer_dtype=args.trainer_dtype, out=args.out, steps=args.steps, data=args.data,
-                       progress=not args.no_progress)
+                       progress=not args.no_progress, cluster=args.cluster, trainer_resources=args.trainer_resources,
+                       cluster_timeout=args.cluster_timeout)
     print(rescore_table(path))
     print(f"run: {path}", file=sys.stderr)
 

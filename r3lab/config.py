@@ -78,6 +78,45 @@ RL_TRAINERS = tuple(name for name, spec in TRAINER_REGISTRY.items() if spec.poli
 _TRAINER_HELP = ("the trainer: hf (transformers, CPU), megatron (Megatron-core on tp*pp*dp gloo CPU ranks) or "
                  "megatron-bridge (GPU node, drift only)")
 
+# running on a Ray cluster (r3lab.cluster): the same fields on both configs
+_CLUSTER_HELP = ("run the engine and the trainer (its ranks) as Ray actors: ray ($RAY_ADDRESS, else the cluster "
+                 "`ray start` made on this machine; never a new one), a GCS address HOST:PORT, or ray://HOST:PORT "
+                 "(Ray Client)")
+_ENGINE_RESOURCES_HELP = ("--cluster: the Ray resources the engine actor needs, a JSON object ('{\"GPU\": 1}', or a "
+                          "custom resource such as '{\"CPU\": 1, \"engine\": 1}')")
+_TRAINER_RESOURCES_HELP = ("--cluster: the Ray resources of each trainer rank, a JSON object (one placement-group "
+                           "bundle per Megatron rank: '{\"GPU\": 1}'; the transformers trainer is one actor)")
+_CLUSTER_TIMEOUT_HELP = ("--cluster: seconds any call on an actor may take (a step's scoring, a policy step, a weight "
+                         "sync) before the run fails, naming the actor and its node, and every actor is ended")
+
+
+def _check_cluster(config: Any) -> None:
+    """The cluster knobs: a known form of address, resources as JSON objects, only with --cluster."""
+    import json
+
+    if config.cluster is not None:
+        c = config.cluster
+        host, sep, port = c.removeprefix("ray://").rpartition(":")
+        if c != "ray" and not (sep and host and port.isdigit()):
+            raise ConfigError(f"{{cluster}} must be ray, HOST:PORT or ray://HOST:PORT, got {c!r}", field="cluster")
+    for name in ("engine_resources", "trainer_resources"):
+        v = getattr(config, name)
+        if v is None:
+            continue
+        if config.cluster is None:
+            raise ConfigError(f"{{{name}}} places actors on a Ray cluster: it needs {{cluster}}", field=name,
+                              fields=("cluster",))
+        try:
+            d = json.loads(v)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{{{name}}} must be a JSON object such as '{{\"GPU\": 1}}', got {v!r} ({e})",
+                              field=name) from None
+        if not isinstance(d, dict) or not all(isinstance(k, str) and isinstance(a, int | float)
+                                              and not isinstance(a, bool) and a >= 0 for k, a in d.items()):
+            raise ConfigError(f"{{{name}}} must map resource names to amounts >= 0, got {v!r}", field=name)
+    if config.cluster_timeout <= 0:
+        raise ConfigError(f"{{cluster_timeout}} must be > 0, got {config.cluster_timeout!r}", field="cluster_timeout")
+
 # why RL refuses an attached server (RLConfig.engine_url; the attached client's update_weights says the same)
 ATTACHED_RL_REASON = ("the RL loop pushes the trainer's updated weights into the engine after every step, and r3lab "
                       "has no weight-update path into a server it did not start (vLLM 0.30's dev-mode "
@@ -127,12 +166,17 @@ class RLMetric:
 
 
 def knob(default: Any, help: str, *, choices: Sequence[Any] | None = None, flag: str | None = None,
-         unset: str = "off") -> Any:
+         unset: str = "off", quiet: bool = False) -> Any:
     """A config field with its help text (and choices): the one place a knob is described.
 
-    ``unset`` says what a ``None`` default means in help texts; ``flag`` renames the command-line flag.
+    ``unset`` says what a ``None`` default means in help texts; ``flag`` renames the command-line flag; ``quiet``:
+    ``to_cli_args`` spells the field out only when it differs from ``default`` (a knob that matters only with
+    another one, such as ``--cluster-timeout`` with ``--cluster``, so the commands of runs without it stay as they
+    were).
     """
     meta: dict[str, Any] = {"help": help, "unset": unset}
+    if quiet:
+        meta["quiet"] = True
     if choices is not None:
         meta["choices"] = tuple(choices)
     if flag is not None:
@@ -259,6 +303,10 @@ class RLConfig(_Config):
     token_steps: int = knob(0, "also write per-token tables every this many steps (0: first and last step only)")
     noise_every: int = knob(10, "score the engine's samples again by prefill every this many steps (0: never)")
     data: str | None = knob(None, "the data folder with models/ and corpus/", unset="the checkout's data/")
+    cluster: str | None = knob(None, _CLUSTER_HELP, unset="this machine, no Ray")
+    engine_resources: str | None = knob(None, _ENGINE_RESOURCES_HELP, unset='{"CPU": 1}')
+    trainer_resources: str | None = knob(None, _TRAINER_RESOURCES_HELP, unset='{"CPU": 1}')
+    cluster_timeout: float = knob(300.0, _CLUSTER_TIMEOUT_HELP, quiet=True)
     engine_url: str | None = knob(None, "refused: RL needs an engine it can push weights into (r3lab drift and "
                                   "r3lab capture take --engine-url)", unset="a local engine")
 
@@ -299,6 +347,7 @@ class RLConfig(_Config):
         if len(self.target_letter) != 1:
             raise ConfigError(f"{{target_letter}} must be one character, got {self.target_letter!r}",
                               field="target_letter")
+        _check_cluster(self)
         if (trainer_spec(self.trainer).fp32_routers_only and self.trainer_dtype == "bfloat16"
                 and self.router_dtype != "float32"):
             raise ConfigError(f"{{trainer}} {self.trainer} runs fp32 routers (moe_router_dtype=fp32): "
@@ -341,6 +390,10 @@ class DriftConfig(_Config):
     engine_url: str | None = knob(None, "a running vLLM server to sample from (started with "
                                   "--enable-return-routed-experts; its API key from $R3LAB_ENGINE_API_KEY); "
                                   "--models names the local checkpoint it serves", unset="start a local engine")
+    cluster: str | None = knob(None, _CLUSTER_HELP, unset="this machine, no Ray")
+    engine_resources: str | None = knob(None, _ENGINE_RESOURCES_HELP, unset='{"CPU": 1}')
+    trainer_resources: str | None = knob(None, _TRAINER_RESOURCES_HELP, unset='{"CPU": 1}')
+    cluster_timeout: float = knob(300.0, _CLUSTER_TIMEOUT_HELP, quiet=True)
     replay_weights: bool = knob(False, "also capture the engine's routing weights and score R3W (the engine's ids "
                                 "and weights replayed; in-process engine only: vLLM's API returns ids only)")
 
@@ -370,9 +423,13 @@ class DriftConfig(_Config):
             if self.engine_quant != "none":
                 raise ConfigError("{engine_quant} applies to a local engine; quantise the attached server yourself",
                                   field="engine_quant", fields=("engine_url",))
+            if self.engine_resources is not None:
+                raise ConfigError("{engine_resources} places an engine actor; with {engine_url} the server samples",
+                                  field="engine_resources", fields=("engine_url",))
             if self.replay_weights:
                 raise ConfigError("{replay_weights} needs the in-process engine: vLLM's HTTP API returns expert ids "
                                   "only, never routing weights", field="replay_weights", fields=("engine_url",))
+        _check_cluster(self)
 
     def to_cli_args(self) -> list[str]:
         """The ``r3lab drift`` arguments that run exactly this config."""
@@ -501,6 +558,8 @@ def _to_cli_args(config: _Config, sweeps: Mapping[str, Sequence[Any] | None]) ->
             args += [_flag(dest), *map(str, values)]
         elif v is None:
             continue  # None is the default (off / the checkout's data)
+        elif f.metadata.get("quiet") and v == f.default:
+            continue  # spelled out only when set (knob(quiet=True))
         elif _is_tuple(hints[f.name]):
             args += [_flag(dest), *map(str, v)]
         elif isinstance(v, bool):

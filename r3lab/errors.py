@@ -42,6 +42,7 @@ __all__ = [
     "MegatronTrainerError",
     "MbridgeAPIError",
     "LaunchTimeout",
+    "ClusterError",
     "cli_flag",
     "LayoutError",
     "ModelConfigError",
@@ -170,6 +171,12 @@ class MegatronTrainerError(R3LabError, ValueError):
 class LaunchTimeout(R3LabError, TimeoutError, ValueError):
     """The ranks did not all finish within the launch's timeout; all were terminated
     (:mod:`r3lab.trainers.megatron.launch`; also a :class:`TimeoutError`)."""
+
+
+class ClusterError(R3LabError, ValueError):
+    """The Ray cluster cannot be reached or cannot place an actor (no cluster running, a named address that does
+    not answer, a resource no node has), or an actor died, raised or did not answer in time: the message names the
+    actor and its node, and every other actor of the job was ended (:mod:`r3lab.cluster`)."""
 
 
 #: former name of the layout errors, now one type with the other slicing errors

@@ -165,6 +165,12 @@ class Routes:
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("Routes is immutable")
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """Pickle through the constructor (Ray's object store carries an engine actor's routes to the driver):
+        pickle's default sets the slots one by one, which an immutable instance refuses. The ids were checked when
+        these routes were built; shapes, offsets, layer ids and weights are checked again on load."""
+        return (_unpickle_routes, (self.values, self.cu_seqlens, self.num_experts, self.layer_ids, self.weights))
+
     # ---- constructors -------------------------------------------------------------------------
     @classmethod
     def from_padded(
@@ -373,6 +379,11 @@ class Routes:
         mask = pos[None, :] >= (S - lens)[:, None] if left_padded else pos[None, :] < lens[:, None]
         out[mask] = self.values
         return out
+
+
+def _unpickle_routes(values: Any, cu_seqlens: Any, num_experts: int, layer_ids: Any, weights: Any) -> Routes:
+    """:meth:`Routes.__reduce__`'s inverse."""
+    return Routes(values, cu_seqlens, num_experts, layer_ids, validate=False, weights=weights)
 
 
 def _as_lengths(lengths: Any) -> np.ndarray:

@@ -39,6 +39,7 @@ TIERS: dict[str, tuple[str, ...]] = {
     "test_attach.py": ("engine",),  # starts vLLM servers the way a user would
     "test_packaging.py": ("engine",),  # builds a wheel, installs it in a venv, runs the quick drift from it
     "test_rescore.py": ("engine", "megatron"),
+    "test_cluster.py": ("engine", "megatron"),  # a two-node Ray cluster: the engine actor and Megatron rank actors
     "test_megatron_sync.py": ("engine", "megatron"),
     "test_trainer_megatron.py": ("engine", "megatron"),
     "test_megatron_load.py": ("megatron",),

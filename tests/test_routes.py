@@ -67,6 +67,19 @@ def test_immutable_and_owns_its_buffer():
         r.num_experts = 3
 
 
+def test_pickle_round_trip_keeps_everything_and_immutability(rng):
+    import pickle
+
+    r = random_routes(rng, lengths=[3, 0, 5], num_layers=3, top_k=2, num_experts=8).select_layers([0, 2])
+    r = r.with_weights(rng.random(r.values.shape, dtype=np.float32))
+    for protocol in (2, 5):  # 5: out-of-band buffers, as Ray's object store pickles
+        back = pickle.loads(pickle.dumps(r, protocol=protocol))
+        assert back == r and back.layer_ids.tolist() == [0, 2] and back.values.dtype == r.values.dtype
+        assert not back.values.flags.writeable
+        with pytest.raises(AttributeError, match="immutable"):
+            back.num_experts = 3
+
+
 def test_padded_round_trip_right_and_left(rng):
     r = random_routes(rng, num_experts=16, top_k=2, num_layers=3, lengths=[5, 0, 3, 7])
     for left in (False, True):

@@ -151,8 +151,16 @@ def drift_summary(samples: Sequence[DriftSample]) -> dict[str, float]:
 
 
 def load_scorer(config: DriftConfig, path: str | os.PathLike, dtype: str) -> Scorer:
-    """The trainer ``config.trainer`` names (:mod:`r3lab.trainer_registry`), loaded from ``path`` in ``dtype``."""
-    return load_trainer(config.trainer, path, TrainerOptions(dtype=dtype, tp=config.tp, pp=config.pp, ep=config.ep))
+    """The trainer ``config.trainer`` names (:mod:`r3lab.trainer_registry`), loaded from ``path`` in ``dtype``;
+    with ``config.cluster``, placed on the Ray cluster (:func:`r3lab.cluster.load_trainer`: Megatron's ranks as
+    actors in one placement group, each ``config.trainer_resources``)."""
+    options = TrainerOptions(dtype=dtype, tp=config.tp, pp=config.pp, ep=config.ep)
+    if config.cluster is not None:
+        from r3lab.cluster import load_trainer as load_on_cluster
+
+        return load_on_cluster(config.trainer, path, options, cluster=config.cluster,
+                               resources=config.trainer_resources, timeout_s=config.cluster_timeout)
+    return load_trainer(config.trainer, path, options)
 
 
 def _engine_options(config: DriftConfig) -> dict[str, Any]:
@@ -171,11 +179,17 @@ def _engine_options(config: DriftConfig) -> dict[str, Any]:
 
 
 def _engine(config: DriftConfig, path: Any) -> Any:
-    """The local engine, or the attached server at ``config.engine_url`` (handshake against ``path``)."""
+    """The local engine, the attached server at ``config.engine_url`` (handshake against ``path``), or the engine in
+    a Ray actor (``config.cluster``)."""
     if config.engine_url is not None:
         from r3lab.rollout import connect
 
         return connect(config.engine_url, model=path)
+    if config.cluster is not None:  # the same engine in a Ray actor placed by config.engine_resources
+        from r3lab.cluster import RayEngine
+
+        return RayEngine(path, resources=config.engine_resources, cluster=config.cluster,
+                         timeout_s=config.cluster_timeout, **_engine_options(config))
     return RolloutEngine(path, **_engine_options(config))
 
 

@@ -199,14 +199,16 @@ def _default_name(source: str, trainer: str, tp: int, pp: int, ep: int, trainer_
 
 def rescore_run(run_path: str | os.PathLike[str], *, trainer: str = "hf", tp: int = 1, pp: int = 1, ep: int = 1,
                 trainer_dtype: str | None = None, out: str | None = None, steps: Sequence[int] | None = None,
-                data: str | None = None, progress: bool = False) -> Path:
+                data: str | None = None, progress: bool = False, cluster: str | None = None,
+                trainer_resources: str | None = None, cluster_timeout: float = 300.0) -> Path:
     """Score a finished drift or RL run's stored samples with ``trainer`` (layout ``tp``/``pp``/``ep``, dtype
     ``trainer_dtype``; default each cell's own), without replay and with R3 (the run's engine routes), and write the
     result as a new drift run ``out`` beside the original (default ``<run>-rescore-<trainer>[-<layout>][-<dtype>]``).
 
     ``steps``: the source steps to score (default: every drift cell; step 0 of an RL run, the only one whose
     weights, the starting checkpoint, are known). ``data``: the data folder holding the run's model (default: the
-    run's own). Returns the new run's folder; :func:`rescore_table` renders it next to the original.
+    run's own). ``cluster`` (with ``trainer_resources``, ``cluster_timeout``): score on a Ray cluster, as
+    ``DriftConfig.cluster``. Returns the new run's folder; :func:`rescore_table` renders it next to the original.
     """
     import torch
 
@@ -231,7 +233,8 @@ def rescore_run(run_path: str | os.PathLike[str], *, trainer: str = "hf", tp: in
     data = data if data is not None else cfg.get("data")
     cells = _source_cells(source, steps, trainer_dtype)
     layout = DriftConfig(models=tuple(dict.fromkeys(c.model for c in cells)), trainer=trainer, tp=tp, pp=pp, ep=ep,
-                         trainer_dtypes=tuple(dict.fromkeys(c.dtype for c in cells)), data=data)  # validates them
+                         trainer_dtypes=tuple(dict.fromkeys(c.dtype for c in cells)), data=data, cluster=cluster,
+                         trainer_resources=trainer_resources, cluster_timeout=cluster_timeout)  # validates them
     stored = {c.source_step: stored_results(source, c.source_step) for c in cells}  # every file read before scoring
     paths = {m: model_dir(m, data) for m in layout.models}
     if source.kind == "rl":

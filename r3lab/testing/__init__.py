@@ -6,6 +6,7 @@
 * :mod:`r3lab.testing.hf`: tiny transformers MoE configs (one factory for every family), expert relabelling.
 * :mod:`r3lab.testing.megatron`: megatron-core on CPU ranks (imported on its own: it patches
   process-wide state when used, and imports torch).
+* :mod:`r3lab.testing.cluster`: a multi-node Ray cluster on one machine (``local_cluster``; imported on its own).
 """
 
 

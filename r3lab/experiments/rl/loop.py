@@ -21,9 +21,9 @@ from r3lab.experiments.rl.update import StepResult, train_step
 from r3lab.experiments.tasks import make_task
 from r3lab.paths import model_dir
 from r3lab.rollout import AttachedServer, RolloutEngine
-from r3lab.runs import RunWriter
+from r3lab.runs import RunWriter, mark_stopped
 
-__all__ = ["RLRun", "StaleWeights", "run_rl", "run_comparison", "default_prefix"]
+__all__ = ["RLRun", "StaleWeights", "run_rl", "run_comparison", "default_prefix", "start_engine"]
 
 
 @dataclass
@@ -66,6 +66,18 @@ def default_prefix(model: str) -> str:
     return f"rl-{model}-{_timestamp()}"
 
 
+def start_engine(config: RLConfig, path: Any) -> Any:
+    """The engine ``config`` asks for: in this process, or in a Ray actor placed by ``config.engine_resources``
+    (``config.cluster``; :class:`r3lab.cluster.RayEngine`, the same calls)."""
+    opts: dict[str, Any] = dict(seed=config.seed, dtype=config.engine_dtype, engine_quant=config.engine_quant)
+    if config.cluster is not None:
+        from r3lab.cluster import RayEngine
+
+        return RayEngine(path, resources=config.engine_resources, cluster=config.cluster,
+                         timeout_s=config.cluster_timeout, **opts)
+    return RolloutEngine(path, **opts)
+
+
 def _check_engine(engine: RolloutEngine | None, config: RLConfig) -> None:
     if isinstance(engine, AttachedServer):  # before the trainer loads: its update_weights would refuse after it
         raise AttachError(f"RL cannot run on the attached server at {engine.url}: {ATTACHED_RL_REASON}")
@@ -100,7 +112,7 @@ def run_rl(config: RLConfig, *, engine: RolloutEngine | None = None, runs_root: 
     _check_engine(engine, config)
     own_engine = engine is None
     if engine is None:
-        engine = RolloutEngine(path, seed=config.seed, dtype=config.engine_dtype, engine_quant=config.engine_quant)
+        engine = start_engine(config, path)
     writer = trainer = behaviour = None
     try:
         trainer = load_trainer(config, path)
@@ -128,6 +140,11 @@ def run_rl(config: RLConfig, *, engine: RolloutEngine | None = None, runs_root: 
                 on_step(rec)
         finish_run(writer, config, history)
         return RLRun(config, history, writer.path if writer is not None else None)
+    except BaseException as e:  # a dead rank or engine, Ctrl-C: the run folder says stopped and why
+        if writer is not None and not writer.finished:
+            writer.close()
+            mark_stopped(writer.path, f"{type(e).__name__}: {e}")
+        raise
     finally:
         if writer is not None:
             writer.close()
@@ -152,7 +169,7 @@ def run_comparison(base: RLConfig, *, modes: Sequence[str] = MODES, seeds: Seque
     path = model_dir(base.model, base.data)
     prefix = prefix or default_prefix(path.name)
     out = []
-    with RolloutEngine(path, seed=base.seed, dtype=base.engine_dtype, engine_quant=base.engine_quant) as engine:
+    with start_engine(base, path) as engine:
         for seed in seeds:
             for mode in modes:
                 cfg = dataclasses.replace(base, mode=mode, seed=int(seed))

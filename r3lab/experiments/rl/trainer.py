@@ -20,9 +20,15 @@ __all__ = ["load_trainer", "scorer_at", "trainer_notes"]
 
 def load_trainer(config: RLConfig, path: str | os.PathLike) -> Trainer:
     """The RL trainer of ``config``: transformers (``trainer_dtype`` with ``router_dtype`` routers) or Megatron-core
-    on ``tp * pp * dp`` CPU ranks (``config.trainer == "megatron"``, fp32 routers), each with AdamW at ``lr``."""
+    on ``tp * pp * dp`` CPU ranks (``config.trainer == "megatron"``, fp32 routers), each with AdamW at ``lr``; with
+    ``config.cluster``, on a Ray cluster (:func:`r3lab.cluster.load_trainer`)."""
     options = TrainerOptions(dtype=config.trainer_dtype, router_dtype=config.router_dtype, tp=config.tp, pp=config.pp,
                              ep=config.ep, lr=config.lr)
+    if config.cluster is not None:  # on the Ray cluster: Megatron's ranks as actors in one placement group
+        from r3lab.cluster import load_trainer as load_on_cluster
+
+        return load_on_cluster(config.trainer, path, options, cluster=config.cluster,
+                               resources=config.trainer_resources, timeout_s=config.cluster_timeout)
     return load_registered(config.trainer, path, options)
 
 

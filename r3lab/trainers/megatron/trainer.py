@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from r3lab._process import Closing, free_port
-from r3lab.errors import ConfigError, MegatronTrainerError
+from r3lab.errors import ConfigError, MegatronTrainerError, R3LabError
 from r3lab.families import group_routing_mismatch
 from r3lab.moe_layout import MoELayout
 from r3lab.routes import Routes
@@ -64,11 +64,13 @@ class MegatronTrainer(Closing, Trainer):
     def __init__(self, model_dir: str | os.PathLike, *, tp: int = 1, pp: int = 1, ep: int = 1, dp: int | None = None,
                  dtype: str = "float32", lr: float | None = None, codec: str = "raw", timeout_s: float = 180.0,
                  start_timeout_s: float = 300.0):
-        import torch.distributed as dist
-        import torch.multiprocessing as mp
+        self._configure(model_dir, tp=tp, pp=pp, ep=ep, dp=dp, dtype=dtype, codec=codec, timeout_s=timeout_s)
+        self._start_ranks(lr, start_timeout_s)
 
+    def _configure(self, model_dir: str | os.PathLike, *, tp: int, pp: int, ep: int, dp: int | None, dtype: str,
+                   codec: str, timeout_s: float) -> None:
+        """Check the options and set the driver's state (the layout, counters); no rank starts here."""
         from r3lab.trainers.megatron.checkpoint import GroupRoutingMismatchWarning, layout_for
-        from r3lab.trainers.megatron.store_backend import StoreBackend
 
         for k, v in (("tp", tp), ("pp", pp), ("ep", ep)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -85,19 +87,31 @@ class MegatronTrainer(Closing, Trainer):
         cfg = json.loads((self.model_dir / "config.json").read_text())
         self.group_routing = group_routing_mismatch(cfg)  # None, or why native routes differ by construction
         if self.group_routing:
-            warnings.warn(f"{self.model_dir.name}: {self.group_routing}", GroupRoutingMismatchWarning, stacklevel=2)
+            warnings.warn(f"{self.model_dir.name}: {self.group_routing}", GroupRoutingMismatchWarning, stacklevel=3)
         self.num_experts = MoELayout.from_config(cfg).num_experts  # the family's experts key (r3lab.families)
         self.replay_checked = 0  # router rows whose used ids were checked against the replayed ids
         self.replay_mismatched = 0
         self.stage_stats: list[Any] = []
         self.timings: dict[str, list[float]] = {"score": [], "policy_step": [], "export": []}
         self._stages = 0
+
+    def _rank_spec(self, lr: float | None) -> dict[str, Any]:
+        """What every rank builds its shard from (picklable)."""
+        return dict(model_dir=str(self.model_dir), layout=self.layout.to_dict(), dtype=self.dtype, lr=lr,
+                    collective_timeout_s=self.timeout_s, staging_timeout_s=min(60.0, self.timeout_s / 2))
+
+    def _start_ranks(self, lr: float | None, start_timeout_s: float) -> None:
+        """Spawn the ``tp * pp * dp`` rank processes and the key-value store routes are staged in; wait for all."""
+        import torch.distributed as dist
+        import torch.multiprocessing as mp
+
+        from r3lab.trainers.megatron.store_backend import StoreBackend
+
         world = self.layout.world_size
         self._store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
                                     timeout=_td(max(self.timeout_s, 60.0)))
-        self._backend = StoreBackend(self._store)
-        spec = dict(model_dir=str(self.model_dir), layout=self.layout.to_dict(), dtype=dtype, lr=lr,
-                    collective_timeout_s=self.timeout_s, staging_timeout_s=min(60.0, self.timeout_s / 2))
+        self._backend: Any = StoreBackend(self._store)  # the Ray ranks' trainer puts a RayBackend here
+        spec = self._rank_spec(lr)
         ctx = mp.get_context("spawn")
         port = free_port()
         from r3lab.trainers.megatron.worker import rank_main
@@ -121,7 +135,7 @@ class MegatronTrainer(Closing, Trainer):
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs]
 
-    def _fail(self, message: str) -> MegatronTrainerError:
+    def _fail(self, message: str) -> R3LabError:
         self.close()
         return MegatronTrainerError(f"Megatron trainer ({self._describe()}): {message}; every rank was ended")
 
@@ -359,6 +373,11 @@ class MegatronTrainer(Closing, Trainer):
                                approx_kl=float(stats["approx_kl"] or 0.0),
                                grad_norm=float(replies[0]["grad_norm"]), entropy=float(ent.mean()),
                                tis_weight_mean=stats["tis_weight_mean"], logprobs=logp)
+
+    def receive_stats(self) -> list[list[dict]]:
+        """Per rank, the route chunks it received since the last call (chunk name, bytes read, seconds per phase:
+        :class:`~r3lab.staging.ReceiveStats` as dicts): what each rank fetched against its share."""
+        return self._call("staging_stats")
 
     def export_weights(self) -> Mapping[str, Any]:
         """The weights gathered from every shard, in the checkpoint's names and shapes (CPU tensors, model dtype)."""

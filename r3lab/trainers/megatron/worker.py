@@ -14,12 +14,13 @@ import dataclasses
 import datetime
 import os
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["rank_main", "RankState"]
+__all__ = ["rank_main", "build_rank", "RankState"]
 
 
 def _used_ids(routing_map: torch.Tensor, top_k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -46,6 +47,7 @@ class RankState:
         self.routers = megatron_routers(model.chunks)[0]
         self.top_k = int(model.config.moe_router_topk)
         self.params = [p for c in model.chunks for p in c.parameters()]
+        self.receive_stats: list[dict] = []  # every receive's ReceiveStats (chunk, bytes read, seconds), as dicts
         self.optimizer = None
         if lr is not None:
             for c in model.chunks:
@@ -79,9 +81,12 @@ class RankState:
         from r3lab.staging import RankCoords, StagedBatch, StagingPlan, receive
 
         plan = StagingPlan.from_dict(staged["plan"])
-        sb = StagedBatch(staged["stage_id"], plan, dict(staged["refs"]), self.backend,
-                         self.backend.tally(staged["stage_id"], plan), tuple(staged["layer_ids"]))
-        share, _ = receive(sb, RankCoords(self.dp, self.pp, 0, self.tp), 0, timeout=self.staging_timeout)
+        # the tally: the coordinator the driver sent (Ray: an actor handle), else the backend's own (the store's keys)
+        coordinator = staged["coordinator"] if "coordinator" in staged else self.backend.tally(staged["stage_id"], plan)
+        sb = StagedBatch(staged["stage_id"], plan, dict(staged["refs"]), self.backend, coordinator,
+                         tuple(staged["layer_ids"]))
+        share, stats = receive(sb, RankCoords(self.dp, self.pp, 0, self.tp), 0, timeout=self.staging_timeout)
+        self.receive_stats.append(dataclasses.asdict(stats))
         ids = shard_local(share, lay, pp_rank=self.pp, cp_rank=0, tp_rank=self.tp)
         return [torch.from_numpy(np.ascontiguousarray(a)) for a in ids]
 
@@ -287,6 +292,11 @@ class RankState:
                 p.grad.mul_(coef)
         return norm
 
+    def staging_stats(self) -> list[dict]:
+        """The receives since the last call (chunk, bytes read, seconds per phase), and forget them."""
+        out, self.receive_stats = self.receive_stats, []
+        return out
+
     def load(self, path: str) -> None:
         """This rank's shards from a safetensors file of checkpoint-named weights (the driver's ``load_weights``)."""
         from r3lab.trainers.megatron.checkpoint import load_checkpoint
@@ -306,26 +316,39 @@ class RankState:
         return out
 
 
-def rank_main(rank: int, world: int, port: int, store_port: int, conn: Any, spec: dict) -> None:
-    """A trainer rank's whole life: join, build, serve commands until ``close`` (or the pipe closes)."""
+def build_rank(rank: int, world: int, master_addr: str, port: int, spec: dict,
+               make_backend: Callable[[], Any]) -> RankState:
+    """Join the ranks' gloo world at ``master_addr:port`` and build this rank's shard: its :class:`RankState`.
+
+    ``make_backend()`` (called after the join) gives the staging backend routes arrive through. A spawned rank
+    (:func:`rank_main`) and a Ray actor (:mod:`r3lab.cluster`) start the same way."""
     import torch.distributed as dist
 
     from r3lab.slicing import ParallelLayout
     from r3lab.trainers.megatron.checkpoint import build_model
-    from r3lab.trainers.megatron.cpu import destroy_parallel, patch_megatron_for_cpu
+    from r3lab.trainers.megatron.cpu import patch_megatron_for_cpu
+
+    os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    patch_megatron_for_cpu()
+    coll = datetime.timedelta(seconds=float(spec["collective_timeout_s"]))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=coll)
+    layout = ParallelLayout.from_dict(spec["layout"])
+    model = build_model(spec["model_dir"], layout, dtype=spec["dtype"], group_routing="ignore")
+    return RankState(model, layout, make_backend(), lr=spec["lr"], staging_timeout=float(spec["staging_timeout_s"]))
+
+
+def rank_main(rank: int, world: int, port: int, store_port: int, conn: Any, spec: dict) -> None:
+    """A trainer rank's whole life: join, build, serve commands until ``close`` (or the pipe closes)."""
+    import torch.distributed as dist
+
+    from r3lab.trainers.megatron.cpu import destroy_parallel
     from r3lab.trainers.megatron.store_backend import StoreBackend
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
     try:
-        patch_megatron_for_cpu()
         coll = datetime.timedelta(seconds=float(spec["collective_timeout_s"]))
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=coll)
-        store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=coll)
-        layout = ParallelLayout.from_dict(spec["layout"])
-        model = build_model(spec["model_dir"], layout, dtype=spec["dtype"], group_routing="ignore")
-        state = RankState(model, layout, StoreBackend(store), lr=spec["lr"],
-                          staging_timeout=float(spec["staging_timeout_s"]))
+        state = build_rank(rank, world, "127.0.0.1", port, spec, lambda: StoreBackend(
+            dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=coll)))
         conn.send(("ready", dict(rank=rank, dp=state.dp, pp=state.pp, tp=state.tp, pid=os.getpid())))
     except BaseException:  # noqa: BLE001 - the driver gets the reason, then ends every rank
         conn.send(("error", traceback.format_exc()))

@@ -1,0 +1,142 @@
+"""The engine and the Megatron ranks as Ray actors on a two-node cluster (r3lab.cluster), against the local path.
+
+One two-raylet cluster per module (:func:`r3lab.testing.cluster.local_cluster`: Ray's ``cluster_utils.Cluster``,
+each raylet told its agents' ports so that it starts on a loaded 2-core machine): node A holds the custom resource
+``engine`` (1 CPU), node B holds ``trainer`` (2 CPUs). Asserted: the engine actor lands on A and both TP ranks on B
+(node ids); a quick drift through the cluster equals the local drift for the same seed bit for bit (same kernels,
+same inputs: vLLM in an actor is vLLM in a process, gloo ranks in actors are gloo ranks in processes); a 2-step RL
+run with Megatron TP2 equals the local one bit for bit; killing a rank actor mid-step ends the run within its bound,
+naming the actor and its node, leaving no rank process, and the run folder says stopped with that reason. Raylets,
+vLLM and two Megatron ranks: run under the heavy lock (``flock /tmp/r3lab-heavy.lock``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from r3lab.config import DriftConfig, RLConfig
+from r3lab.errors import ClusterError
+
+ENGINE = '{"engine": 1}'
+TRAINER = '{"trainer": 1}'
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from r3lab.testing.cluster import local_cluster
+
+    nodes = [dict(num_cpus=1, resources={"engine": 1}), dict(num_cpus=2, resources={"trainer": 2})]
+    with local_cluster(nodes) as (engine_id, trainer_id):
+        yield {"engine": engine_id, "trainer": trainer_id}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _all_gone(pids, within: float = 30.0) -> bool:
+    """Every process in ``pids`` has exited within ``within`` s (ray.kill returns before the worker process exits)."""
+    deadline = time.monotonic() + within
+    while any(_alive(p) for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def test_the_engine_and_the_ranks_land_on_their_nodes(cluster):
+    from r3lab.cluster import RayEngine, load_trainer
+    from r3lab.paths import model_dir
+    from r3lab.trainer_registry import TrainerOptions
+
+    path = model_dir("tiny-qwen3-moe")
+    with RayEngine(path, resources=ENGINE) as eng:
+        assert eng.node_id == cluster["engine"]
+        with load_trainer("megatron", path, TrainerOptions(tp=2), resources=TRAINER) as tr:
+            assert tr.node_ids == [cluster["trainer"]] * 2
+            pids = tr.pids
+        assert _all_gone(pids)
+    with pytest.raises(ClusterError, match="no node of the cluster can hold the engine actor"):
+        RayEngine(path, resources='{"GPU": 1}')
+
+
+def test_quick_drift_through_the_cluster_equals_the_local_drift(cluster, tmp_path):
+    from r3lab.experiments.drift import run_drift
+    from r3lab.runs import load
+
+    base = dict(trainer="megatron", tp=2, models=("tiny-qwen3-moe",), trainer_dtypes=("float32",), prompts=3,
+                max_tokens=8)
+    local = run_drift(DriftConfig.quick(**base), progress=False, runs_root=tmp_path, run_name="local")
+    remote = run_drift(DriftConfig.quick(**base, cluster="ray", engine_resources=ENGINE, trainer_resources=TRAINER),
+                       progress=False, runs_root=tmp_path, run_name="ray")
+    assert local[0].summary == remote[0].summary
+    a, b = load(tmp_path / "local"), load(tmp_path / "ray")
+    for col in ("logp_infer", "logp_none", "logp_r3", "flipped"):
+        assert np.array_equal(a.tokens([0])[col].to_numpy(), b.tokens([0])[col].to_numpy()), col
+    assert np.array_equal(a.routes(0, "engine").values, b.routes(0, "engine").values)
+
+
+def _rl(**kw) -> RLConfig:
+    return RLConfig.quick(trainer="megatron", tp=2, steps=2, prompts_per_step=2, samples_per_prompt=2,
+                          max_tokens=8, mini_batches=2, mode="R3", noise_every=0, **kw)
+
+
+def test_a_two_step_megatron_rl_run_through_the_cluster_equals_the_local_run(cluster, tmp_path):
+    from r3lab.experiments.rl import run_rl
+
+    local = run_rl(_rl(), progress=False, runs_root=tmp_path, run_name="local")
+    remote = run_rl(_rl(cluster="ray", engine_resources=ENGINE, trainer_resources=TRAINER), progress=False,
+                    runs_root=tmp_path, run_name="ray")
+    keys = [k for k in local.steps[0] if not k.startswith("time_")]
+    for x, y in zip(local.steps, remote.steps, strict=True):
+        assert {k: x[k] for k in keys} == {k: y[k] for k in keys}  # bit-equal: same kernels, same inputs
+
+
+def test_a_rank_killed_mid_step_ends_the_run_within_its_bound(cluster, tmp_path):
+    import ray
+
+    from r3lab.cluster import megatron as cm
+    from r3lab.experiments.rl import run_rl
+
+    seen: list = []
+    init = cm.RayMegatronTrainer._start_ranks
+
+    def keep(self, *a, **k):  # the trainer the run builds, to kill one of its ranks
+        init(self, *a, **k)
+        seen.append(self)
+
+    cm.RayMegatronTrainer._start_ranks = keep
+    bound = 60.0
+    timers: list[threading.Timer] = []
+    try:
+        def kill_rank1_on_step_1(rec):  # step 0 written: rank 1 dies half a second into step 1
+            if rec["step"] == 0:
+                timers.append(threading.Timer(0.5, lambda: ray.kill(seen[0].members[1].handle, no_restart=True)))
+                timers[-1].start()
+
+        t0 = time.monotonic()
+        with pytest.raises(ClusterError) as e:
+            run_rl(_rl(cluster="ray", engine_resources=ENGINE, trainer_resources=TRAINER, cluster_timeout=bound),
+                   progress=False, runs_root=tmp_path, run_name="killed", on_step=kill_rank1_on_step_1)
+        took = time.monotonic() - t0
+    finally:
+        cm.RayMegatronTrainer._start_ranks = init
+        for t in timers:
+            t.join(5)
+    tr = seen[0]
+    name = tr.members[1].name
+    msg = str(e.value)
+    assert name in msg and tr.members[1].node_id[:16] in msg and "every rank actor was ended" in msg
+    assert took < 300 + bound  # two steps' work plus the bound, not a hang
+    assert _all_gone(tr.pids)  # no rank process left behind
+    stopped = json.loads((tmp_path / "killed" / "stopped.json").read_text())
+    assert stopped["state"] == "stopped" and name in stopped["reason"]
