@@ -30,7 +30,6 @@ from r3lab.cluster.waits import Member, gather
 from r3lab.errors import ClusterError
 
 __all__ = [
-    "ClusterError",
     "DEFAULT_RESOURCES",
     "Member",
     "RayEngine",
