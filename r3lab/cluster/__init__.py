@@ -27,7 +27,7 @@ from r3lab.cluster.engine import RayEngine
 from r3lab.cluster.megatron import RayMegatronTrainer, RemoteWeights
 from r3lab.cluster.trainer import RayTrainer, load_trainer
 from r3lab.cluster.waits import Member, gather
-from r3lab.errors import ClusterError
+from r3lab.errors import ClusterError  # noqa: F401  (importable here as before; exported by r3lab.errors)
 
 __all__ = [
     "DEFAULT_RESOURCES",
