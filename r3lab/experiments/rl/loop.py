@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from r3lab.config import ATTACHED_RL_REASON, MODES, RL_SEEDS, RLConfig, RLMetric, run_name
+from r3lab.config import ATTACHED_RL_REASON, DEFAULT_MODES, MODES, RL_SEEDS, RLConfig, RLMetric, run_name
 from r3lab.errors import AttachError, ConfigError
 from r3lab.experiments.rl.batch import StepRollout, engine_noise_floor, sample_step
 from r3lab.experiments.rl.report import collapse_state, finish_run, write_step
@@ -23,7 +23,7 @@ from r3lab.paths import model_dir
 from r3lab.rollout import AttachedServer, RolloutEngine
 from r3lab.runs import RunWriter
 
-__all__ = ["RLRun", "StaleWeights", "run_rl", "run_comparison", "default_prefix"]
+__all__ = ["RLRun", "StaleWeights", "run_rl", "run_comparison", "default_prefix", "engine_options"]
 
 
 @dataclass
@@ -66,12 +66,23 @@ def default_prefix(model: str) -> str:
     return f"rl-{model}-{_timestamp()}"
 
 
+def engine_options(config: RLConfig, modes: Sequence[str] | None = None) -> dict[str, Any]:
+    """The ``RolloutEngine`` options the runs of ``config`` in ``modes`` (default: its own mode) need: its dtype and
+    precision, and ``capture_weights`` when one of them is R3W (the engine records its routers' top-k weights; the
+    ids, log-probs and samples are the same with and without)."""
+    modes = [config.mode] if modes is None else list(modes)
+    return {"dtype": config.engine_dtype, "engine_quant": config.engine_quant, "capture_weights": "R3W" in modes}
+
+
 def _check_engine(engine: RolloutEngine | None, config: RLConfig) -> None:
     if isinstance(engine, AttachedServer):  # before the trainer loads: its update_weights would refuse after it
         raise AttachError(f"RL cannot run on the attached server at {engine.url}: {ATTACHED_RL_REASON}")
     if engine is not None and getattr(engine, "engine_quant", "none") != config.engine_quant:
         raise ConfigError(f"the engine given runs engine_quant={engine.engine_quant!r}, the config asks for "
                           f"{config.engine_quant!r}: start it with RolloutEngine(..., engine_quant=...)")
+    if engine is not None and config.mode == "R3W" and not getattr(engine, "captures_weights", False):
+        raise ConfigError("mode R3W replays the engine's routing weights: the engine given does not capture them "
+                          "(start it with RolloutEngine(..., capture_weights=True), or engine_options(config))")
 
 
 def _record(result: StepResult, rollout: StepRollout, noise: float | None, step: int, version: int) -> dict[str, Any]:
@@ -100,7 +111,7 @@ def run_rl(config: RLConfig, *, engine: RolloutEngine | None = None, runs_root: 
     _check_engine(engine, config)
     own_engine = engine is None
     if engine is None:
-        engine = RolloutEngine(path, seed=config.seed, dtype=config.engine_dtype, engine_quant=config.engine_quant)
+        engine = RolloutEngine(path, seed=config.seed, **engine_options(config))
     writer = trainer = behaviour = None
     try:
         trainer = load_trainer(config, path)
@@ -143,7 +154,7 @@ def _run_name(config: RLConfig) -> str:
     return f"{run_name(f'rl-{config.model}', config.mode, config.seed)}-{_timestamp()}"
 
 
-def run_comparison(base: RLConfig, *, modes: Sequence[str] = MODES, seeds: Sequence[int] = RL_SEEDS,
+def run_comparison(base: RLConfig, *, modes: Sequence[str] = DEFAULT_MODES, seeds: Sequence[int] = RL_SEEDS,
                    runs_root: Any = None, prefix: str | None = None, progress: bool = True) -> list[RLRun]:
     """Every (mode, seed) of ``base`` on one engine start, written to ``runs_root`` as ``<prefix>-<mode>-s<seed>``."""
     bad = [m for m in modes if m not in MODES]
@@ -152,7 +163,7 @@ def run_comparison(base: RLConfig, *, modes: Sequence[str] = MODES, seeds: Seque
     path = model_dir(base.model, base.data)
     prefix = prefix or default_prefix(path.name)
     out = []
-    with RolloutEngine(path, seed=base.seed, dtype=base.engine_dtype, engine_quant=base.engine_quant) as engine:
+    with RolloutEngine(path, seed=base.seed, **engine_options(base, modes)) as engine:
         for seed in seeds:
             for mode in modes:
                 cfg = dataclasses.replace(base, mode=mode, seed=int(seed))
