@@ -103,7 +103,8 @@ class AblationDashboard(widgets.VBox):
         box = widgets.Layout(**CONTROL)
         self.model = widgets.Dropdown(options=list(dict.fromkeys([cfg.model, *MODELS])), value=cfg.model,
                                       description="model", tooltip=field_help("model"), style=style, layout=box)
-        self.modes = widgets.SelectMultiple(options=MODES, value=tuple(modes), description="replay modes", rows=len(MODES),
+        self.modes = widgets.SelectMultiple(options=MODES, value=tuple(modes), description="replay modes",
+                                            rows=len(MODES),
                                             tooltip=field_help("mode"), style=style, layout=widgets.Layout(**CONTROL))
         self.temperature = widgets.FloatSlider(value=cfg.temperature, min=0.1, max=max(2.0, cfg.temperature), step=0.1,
                                                readout_format=".1f", description="temperature",
