@@ -340,7 +340,7 @@ def test_r3w_refuses_an_engine_without_weights_and_a_trainer_that_replays_ids_on
         run_rl(dataclasses.replace(R3W, steps=1), engine=engine, progress=False)
     with pytest.raises(ConfigError, match="R3W"):
         RLConfig.quick(mode="R3W", trainer="megatron")
-    with pytest.raises(ConfigError, match="weight_replay"):
+    with pytest.raises(ConfigError, match="weight-replay straight applies to --mode R3W"):
         RLConfig.quick(mode="R3", weight_replay="straight")
     assert "R3W" in rl.MODES and "R3W" not in rl.DEFAULT_MODES
     assert rl.engine_options(R3W)["capture_weights"] and not rl.engine_options(QUICK)["capture_weights"]
