@@ -41,10 +41,13 @@ RESULTS = results_dir()
 REFERENCE = RESULTS / "phase"
 SEEDS = (0, 1, 2)
 STEPS = 16
+# the objectives this sweep runs: R3W (routing weights replayed too) is measured by bench/bench_r3w.py at fp8 and
+# int4 (its runs sit in the same diagram: bench/results/r3w_rl/), not across the whole dial here
+OBJECTIVES = tuple(o for o in PHASE_OBJECTIVES if o != "R3W")
 # model -> (engine_quant settings, objectives); the deep model is left out for time (see the docstring)
 GRID = {
-    "tiny-qwen3-moe": (ENGINE_QUANTS, tuple(PHASE_OBJECTIVES)),
-    "tiny-glm4-moe": (ENGINE_QUANTS, tuple(PHASE_OBJECTIVES)),
+    "tiny-qwen3-moe": (ENGINE_QUANTS, OBJECTIVES),
+    "tiny-glm4-moe": (ENGINE_QUANTS, OBJECTIVES),
 }
 STALENESS_MODEL, STALENESS_QUANT, STALENESS_MODES = "tiny-qwen3-moe", "fp8", ("none", "R3")
 
@@ -106,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.smoke:
         root = Path(args.smoke)
-        grid = {"tiny-qwen3-moe": (("none", "fp8"), tuple(PHASE_OBJECTIVES))}
+        grid = {"tiny-qwen3-moe": (("none", "fp8"), OBJECTIVES)}
         seconds = run_all(root, seeds=(0,), steps=2, grid=grid)
         print(render(root, seconds))
         return

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from r3lab.config import (
-    MODES,
+    DEFAULT_MODES,
     RL_QUICK_SEEDS,
     RL_SEEDS,
     TRAINER_DTYPES,
@@ -228,7 +228,8 @@ def _rl(args: argparse.Namespace) -> None:
     model_dir(base.model, base.data)  # fail before any engine starts
     seeds = args.seeds or list(RL_QUICK_SEEDS if args.quick else RL_SEEDS)
     root = runs_dir(args.runs, args.data)
-    runs = run_comparison(base, modes=args.modes or list(MODES), seeds=seeds, runs_root=root, prefix=args.name,
+    runs = run_comparison(base, modes=args.modes or list(DEFAULT_MODES), seeds=seeds, runs_root=root,
+                          prefix=args.name,
                           progress=not args.no_progress)
     print(comparison_table(comparison_rows([(r.config, r.steps) for r in runs])))
     for r in runs:

@@ -22,6 +22,8 @@ from r3lab.trainer_registry import TRAINER_REGISTRY, megatron_dp, trainer_spec
 
 __all__ = [
     "MODES",
+    "DEFAULT_MODES",
+    "WEIGHT_REPLAYS",
     "PHASE_OBJECTIVES",
     "STALENESS_LEVELS",
     "DTYPES",
@@ -46,7 +48,13 @@ __all__ = [
     "config_overrides",
 ]
 
-MODES = ("none", "R2", "R3")  # replay modes, one switch as verl's router_replay.mode
+MODES = ("none", "R2", "R3", "R3W")  # replay modes, one switch as verl's router_replay.mode (R3W: ids and weights)
+# what an RL comparison runs when no modes are named (r3lab rl, run_comparison, the widgets): the three the committed
+# results were made with; R3W (the engine's routing weights replayed too) is asked for by name
+DEFAULT_MODES = ("none", "R2", "R3")
+# R3W's two variants (r3lab.replay.hf.WEIGHT_REPLAY): the engine's weights with the router's gradient stopped
+# (prime-rl #3509), or the engine's weights forward and the live router's gradient back (straight-through)
+WEIGHT_REPLAYS = ("stop", "straight")
 DTYPES = ("bfloat16", "float32")
 ENGINE_QUANTS = ("none", "fp8", "int8", "int6", "int4")  # the mismatch dial (r3lab.rollout.quant: a simulation)
 _QUANT_HELP = ("the mismatch dial: simulated weight quantization of the engine's attention and expert weights "
@@ -61,6 +69,7 @@ PHASE_OBJECTIVES: dict[str, dict[str, Any]] = {
     "none": {"mode": "none", "loss": "grpo"},
     "R2": {"mode": "R2", "loss": "grpo"},
     "R3": {"mode": "R3", "loss": "grpo"},
+    "R3W": {"mode": "R3W", "loss": "grpo"},  # ids and weights replayed, router gradient stopped (bench_r3w's runs)
     "none+TIS": {"mode": "none", "loss": "grpo", "tis_cap": 2.0},  # FlashRL / TIS's truncation cap
     "R3+TIS": {"mode": "R3", "loss": "grpo", "tis_cap": 2.0},
     "GSPO": {"mode": "none", "loss": "gspo"},  # GSPO's claim: sequence ratios need no routing replay
@@ -146,6 +155,12 @@ class RLMetric:
     ENGINE_MAX_VIO = "routing/engine_max_vio"
     ROUTE_CHANGE_LAST_MB = "routing/route_change_last_mb"
     USED_ROUTE_CHANGE_LAST_MB = "routing/used_route_change_last_mb"
+    # the router's own drift (per step, mean over its mini-batches): the trainer's live routing (the current policy
+    # routing natively) against the routing its forwards replay
+    ROUTER_IDS_DRIFT = "router/live_vs_replayed_ids"  # share of (token, layer) whose top-k set differs (not "none")
+    ROUTER_ENGINE_IDS = "router/live_vs_engine_ids"  # the same against the engine's ids (every mode)
+    ROUTER_WEIGHTS_L1 = "router/live_vs_engine_weights_l1"  # L1 over experts, live vs the engine's weights (the
+    # engine captured them: R3W always; R3W's replayed weights)
     CLIP_FRAC = "train/clip_frac"
     # old_logprobs="behaviour": the two parts of the staleness mismatch, measured apart
     K3_ENGINE_TRAINER_MATCHED = "async/k3_kl_engine_trainer"  # engine vs trainer at the behaviour weights (replay's)
@@ -261,8 +276,11 @@ class RLConfig(_Config):
     """Everything that decides an RL run's numbers (same config, same numbers)."""
 
     model: str = knob("tiny-qwen3-moe", "shipped model name or model directory")
-    mode: str = knob("R3", "replay mode: none (native routing), R2 (trainer's old-policy routes), R3 (engine's)",
-                     choices=MODES)
+    mode: str = knob("R3", "replay mode: none (native routing), R2 (trainer's old-policy routes), R3 (engine's), "
+                     "R3W (engine's ids and routing weights; the engine captures them)", choices=MODES)
+    weight_replay: str = knob("stop", "R3W: stop (the engine's weights, no router gradient from the loss, as "
+                              "prime-rl #3509) or straight (the engine's weights forward, the live router's gradient "
+                              "back)", choices=WEIGHT_REPLAYS)
     steps: int = knob(60, "rollout batches (policy-update rounds) per run")
     prompts_per_step: int = knob(8, "corpus prompts per rollout batch")
     samples_per_prompt: int = knob(8, "completions per prompt (the GRPO group, >= 2)")
@@ -353,6 +371,12 @@ class RLConfig(_Config):
             raise ConfigError(f"{{trainer}} {self.trainer} runs fp32 routers (moe_router_dtype=fp32): "
                               "{router_dtype} float32", field="router_dtype", fields=("trainer",))
         self._check_parallel()
+        if self.weight_replay != "stop" and self.mode != "R3W":
+            raise ConfigError(f"{{weight_replay}} {self.weight_replay} applies to {{mode}} R3W, got {{mode}} "
+                              f"{self.mode}", field="weight_replay", fields=("mode",))
+        if self.mode == "R3W" and self.trainer != "hf":
+            raise ConfigError(f"{{mode}} R3W (the engine's routing weights replayed) runs on {{trainer}} hf; the "
+                              f"{self.trainer} trainer replays ids only", field="mode", fields=("trainer",))
         if self.engine_url is not None:
             raise ConfigError(f"{{engine_url}} {self.engine_url!r} is refused for RL: {ATTACHED_RL_REASON} (drop "
                               "{engine_url})",
@@ -522,7 +546,7 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type[_Config]) -> Non
         elif cls is RLConfig and f.name == "seed":
             default = f"default: {_fmt(RL_SEEDS)}; --quick: {_fmt(RL_QUICK_SEEDS)}"
         elif cls is RLConfig and f.name == "mode":
-            default = f"default: {' '.join(MODES)}"
+            default = f"default: {' '.join(DEFAULT_MODES)}"
         if typ is bool:  # --name / --no-name; None (not given) keeps the field's default
             parser.add_argument(*names, dest=dest, action=argparse.BooleanOptionalAction, default=None,
                                 help=f"{f.metadata.get('help', '')} ({default})")

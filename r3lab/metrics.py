@@ -17,6 +17,7 @@ __all__ = [
     "mismatch_metrics",
     "set_differs",
     "set_overlap",
+    "routing_weight_l1",
     "token_route_flips",
     "route_agreement",
     "route_change_rate",
@@ -120,6 +121,27 @@ def set_differs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Per (token, layer): whether two ``[T, L, K]`` route arrays chose different expert *sets* (order ignored)."""
     a, b = _route_pair(a, b)
     return (np.sort(a, axis=2) != np.sort(b, axis=2)).any(axis=2)
+
+
+def routing_weight_l1(ids_a: np.ndarray, w_a: np.ndarray, ids_b: np.ndarray, w_b: np.ndarray,
+                      num_experts: int) -> np.ndarray:
+    """Per (token, layer): the L1 distance between two routings as weight vectors over all ``num_experts`` experts.
+
+    Each routing is ``[T, L, K]`` expert ids and their top-k weights; an expert not chosen has weight 0. So the
+    distance is 0 exactly when both chose the same set with the same weights, and a changed choice counts with the
+    weight it moved (at most ``sum(w_a) + sum(w_b)``, 2 for renormalised weights)."""
+    a, b = _route_pair(ids_a, ids_b)
+    wa, wb = np.asarray(w_a, dtype=np.float64), np.asarray(w_b, dtype=np.float64)
+    if wa.shape != a.shape or wb.shape != b.shape:
+        raise R3LabError(f"routing weights {wa.shape} / {wb.shape} do not match their ids {a.shape} / {b.shape}")
+    if a.size and (max(int(a.max()), int(b.max())) >= num_experts or min(int(a.min()), int(b.min())) < 0):
+        raise R3LabError(f"expert ids outside [0, {num_experts})")
+    dense = np.zeros(a.shape[:2] + (num_experts,), dtype=np.float64)
+    np.put_along_axis(dense, a.astype(np.int64), wa, axis=2)
+    other = np.zeros_like(dense)
+    np.put_along_axis(other, b.astype(np.int64), wb, axis=2)
+    out: np.ndarray = np.abs(dense - other).sum(axis=2)
+    return out
 
 
 def set_overlap(a: np.ndarray, b: np.ndarray, num_experts: int) -> np.ndarray:

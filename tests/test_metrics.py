@@ -10,6 +10,7 @@ from r3lab.metrics import (
     mismatch_metrics,
     route_agreement,
     route_change_rate,
+    routing_weight_l1,
     set_differs,
     set_overlap,
     token_route_flips,
@@ -38,6 +39,19 @@ def test_route_flips_are_set_based():
     b = np.array([[[1, 0], [3, 2]], [[4, 5], [6, 1]]])  # token 0: same sets, other order; token 1: layer 1 differs
     assert set_differs(a, b).tolist() == [[False, False], [False, True]]
     assert token_route_flips(a, b).tolist() == [False, True]
+
+
+def test_routing_weight_l1_by_hand():
+    ids_a = np.array([[[0, 1]], [[0, 1]], [[2, 3]]])
+    w_a = np.array([[[0.75, 0.25]], [[0.75, 0.25]], [[0.5, 0.5]]])
+    ids_b = np.array([[[1, 0]], [[0, 1]], [[0, 1]]])  # token 0: same set in another order; token 2: disjoint
+    w_b = np.array([[[0.25, 0.75]], [[0.5, 0.5]], [[0.5, 0.5]]])
+    # token 0: identical routing; token 1: |0.75 - 0.5| + |0.25 - 0.5|; token 2: all weight moved, 1 + 1
+    assert routing_weight_l1(ids_a, w_a, ids_b, w_b, 4)[:, 0].tolist() == pytest.approx([0.0, 0.5, 2.0])
+    with pytest.raises(R3LabError, match="weights"):
+        routing_weight_l1(ids_a, w_a[:, :, :1], ids_b, w_b, 4)
+    with pytest.raises(R3LabError, match="outside"):
+        routing_weight_l1(ids_a, w_a, ids_b + 3, w_b, 4)
 
 
 def test_bad_shapes_raise():

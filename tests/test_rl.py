@@ -44,7 +44,7 @@ def spied(engine):
         return step(self, batch, update, routes=routes)
 
     runs = {}
-    for mode in rl.MODES:
+    for mode in rl.DEFAULT_MODES:  # R3W needs an engine that captures weights: its own tests below
         calls[mode] = []
         HFTrainer.score, HFTrainer.policy_step = spy_score, spy_step
         try:
@@ -283,3 +283,65 @@ def test_gspo_and_the_edges_task_in_a_quick_run(engine, monkeypatch):
     grpo = run_rl(dataclasses.replace(cfg, loss="grpo"), engine=engine, progress=False).steps
     assert grpo[0]["reward_mean"] == run.steps[0]["reward_mean"]  # the same first rollout, another objective
     assert grpo[0]["train/loss"] != run.steps[0]["train/loss"]
+
+
+# ---- R3W: the engine's ids and routing weights replayed -------------------------------------------------------------
+R3W = dataclasses.replace(QUICK, mode="R3W", prompts_per_step=1, samples_per_prompt=2, mini_batches=1, max_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def weight_engine(engine_pool):
+    """The session's engine that captures its routers' top-k weights (what R3W replays)."""
+    with engine_pool.lease(model_dir(QUICK.model), seed=0, **rl.engine_options(R3W)) as eng:
+        yield eng
+
+
+def _experts_inputs(model):
+    """Forward pre-hooks on every MoE block's experts: the routing weights each forward mixes the experts with."""
+    seen, handles = {}, []
+    for name, mod in model.named_modules():
+        if name.endswith(".mlp.experts"):
+            layer = int(name.split(".layers.")[1].split(".")[0])
+            seen[layer] = []
+            handles.append(mod.register_forward_pre_hook(
+                lambda m, args, g=layer: seen[g].append(args[2].detach().clone())))
+    return seen, handles
+
+
+@pytest.mark.parametrize("variant", ["stop", "straight"])
+def test_r3w_forwards_mix_the_experts_with_the_engines_captured_weights(weight_engine, variant):
+    cfg = dataclasses.replace(R3W, weight_replay=variant)
+    results = weight_engine.generate(["kupi kobire reti"], SamplingConfig(max_tokens=4, n=2, seed=5))
+    batch = rl.RolloutBatch.from_results(results, np.array([0.0, 1.0]), 2)
+    assert batch.engine_routes.weights is not None
+    trainer = HFTrainer.load(model_dir(cfg.model), lr=cfg.lr)
+    _, mask, _ = padded_batch(batch.tokens)
+    real = mask.reshape(-1).bool().numpy()
+    seen, handles = _experts_inputs(trainer.model)
+    try:
+        out = rl.train_step(trainer, batch, cfg, np.random.default_rng(0))
+    finally:
+        for h in handles:
+            h.remove()
+    engine_w = batch.engine_routes.select_layers(sorted(seen))
+    for j, g in enumerate(sorted(seen)):
+        want = engine_w.weights[:, j, :]
+        # the forwards of one step: the native old-policy score, the R3W old-policy score, the live router's
+        # record (router drift), the R3W policy step; the R3W ones see the captured weights bit for bit
+        same = [np.array_equal(w.numpy()[real], want) for w in seen[g]]
+        assert same == [False, True, False, True], (g, same)
+        live = seen[g][0].numpy()[real]
+        assert not np.array_equal(live, want)  # the live router's own weights differ from the engine's
+    assert out.metrics["router/live_vs_replayed_ids"] == out.metrics["router/live_vs_engine_ids"]
+    assert out.metrics["router/live_vs_engine_weights_l1"] > 0
+
+
+def test_r3w_refuses_an_engine_without_weights_and_a_trainer_that_replays_ids_only(engine):
+    with pytest.raises(ConfigError, match="capture_weights"):
+        run_rl(dataclasses.replace(R3W, steps=1), engine=engine, progress=False)
+    with pytest.raises(ConfigError, match="R3W"):
+        RLConfig.quick(mode="R3W", trainer="megatron")
+    with pytest.raises(ConfigError, match="weight-replay straight applies to --mode R3W"):
+        RLConfig.quick(mode="R3", weight_replay="straight")
+    assert "R3W" in rl.MODES and "R3W" not in rl.DEFAULT_MODES
+    assert rl.engine_options(R3W)["capture_weights"] and not rl.engine_options(QUICK)["capture_weights"]

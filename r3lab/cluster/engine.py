@@ -39,6 +39,7 @@ class EngineHost:
     def info(self) -> dict[str, Any]:
         e = self.engine
         return {**node_here(), "device": e.device, "engine_quant": e.engine_quant, "max_model_len": e.max_model_len,
+                "captures_weights": e.captures_weights,
                 "start_seconds": e.start_seconds, "weight_version": e.weight_version}
 
     def tokenizer(self) -> Any:
@@ -95,6 +96,7 @@ class RayEngine(Closing):
             self.device, self.engine_quant = info["device"], info["engine_quant"]
             self.max_model_len, self.start_seconds = info["max_model_len"], info["start_seconds"]
             self.weight_version = int(info["weight_version"])
+            self.captures_weights = bool(info["captures_weights"])
             self.tokenizer = self._get(self.member.handle.tokenizer.remote(), "tokenizer", self.timeout_s)
         except BaseException:
             self.close()

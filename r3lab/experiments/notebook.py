@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from r3lab import paths
-from r3lab.config import MODES, DriftConfig, RLConfig
+from r3lab.config import DEFAULT_MODES, DriftConfig, RLConfig
 from r3lab.errors import ConfigError
 from r3lab.runs import Run, load
 
@@ -20,7 +20,7 @@ __all__ = ["load_or_run"]
 Folders = str | os.PathLike | Sequence[str | os.PathLike] | None
 
 
-def load_or_run(folders: Folders, config: DriftConfig | RLConfig, *, modes: Sequence[str] = MODES,
+def load_or_run(folders: Folders, config: DriftConfig | RLConfig, *, modes: Sequence[str] = DEFAULT_MODES,
                 seeds: Sequence[int] = (0,), runs_dir: str | os.PathLike | None = None,
                 progress: bool = True) -> list[Run]:
     """The runs in ``folders`` (one folder or several); with none given, run ``config`` and load what it wrote.

@@ -168,6 +168,8 @@ class HFReplay:
         self.routers = find_hf_routers(model)
         self.layer_ids = list(self.routers)
         self.recorded: dict[int, list[torch.Tensor]] = {g: [] for g in self.layer_ids}
+        # RECORD mode: the router's own top-k weights of each call, float32 [tokens, top_k] (beside `recorded`)
+        self.recorded_weights: dict[int, list[torch.Tensor]] = {g: [] for g in self.layer_ids}
         self.calls: dict[int, int] = {g: 0 for g in self.layer_ids}
         self._ids: dict[int, torch.Tensor] | None = None
         self._on_device: dict[int, torch.Tensor] = {}
@@ -249,14 +251,21 @@ class HFReplay:
             out[g] = calls[call]
         return out
 
-    def to_routes(self, *, attention_mask: Any = None, cu_seqlens: Any = None, call: int = 0) -> Routes:
+    def to_routes(self, *, attention_mask: Any = None, cu_seqlens: Any = None, call: int = 0,
+                  weights: bool = False) -> Routes:
         """The recorded ids as :class:`~r3lab.routes.Routes` (layer_ids = the MoE layers).
 
         With ``attention_mask`` (``[B, S]``) padding positions are dropped and each row is one sequence;
-        otherwise the rows form the sequences given by ``cu_seqlens`` (default: one sequence).
+        otherwise the rows form the sequences given by ``cu_seqlens`` (default: one sequence). ``weights``
+        (RECORD mode): the routes carry the routers' own top-k weights too (float32, as ``Routes.weights``).
         """
         per = self.tensors(call)
         vals = np.stack([per[g].cpu().numpy() for g in self.layer_ids], axis=1)
+        w = None
+        if weights:
+            if self.mode != "record":
+                raise ReplayError("to_routes(weights=True) returns the routers' own weights: mode='record' only")
+            w = np.stack([self.recorded_weights[g][call].cpu().numpy() for g in self.layer_ids], axis=1)
         first = self.routers[self.layer_ids[0]]
         if attention_mask is not None:
             mask = torch.as_tensor(attention_mask).bool().cpu().numpy()
@@ -264,9 +273,10 @@ class HFReplay:
                 raise ReplayError(f"attention_mask has {mask.size} positions, the routers saw {vals.shape[0]} tokens")
             cu: Any = np.concatenate([[0], np.cumsum(mask.sum(axis=1))])
             vals = vals[mask.reshape(-1)]
+            w = None if w is None else w[mask.reshape(-1)]
         else:
             cu = [0, vals.shape[0]] if cu_seqlens is None else cu_seqlens
-        return Routes(vals, cu, first.num_experts, self.layer_ids)
+        return Routes(vals, cu, first.num_experts, self.layer_ids, weights=w)
 
     # ---- hooks ---------------------------------------------------------------------------------
     def _install(self) -> None:
@@ -284,9 +294,10 @@ class HFReplay:
             self.calls[g] += 1
             if not (isinstance(output, tuple) and len(output) == 3):
                 raise ReplayError(f"layer {g}: {type(module).__name__} did not return (logits, weights, indices)")
-            logits, _, indices = output
+            logits, topk_weights, indices = output
             if self.mode == "record":
                 self.recorded[g].append(indices.detach().to(torch.int64).clone())
+                self.recorded_weights[g].append(topk_weights.detach().to(torch.float32).clone())
                 return None
             if self._ids is None:
                 raise ReplayError("replay hook ran before any routes were set (call set_routes)")

@@ -177,6 +177,7 @@ def score_batch(
     grad: bool = False,
     entropy: bool = False,
     weights: str | None = None,
+    record_weights: bool = False,
 ) -> Scores:
     """One forward over a right-padded batch ``ids [B, S]``; scores the positions where ``scored [B, S]`` is True.
 
@@ -185,7 +186,10 @@ def score_batch(
     returns the ids the routers used (their own, or under replay the replayed ones). ``attention_mask``
     None (or all ones) runs the plain causal forward. ``weights`` (``"stop"``, ``"straight"``; needs ``routes``
     that carry routing weights) also replays the engine's routing weights (:func:`~r3lab.replay.hf.hf_replay`).
+    ``record_weights`` (with ``record``, no ``routes``): the recorded routes carry the routers' own top-k weights.
     """
+    if record_weights and (not record or routes is not None):
+        raise ReplayError("record_weights records the routers' own weights: it needs record=True and no routes")
     if ids.ndim != 2 or scored.shape != ids.shape:
         raise ReplayError(f"ids and scored must both be [B, S], got {tuple(ids.shape)} and {tuple(scored.shape)}")
     scored = scored.bool()
@@ -219,8 +223,8 @@ def score_batch(
     ent = -(lp.exp() * lp).sum(-1)[sel] if entropy else None
     used = None
     if record:
-        used = rep.to_routes(attention_mask=mask) if mask is not None else rep.to_routes(
-            cu_seqlens=np.arange(ids.shape[0] + 1) * ids.shape[1])
+        used = rep.to_routes(attention_mask=mask, weights=record_weights) if mask is not None else rep.to_routes(
+            cu_seqlens=np.arange(ids.shape[0] + 1) * ids.shape[1], weights=record_weights)
     return Scores(out, ent, used)
 
 

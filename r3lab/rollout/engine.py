@@ -156,6 +156,11 @@ class RolloutEngine(Closing):
                 pass
             del llm
 
+    @property
+    def captures_weights(self) -> bool:
+        """Whether this engine records its routers' top-k weights beside the ids (``capture_weights=True``)."""
+        return self._weights is not None
+
     # ---- generation -----------------------------------------------------------------------------
     def encode_prompts(self, prompts: Sequence[str | Sequence[int]], max_tokens: int = 1) -> list[list[int]]:
         """Token ids of each prompt, checked: non-empty, plain ints in the vocabulary, fits the context."""

@@ -46,6 +46,7 @@ class HFTrainer(Trainer):
 
     name = "hf"
     batch_forward = True  # score() runs a multi-sample batch as one padded forward
+    records_weights = True  # score(record=True, record_weights=True): the routers' own top-k weights too
 
     def __init__(self, model: torch.nn.Module, *, lr: float | None = None):
         self.model = model
@@ -64,9 +65,11 @@ class HFTrainer(Trainer):
         return cls(model, lr=lr)
 
     def score(self, batch: TokenBatch, *, routes: Routes | None = None, record: bool = False,
-              entropy: bool = False, weights: str | None = None) -> TrainerScores:
+              entropy: bool = False, weights: str | None = None, record_weights: bool = False) -> TrainerScores:
+        """:meth:`Scorer.score <r3lab.trainers.base.Scorer.score>`; ``record_weights`` (with ``record``, native
+        routing): the recorded routes carry the routers' own top-k weights (the RL loop's router drift)."""
         s = score_batch(self.model, *padded_batch(batch), routes=routes, record=record, entropy=entropy,
-                        weights=weights)
+                        weights=weights, record_weights=record_weights)
         return TrainerScores(_numpy(s.logprobs), s.routes, _numpy(s.entropy))
 
     def policy_step(self, batch: TokenBatch, update: PolicyUpdate, *, routes: Routes | None = None,

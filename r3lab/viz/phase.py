@@ -32,6 +32,7 @@ OBJECTIVE_STYLES: dict[str, tuple[str, str, str]] = {
     "none": (MODE_COLORS["none"], "solid", "circle"),
     "R2": (MODE_COLORS["R2"], "solid", "square"),
     "R3": (MODE_COLORS["R3"], "solid", "circle"),
+    "R3W": (MODE_COLORS["R3W"], "solid", "x"),
     "none+TIS": (MODE_COLORS["none"], "dash", "diamond"),
     "R3+TIS": (MODE_COLORS["R3"], "dash", "diamond"),
     "GSPO": (mode_color("GSPO"), "dot", "triangle-up"),

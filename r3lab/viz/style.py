@@ -23,7 +23,8 @@ from r3lab.errors import R3LabError
 __all__ = ["MODE_COLORS", "mode_color", "SOURCE_COLORS", "ONE_COLUMN", "TWO_COLUMN", "TEMPLATE", "FLIP_COLOR",
            "NOTEBOOK_CONFIG", "NOT_DRAWN", "LabFigure", "finish", "plural", "wrap"]
 
-MODE_COLORS = {"none": "#7f7f7f", "R2": "#1f77b4", "R3": "#d62728"}  # one colour per replay mode, everywhere
+# one colour per replay mode, everywhere
+MODE_COLORS = {"none": "#7f7f7f", "R2": "#1f77b4", "R3": "#d62728", "R3W": "#9467bd"}
 SOURCE_COLORS = {"engine": "#1b9e77", "trainer": "#7570b3"}  # engine vs trainer: never a mode's colour
 ONE_COLUMN = {"width": 520, "height": 380}  # px at scale 1; a paper's single column
 TWO_COLUMN = {"width": 1100, "height": 460}

@@ -14,7 +14,7 @@ from typing import Any
 import ipywidgets as widgets
 import plotly.graph_objects as go
 
-from r3lab.config import MODES, RL_TRAINERS, RLConfig
+from r3lab.config import DEFAULT_MODES, MODES, RL_TRAINERS, RLConfig
 from r3lab.errors import ConfigError, R3LabError
 from r3lab.labels import axis_title, label
 from r3lab.moe_layout import MoELayout
@@ -88,7 +88,7 @@ class AblationDashboard(widgets.VBox):
     """
 
     def __init__(self, runs_root: str | os.PathLike | None = None, export_dir: str | os.PathLike | None = None, *,
-                 modes: Sequence[str] = MODES, config: RLConfig | None = None, metric: str = "mismatch/k3_kl",
+                 modes: Sequence[str] = DEFAULT_MODES, config: RLConfig | None = None, metric: str = "mismatch/k3_kl",
                  interval: float = 0.5, **knobs: Any):
         self.config = rl_config(config, **knobs)  # what the controls start from, and every knob they do not show
         cfg = self.config
@@ -103,7 +103,8 @@ class AblationDashboard(widgets.VBox):
         box = widgets.Layout(**CONTROL)
         self.model = widgets.Dropdown(options=list(dict.fromkeys([cfg.model, *MODELS])), value=cfg.model,
                                       description="model", tooltip=field_help("model"), style=style, layout=box)
-        self.modes = widgets.SelectMultiple(options=MODES, value=tuple(modes), description="replay modes", rows=3,
+        self.modes = widgets.SelectMultiple(options=MODES, value=tuple(modes), description="replay modes",
+                                            rows=len(MODES),
                                             tooltip=field_help("mode"), style=style, layout=widgets.Layout(**CONTROL))
         self.temperature = widgets.FloatSlider(value=cfg.temperature, min=0.1, max=max(2.0, cfg.temperature), step=0.1,
                                                readout_format=".1f", description="temperature",

@@ -1,7 +1,7 @@
 """The mismatch dial: pick a point of the phase diagram, run it, and see it land beside the committed runs.
 
 Controls: model, engine precision (the dial, ``engine_quant``: none down to int4, a simulation of weight
-quantization), objective (a key of :data:`r3lab.config.PHASE_OBJECTIVES`: none, R2, R3, none+TIS, R3+TIS, GSPO),
+quantization), objective (a key of :data:`r3lab.config.PHASE_OBJECTIVES`: none, R2, R3, R3W, none+TIS, R3+TIS, GSPO),
 seed and RL steps. **Start** runs ``r3lab rl`` in a child process with exactly that config (:func:`start_rl`, every
 field spelled out by :meth:`RLConfig.to_cli_args`), follows it live (the live figures of :mod:`.live`), and when it
 finishes puts its :func:`~r3lab.runs.phase.phase_record` on the phase diagram as a star beside the committed records.

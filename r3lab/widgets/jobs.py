@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from r3lab._process import Closing, end_process_group
-from r3lab.config import MODES, RL_QUICK_SEEDS, RLConfig, run_names
+from r3lab.config import DEFAULT_MODES, MODES, RL_QUICK_SEEDS, RLConfig, run_names
 from r3lab.errors import ConfigError
 from r3lab.paths import runs_dir
 from r3lab.runs import RunFollower, mark_stopped
@@ -111,7 +111,8 @@ def rl_config(config: RLConfig | None = None, **knobs: Any) -> RLConfig:
         raise _as_keywords(e) from e
 
 
-def start_rl(runs_root: str | os.PathLike | None = None, *, prefix: str | None = None, modes: Sequence[str] = MODES,
+def start_rl(runs_root: str | os.PathLike | None = None, *, prefix: str | None = None,
+             modes: Sequence[str] = DEFAULT_MODES,
              seeds: Sequence[int] = RL_QUICK_SEEDS, config: RLConfig | None = None, **knobs: Any) -> RLJob:
     """Start an RL comparison (one run per mode and seed, named ``<prefix>-<mode>-s<seed>``) in a child process.
 

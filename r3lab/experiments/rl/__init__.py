@@ -1,4 +1,4 @@
-"""A small GRPO loop on CPU that compares routing replay modes: none, R2 and R3.
+"""A small GRPO loop on CPU that compares routing replay modes: none, R2, R3 and R3W.
 
 Each step: the embedded engine (vLLM) samples ``samples_per_prompt`` completions of corpus prompts with
 the policy it holds (``staleness`` updates behind the trainer); a verifiable reward scores them; the
@@ -12,6 +12,17 @@ Replay modes (one switch, as verl's ``router_replay.mode``):
   in every mini-batch forward and backward of that batch (on the first mini-batch this is a no-op).
 * ``R3``: the engine's routes are replayed in the old-log-prob recompute and in every mini-batch forward
   and backward.
+* ``R3W`` (routing-weight replay, prime-rl #3509 "Total Router Recall"): as R3, and the experts are mixed with the
+  engine's own top-k routing weights (the engine captures them: ``RolloutEngine(capture_weights=True)``, which
+  :func:`engine_options` asks for) instead of the weights the trainer's router computes at the replayed ids.
+  ``weight_replay="stop"`` (the default, #3509's variant): the weights are constants, so the loss sends no gradient
+  into the routers (they still move through the layers below them); ``"straight"``: the engine's weights forward,
+  the live rule's gradient back (straight-through), so the routers keep learning. transformers trainer only.
+
+Every step also logs the router's own drift (``router/*``, :class:`~r3lab.config.RLMetric`): per mini-batch, the
+current policy's live routing (what its routers choose natively) against the ids the forward replays (R2, R3,
+R3W), against the engine's ids (every mode), and the L1 over experts between the live and the engine's routing
+weights (where the engine captured them: always under R3W).
 
 Orthogonal: truncated importance sampling (``tis_cap``) weights each token's loss by
 ``min(pi_old_trainer / pi_engine, cap)``, as verl/slime apply it.
@@ -58,6 +69,7 @@ One job per module: :mod:`~r3lab.experiments.rl.batch` (a step's rollouts, rewar
 
 
 from r3lab.config import (
+    DEFAULT_MODES,  # noqa: F401  (importable here as before; exported by r3lab.config)
     MODES,  # noqa: F401  (importable here as before; exported by r3lab.config)
     OLD_LOGPROBS,  # noqa: F401  (importable here as before; exported by r3lab.config)
     RLConfig,  # noqa: F401  (importable here as before; exported by r3lab.config)
@@ -65,7 +77,7 @@ from r3lab.config import (
 from r3lab.experiments.multiturn import rollout_turns as rollout_turns  # reachable here as before
 from r3lab.experiments.rl.batch import RolloutBatch
 from r3lab.experiments.rl.batch import step_samples as step_samples
-from r3lab.experiments.rl.loop import RLRun, run_comparison, run_rl
+from r3lab.experiments.rl.loop import RLRun, engine_options, run_comparison, run_rl
 from r3lab.experiments.rl.old_policy import OldPolicy, old_policy
 from r3lab.experiments.rl.report import COMPARISON_METRICS, collapse_summary, comparison_rows, comparison_table
 from r3lab.experiments.rl.trainer import load_trainer, scorer_at, trainer_notes
@@ -87,6 +99,7 @@ __all__ = [
     "train_step",
     "run_rl",
     "run_comparison",
+    "engine_options",
     "collapse_summary",
     "comparison_rows",
     "comparison_table",

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from r3lab.config import ATTACHED_RL_REASON, MODES, RL_SEEDS, RLConfig, RLMetric, run_name
+from r3lab.config import ATTACHED_RL_REASON, DEFAULT_MODES, MODES, RL_SEEDS, RLConfig, RLMetric, run_name
 from r3lab.errors import AttachError, ConfigError
 from r3lab.experiments.rl.batch import StepRollout, engine_noise_floor, sample_step
 from r3lab.experiments.rl.report import collapse_state, finish_run, write_step
@@ -23,7 +23,7 @@ from r3lab.paths import model_dir
 from r3lab.rollout import AttachedServer, RolloutEngine
 from r3lab.runs import RunWriter, mark_stopped
 
-__all__ = ["RLRun", "StaleWeights", "run_rl", "run_comparison", "default_prefix", "start_engine"]
+__all__ = ["RLRun", "StaleWeights", "run_rl", "run_comparison", "default_prefix", "engine_options", "start_engine"]
 
 
 @dataclass
@@ -66,10 +66,18 @@ def default_prefix(model: str) -> str:
     return f"rl-{model}-{_timestamp()}"
 
 
-def start_engine(config: RLConfig, path: Any) -> Any:
-    """The engine ``config`` asks for: in this process, or in a Ray actor placed by ``config.engine_resources``
-    (``config.cluster``; :class:`r3lab.cluster.RayEngine`, the same calls)."""
-    opts: dict[str, Any] = dict(seed=config.seed, dtype=config.engine_dtype, engine_quant=config.engine_quant)
+def engine_options(config: RLConfig, modes: Sequence[str] | None = None) -> dict[str, Any]:
+    """The ``RolloutEngine`` options the runs of ``config`` in ``modes`` (default: its own mode) need: its dtype and
+    precision, and ``capture_weights`` when one of them is R3W (the engine records its routers' top-k weights; the
+    ids, log-probs and samples are the same with and without)."""
+    modes = [config.mode] if modes is None else list(modes)
+    return {"dtype": config.engine_dtype, "engine_quant": config.engine_quant, "capture_weights": "R3W" in modes}
+
+
+def start_engine(config: RLConfig, path: Any, modes: Sequence[str] | None = None) -> Any:
+    """The engine ``config`` asks for (with :func:`engine_options` for ``modes``): in this process, or in a Ray actor
+    placed by ``config.engine_resources`` (``config.cluster``; :class:`r3lab.cluster.RayEngine`, the same calls)."""
+    opts: dict[str, Any] = dict(seed=config.seed, **engine_options(config, modes))
     if config.cluster is not None:
         from r3lab.cluster import RayEngine
 
@@ -84,6 +92,9 @@ def _check_engine(engine: RolloutEngine | None, config: RLConfig) -> None:
     if engine is not None and getattr(engine, "engine_quant", "none") != config.engine_quant:
         raise ConfigError(f"the engine given runs engine_quant={engine.engine_quant!r}, the config asks for "
                           f"{config.engine_quant!r}: start it with RolloutEngine(..., engine_quant=...)")
+    if engine is not None and config.mode == "R3W" and not getattr(engine, "captures_weights", False):
+        raise ConfigError("mode R3W replays the engine's routing weights: the engine given does not capture them "
+                          "(start it with RolloutEngine(..., capture_weights=True), or engine_options(config))")
 
 
 def _record(result: StepResult, rollout: StepRollout, noise: float | None, step: int, version: int) -> dict[str, Any]:
@@ -160,7 +171,7 @@ def _run_name(config: RLConfig) -> str:
     return f"{run_name(f'rl-{config.model}', config.mode, config.seed)}-{_timestamp()}"
 
 
-def run_comparison(base: RLConfig, *, modes: Sequence[str] = MODES, seeds: Sequence[int] = RL_SEEDS,
+def run_comparison(base: RLConfig, *, modes: Sequence[str] = DEFAULT_MODES, seeds: Sequence[int] = RL_SEEDS,
                    runs_root: Any = None, prefix: str | None = None, progress: bool = True) -> list[RLRun]:
     """Every (mode, seed) of ``base`` on one engine start, written to ``runs_root`` as ``<prefix>-<mode>-s<seed>``."""
     bad = [m for m in modes if m not in MODES]
@@ -169,7 +180,7 @@ def run_comparison(base: RLConfig, *, modes: Sequence[str] = MODES, seeds: Seque
     path = model_dir(base.model, base.data)
     prefix = prefix or default_prefix(path.name)
     out = []
-    with start_engine(base, path) as engine:
+    with start_engine(base, path, modes) as engine:
         for seed in seeds:
             for mode in modes:
                 cfg = dataclasses.replace(base, mode=mode, seed=int(seed))

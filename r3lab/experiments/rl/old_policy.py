@@ -16,14 +16,26 @@ from r3lab.experiments.rl.batch import RolloutBatch
 from r3lab.routes import Routes
 from r3lab.trainers import Scorer, Trainer
 
-__all__ = ["OldPolicy", "old_policy"]
+__all__ = ["OldPolicy", "old_policy", "replay_weights"]
+
+
+def replay_weights(config: RLConfig) -> dict[str, Any]:
+    """The keyword a trainer's forward takes under the mode: R3W replays the engine's routing weights beside its ids
+    (``weights=config.weight_replay``: ``"stop"``, the router's gradient stopped as prime-rl #3509, or
+    ``"straight"``); every other mode passes nothing (the live router's weights at the ids it uses)."""
+    if config.mode != "R3W":
+        return {}
+    if config.trainer != "hf":
+        raise ConfigError(f"mode R3W runs on the hf trainer; the {config.trainer} trainer replays ids only")
+    return {"weights": config.weight_replay}
 
 
 @dataclass(frozen=True)
 class OldPolicy:
     """The old policy on a rollout batch: the log-probs the loss divides by, its own routes, and their diagnostics."""
 
-    logp_old: np.ndarray  # [N] the loss's old log-probs (R3: replaying the engine's routes; else native)
+    logp_old: np.ndarray  # [N] the loss's old log-probs (R3: replaying the engine's routes, R3W its ids and
+    # weights; else native)
     logp_native: np.ndarray  # [N] the trainer's own routing
     native_routes: Routes  # what the trainer routed natively: R2's replay data
     metrics: dict[str, Any]  # mismatch/* and routing/* of the step
@@ -46,8 +58,8 @@ def old_policy(trainer: Trainer, batch: RolloutBatch, config: RLConfig, *,
         raise ConfigError("old_logprobs='behaviour' needs the behaviour scorer (scorer_at(config, path, weights))")
     ref = behaviour if matched and behaviour is not None else trainer
     native = ref.score(batch.tokens, record=True)
-    if config.mode == "R3":
-        logp_old = ref.score(batch.tokens, routes=batch.engine_routes).logprobs
+    if config.mode in ("R3", "R3W"):
+        logp_old = ref.score(batch.tokens, routes=batch.engine_routes, **replay_weights(config)).logprobs
     else:
         logp_old = native.logprobs
     mismatch = metrics.mismatch_metrics(batch.sampled(logp_old), batch.sampled(batch.logp_infer),
@@ -79,8 +91,9 @@ def _proximal(trainer: Trainer, batch: RolloutBatch, config: RLConfig, behaviour
     """Matched weights: the proximal policy (the current weights, the mode's routing: R3 the engine's routes, R2 the
     routes recorded at the behaviour weights), the split of the mismatch, and the decoupled objective's weights."""
     current = trainer.score(batch.tokens, record=True)
-    replay = {"R2": behaviour_native.routes, "R3": batch.engine_routes}.get(config.mode)
-    logp_prox = current.logprobs if replay is None else trainer.score(batch.tokens, routes=replay).logprobs
+    replay = {"R2": behaviour_native.routes, "R3": batch.engine_routes, "R3W": batch.engine_routes}.get(config.mode)
+    logp_prox = current.logprobs if replay is None else trainer.score(batch.tokens, routes=replay,
+                                                                      **replay_weights(config)).logprobs
     prox, behav, infer = (batch.sampled(a) for a in (logp_prox, logp_behaviour, batch.logp_infer))
     rec[RLMetric.K3_ENGINE_TRAINER_MATCHED] = metrics.k3_kl(behav, infer)
     rec[RLMetric.K3_POLICY_LAG] = metrics.k3_kl(prox, behav)

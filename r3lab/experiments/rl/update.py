@@ -12,7 +12,8 @@ import numpy as np
 from r3lab import metrics
 from r3lab.config import RLConfig, RLMetric
 from r3lab.experiments.rl.batch import RolloutBatch
-from r3lab.experiments.rl.old_policy import OldPolicy, old_policy
+from r3lab.experiments.rl.old_policy import OldPolicy, old_policy, replay_weights
+from r3lab.routes import Routes
 from r3lab.trainers import PolicyUpdate, Scorer, TokenBatch, Trainer
 
 __all__ = ["UPDATE_STATS", "StepResult", "policy_updates", "train_step"]
@@ -44,15 +45,22 @@ def policy_updates(trainer: Trainer, batch: RolloutBatch, old: OldPolicy, config
     stats: dict[str, list[float]] = {k: [] for k in UPDATE_STATS}
     precursors: dict[str, list[float]] = {k: [] for k in _PRECURSORS}
     first_mb_gap = trainer_floor = 0.0
+    drift: dict[str, list[float]] = {k: [] for k in _ROUTER_DRIFT}
+    # the live router's weights too, where the engine captured its own (R3W; any mode on an engine capturing them)
+    with_weights = bool(getattr(trainer, "records_weights", False)) and batch.engine_routes.weights is not None
     for mb, idx in enumerate(np.sort(c) for c in chunks):
         sub = batch.tokens.take(idx)
         sel = np.isin(tok_sample, idx)
         # what the current policy would route natively, against the old policy's routes (what R2 freezes)
-        now = trainer.score(sub, record=True)
+        weighing: Any = trainer  # records_weights: score() takes record_weights (HFTrainer)
+        now = weighing.score(sub, record=True, record_weights=True) if with_weights else trainer.score(sub, record=True)
         old_sub = old.native_routes.take(idx)
         stats["route_change"].append(float(metrics.set_differs(old_sub.values, now.routes.values).mean()))
-        replay = {"R2": old_sub, "R3": batch.engine_routes.take(idx)}.get(config.mode)
-        step = trainer.policy_step(sub, _policy_update(batch, old, config, sub, sel), routes=replay)
+        engine_sub = batch.engine_routes.take(idx)
+        replay = {"R2": old_sub, "R3": engine_sub, "R3W": engine_sub}.get(config.mode)
+        _router_drift(drift, now.routes, replay, engine_sub)
+        step = trainer.policy_step(sub, _policy_update(batch, old, config, sub, sel), routes=replay,
+                                   **replay_weights(config))
         # the routes this forward actually used, against the old policy's: 0 for R2 by construction
         used = now.routes if replay is None else replay.select_layers(now.routes.layer_ids)
         stats["used_route_change"].append(float(metrics.set_differs(old_sub.values, used.values).mean()))
@@ -65,12 +73,13 @@ def policy_updates(trainer: Trainer, batch: RolloutBatch, old: OldPolicy, config
         if step.tis_weight_mean is not None:
             stats["tis_weight_mean"].append(step.tis_weight_mean)
         # the current policy (this forward, before its step) against the old policy on these tokens
-        drift = step.logprobs - old.logp_old[sel]
+        dlogp = step.logprobs - old.logp_old[sel]
         precursors["clip_frac"].append(step.clip_frac)
         precursors["grad_norm"].append(step.grad_norm)
-        precursors["policy_abs_dlogp"].append(float(np.abs(drift).max()))
-        precursors["policy_is_ess"].append(metrics.effective_sample_size(drift))
+        precursors["policy_abs_dlogp"].append(float(np.abs(dlogp).max()))
+        precursors["policy_is_ess"].append(metrics.effective_sample_size(dlogp))
     rec: dict[str, Any] = {f"train/{k}": float(np.mean(v)) if v else None for k, v in stats.items()}
+    rec.update({k: float(np.mean(v)) if v else None for k, v in drift.items()})
     rec[RLMetric.CLIP_FRAC_MAX] = max(precursors["clip_frac"])
     rec["train/grad_norm_max"] = max(precursors["grad_norm"])
     rec[RLMetric.POLICY_ABS_DIFF_MAX] = max(precursors["policy_abs_dlogp"])
@@ -82,6 +91,24 @@ def policy_updates(trainer: Trainer, batch: RolloutBatch, old: OldPolicy, config
     # the trainer against itself: the same tokens under the same weights, scored in another batch composition
     rec["noise/k3_kl_trainer_vs_trainer"] = trainer_floor
     return rec, np.sort(chunks[0])
+
+
+_ROUTER_DRIFT = (RLMetric.ROUTER_IDS_DRIFT, RLMetric.ROUTER_ENGINE_IDS, RLMetric.ROUTER_WEIGHTS_L1)
+
+
+def _router_drift(out: dict[str, list[float]], live: Any, replay: Routes | None, engine: Routes) -> None:
+    """The router's own drift on one mini-batch: the current policy's live routing (``live``, recorded natively)
+    against what this mini-batch's forward replays (``replay``: R2 the old policy's ids, R3/R3W the engine's; none
+    replays nothing) and against the engine's ids and, where both carry them, weights (R3W: the replayed ones)."""
+    layers = live.layer_ids
+    eng = engine.select_layers(layers)
+    if replay is not None:
+        out[RLMetric.ROUTER_IDS_DRIFT].append(float(metrics.set_differs(
+            replay.select_layers(layers).values, live.values).mean()))
+    out[RLMetric.ROUTER_ENGINE_IDS].append(float(metrics.set_differs(eng.values, live.values).mean()))
+    if live.weights is not None and eng.weights is not None:
+        out[RLMetric.ROUTER_WEIGHTS_L1].append(float(metrics.routing_weight_l1(
+            eng.values, eng.weights, live.values, live.weights, live.num_experts).mean()))
 
 
 def _policy_update(batch: RolloutBatch, old: OldPolicy, config: RLConfig, sub: TokenBatch,
