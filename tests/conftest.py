@@ -76,26 +76,6 @@ def _no_stdlib_distutils_left_behind():
             del sys.modules[name]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _no_process_group_left_behind():
-    """Each test file starts without a torch.distributed group: a file that built a one-rank gloo group in this
-    process (Megatron's parallel state needs one) and kept it for its own tests has it torn down when the file ends,
-    Megatron's model-parallel groups and router-replay registry first, so the next file (and the check in
-    tests/test_trainer_megatron.py that the trainer module imports without one) sees a fresh process."""
-    import sys
-
-    yield
-    dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized():
-        return
-    if "megatron.core" in sys.modules:
-        from r3lab.trainers.megatron.cpu import destroy_parallel
-
-        destroy_parallel(keep_process_group=False)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark each test with its file's tiers (:data:`TIERS`), and every test of a slow tier with ``slow``."""
     for item in items:

@@ -418,7 +418,6 @@ from r3lab.testing import megatron as mc  # noqa: E402  (megatron-core is a test
 def megatron_world():
     mc.init_cpu_parallel()  # also patches megatron for CPU, recomputation's RNG state included
     yield
-    mc.destroy_cpu_parallel(keep_process_group=False)
 
 
 @pytest.fixture(autouse=True)

@@ -240,7 +240,16 @@ def test_a_megatron_rl_run_at_matched_weights_names_glms_group_routing(tmp_path,
 
 
 def test_megatron_trainer_module_imports_without_torch_distributed_state():
-    assert not torch.distributed.is_initialized()
+    """Importing the trainer (and Megatron's CPU support) starts no torch.distributed group: checked in a fresh
+    interpreter, since this process may hold a vLLM engine's own gloo group (the session's engine pool)."""
+    import subprocess
+    import sys
+
+    code = ("import torch.distributed as d, r3lab.trainers.megatron.trainer, r3lab.trainers.megatron.cpu; "
+            "print(d.is_initialized())")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "False", r.stdout
 
 
 # ---- bf16 -------------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from r3lab.config import MODES, RLConfig, run_names
+from r3lab.config import DEFAULT_MODES, RLConfig, run_names
 from r3lab.errors import ConfigError, R3LabError, RunFormatError
 from r3lab.runs import FollowedRun, RunFollower, load, load_runs, reference_runs_dir
 from r3lab.viz import MODE_COLORS
@@ -171,7 +171,7 @@ def test_a_monitor_started_before_the_job_creates_its_folder_waits_for_it(tmp_pa
 def test_start_rl_refuses_bad_arguments_before_starting_anything(tmp_path):
     for kwargs, match in ((dict(modes=["R4"]), "^mode must be one of"), (dict(modes=[]), "replay mode"),
                           (dict(samples_per_prompt=1), "^samples_per_prompt must be >= 2"),
-                          (dict(stpes=3), r"no knob\(s\) \['stpes'\]; the knobs are model, mode, steps, "),
+                          (dict(stpes=3), r"no knob\(s\) \['stpes'\]; the knobs are model, mode, weight_replay, "),
                           (dict(prompts_per_step=3, samples_per_prompt=3, mini_batches=2), r"\(mini_batches\)"),
                           (dict(seeds=[]), "seed"), (dict(lr=0), "^lr, clip_eps"), (dict(mode="R3"), "modes=\\[...\\]"),
                           (dict(no_such_knob=1), "no knob.*no_such_knob")):
@@ -201,7 +201,7 @@ def test_the_dashboards_controls_start_from_rl_config(tmp_path):
     quick = RLConfig.quick()
     dash = AblationDashboard(tmp_path)
     try:
-        assert dash.config == quick and dash.modes.value == MODES
+        assert dash.config == quick and dash.modes.value == DEFAULT_MODES  # R3W is asked for by name
         assert (dash.model.value, dash.temperature.value, dash.dtypes.value) == (
             quick.model, quick.temperature, (quick.engine_dtype, quick.trainer_dtype))
         shown = {"prompts_per_step": dash.prompts, "samples_per_prompt": dash.samples, "steps": dash.steps}
