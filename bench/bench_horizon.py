@@ -1,7 +1,8 @@
 """The long horizon: hundreds of RL steps per run, to see whether the train-inference mismatch grows without replay.
 
-tiny-qwen3-moe on the ``ladder`` task (r3lab.experiments.tasks.LadderTask: a graded reward with room to learn),
-the quick RL sizes (4 prompts x 8 samples x 16 tokens, 2 mini-batches, lr 3e-3) for ``STEPS`` steps, engine
+tiny-qwen3-moe on the ``chain`` task (r3lab.experiments.tasks.ChainTask: a graded reward that its pilot,
+horizon_pilot.md, showed still improving at step 300 for none, R2 and R3), the quick RL sizes with 32-token
+responses (4 prompts x 8 samples x 32 tokens, 2 mini-batches, lr 3e-4: the pilot's setting) for ``STEPS`` steps, engine
 ``int4`` then ``fp8`` (the simulated weight quantization of ``--engine-quant``), modes none / R2 / R3 / none+TIS,
 ``SEEDS``; then the collapse search (``SEARCH``): int4, none and R3, one seed, each setting pushed where none should
 break first (higher lr, more updates per batch, longer responses, staleness at matched weights).
@@ -30,6 +31,7 @@ import json
 import platform
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -42,32 +44,34 @@ from r3lab.paths import results_dir  # noqa: E402
 RESULTS = results_dir()
 REFERENCE = RESULTS / "horizon"
 MODEL = "tiny-qwen3-moe"
-TASK = "ladder"
+TASK = "chain"
+LR, MAX_TOKENS = 3e-4, 32  # r3lab.runs.horizon.HORIZON_BASE holds the same values (a test checks they agree)
 STEPS = 300
 SEEDS = (0, 1, 2)
 QUANTS = ("int4", "fp8")
 MODES = ("none", "R2", "R3", "none+TIS")  # objectives of r3lab.config.PHASE_OBJECTIVES
 # the collapse search: name -> RLConfig overrides on the int4 sweep's config, run for none and R3 on seed 0
 SEARCH = {
-    "lr1e-2": {"lr": 1e-2},
+    "lr3e-3": {"lr": 3e-3},
     "mb8": {"mini_batches": 8},
     "t64": {"max_tokens": 64},
     "stale2": {"staleness": 2, "old_logprobs": "behaviour"},
 }
 SEARCH_MODES, SEARCH_SEEDS = ("none", "R3"), (0,)
-# how the committed sweep ran: 4 workers at once (--match int4-<mode>-s*), nice 10, one engine each, with
-# OMP_NUM_THREADS=1. A rerun with `r3lab rl` and a run's config reproduces its steps exactly only with that thread
+# how the committed chain sweep ran: 2 workers at once (--worker 0/2, 1/2), nice 19, one engine each, with
+# OMP_NUM_THREADS=1 (the earlier ladder sweep: 4 workers, --match int4-<mode>-s*, nice 10). A rerun with `r3lab rl` and a run's config reproduces its steps exactly only with that thread
 # count too (measured: int4-R2-s0, steps 0-35 of `OMP_NUM_THREADS=1 <Run.rerun_command()>`, every non-timing key
 # equal; with the default threads the float metrics differ at ~1e-7 from step 0 and the samples from step 2). Runs
 # written since record it (config.json "threads", r3lab.runs.writer.threads; Run.rerun_command() puts it first);
 # the committed ladder runs predate that and hold none
-WORKERS = 4
+WORKERS = 2
 
 
 def base_config(**overrides) -> RLConfig:
-    """The sweep's config: quick sizes, the ladder task, ``STEPS`` steps, no engine noise-floor probe (its prefill
+    """The sweep's config: quick sizes with ``MAX_TOKENS`` tokens and lr ``LR``, the chain task, ``STEPS`` steps, no engine noise-floor probe (its prefill
     every 10 steps is time the sweep does not have; the phase runs measured that floor at 0)."""
-    kw = {"model": MODEL, "task": TASK, "steps": STEPS, "noise_every": 0, **overrides}
+    kw = {"model": MODEL, "task": TASK, "steps": STEPS, "noise_every": 0, "lr": LR, "max_tokens": MAX_TOKENS,
+          **overrides}
     return RLConfig.quick(**kw)
 
 
@@ -77,7 +81,7 @@ def plan() -> dict[str, RLConfig]:
     for quant in QUANTS:
         for seed in SEEDS:
             for obj in MODES:
-                out[f"{quant}-{obj.replace('+', '_')}-s{seed}"] = base_config(engine_quant=quant, seed=seed,
+                out[f"chain-{quant}-{obj.replace('+', '_')}-s{seed}"] = base_config(engine_quant=quant, seed=seed,
                                                                              **PHASE_OBJECTIVES[obj])
         if quant == "int4":
             for name, kw in SEARCH.items():
@@ -117,13 +121,26 @@ def run_all(work: Path, runs: dict[str, RLConfig]) -> None:
 
 def keep(work: Path, reference: Path = REFERENCE) -> None:
     """Replace ``reference`` with the finished runs of ``work`` (their kept files) and their wall times; runs still
-    unfinished there (a worker still on them, or killed) are left out, and the report names them as not run."""
+    unfinished there (a worker still on them, or killed) are left out, and the report names them as not run. The
+    reference's runs of another task (the earlier ``ladder`` sweep at lr 3e-3, 16 tokens: a collapse-search setting
+    of this one) stay as they are, with their times."""
     from r3lab.runs import Run, list_runs
 
     runs = [r for _, r in list_runs(work) if isinstance(r, Run) and r.finished]
     if not runs:
         raise SystemExit(f"bench_horizon: no finished run under {work}")
     times = {r.name: json.loads((work / "times" / f"{r.name}.json").read_text())["seconds"] for r in runs}
+    if reference.is_dir():
+        earlier = [r for r in finished_runs(reference, "bench_horizon --keep")
+                   if r.config.get("task") != TASK and r.name not in times]
+        old_times = json.loads((reference / "bench.json").read_text())["runs"]
+        with tempfile.TemporaryDirectory() as tmp:  # keep_reference removes the reference before copying
+            for r in earlier:
+                shutil.copytree(r.path, Path(tmp) / r.name)
+            runs += [r for _, r in list_runs(Path(tmp)) if isinstance(r, Run)]
+            times.update({r.name: old_times[r.name] for r in earlier})
+            keep_reference(runs, work, reference, sum(times.values()), extra={"runs": times}, remove_scratch=False)
+        return
     keep_reference(runs, work, reference, sum(times.values()), extra={"runs": times}, remove_scratch=False)
 
 
@@ -215,6 +232,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="run only these parts of the plan (repeatable; default: all, in order)")
     ap.add_argument("--match", metavar="GLOB", help="run only the planned runs whose name matches (fnmatch; so that "
                     "several workers can share one work folder)")
+    ap.add_argument("--worker", metavar="I/N", help="run only every N-th planned run from the I-th (0-based), so "
+                    "that N workers sharing one work folder finish the plan's seeds in order")
     ap.add_argument("--no-keep", action="store_true", help="with --work: run only, leave the reference alone")
     ap.add_argument("--report", action="store_true", help="only render horizon.md from the committed runs")
     ap.add_argument("--keep-pilot", metavar="DIR", help="keep the finished pilot runs of DIR as the pilot reference "
@@ -233,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.smoke:
         root = Path(args.smoke)
         runs = {n: RLConfig.from_dict({**c.to_dict(), "steps": 3}) for n, c in plan().items()
-                if n.startswith("int4-") and n.endswith("-s0")}
+                if n.startswith("chain-int4-") and n.endswith("-s0")}
         run_all(root, runs)
         from r3lab.runs.horizon import horizon_table
 
@@ -246,6 +265,9 @@ def main(argv: list[str] | None = None) -> None:
                     if ("search" if n.startswith("search-") else c.engine_quant) in args.only}
         if args.match:
             runs = {n: c for n, c in runs.items() if fnmatch.fnmatch(n, args.match)}
+        if args.worker:
+            i, n = (int(x) for x in args.worker.split("/"))
+            runs = dict(list(runs.items())[i::n])
         run_all(Path(args.work), runs)
         if args.no_keep:
             return

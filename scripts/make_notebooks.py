@@ -34,17 +34,27 @@ def params(text: str):
     return code(text, "parameters")
 
 
+# the parameters of the notebooks that start engines and trainer ranks (02, 03, 04): where they run
+CLUSTER_PARAMS = """
+cluster = None  # "ray" ($RAY_ADDRESS, else the cluster `ray start` made) or "ray://HOST:PORT": engine and trainer
+# ranks as Ray actors; None: this machine. With a cluster, the actors' Ray resources as JSON ('{"GPU": 1}'):
+engine_resources = None
+trainer_resources = None
+"""[1:]
+
 # notebooks 02 and 03: the runs given, else the experiment run small here (r3lab.experiments.load_or_run)
 RL_LOAD = """
 rl_config = RLConfig.quick(model=model, steps=rl_steps, prompts_per_step=rl_prompts, samples_per_prompt=rl_samples,
-                           token_steps=1)
+                           token_steps=1, cluster=cluster, engine_resources=engine_resources,
+                           trainer_resources=trainer_resources)
 rl = load_or_run(rl_runs, rl_config, modes=modes, seeds=(seed,), runs_dir=runs_dir)
 [r.name for r in rl]
 """
 
 DRIFT_LOAD = """
 config = DriftConfig(models=(model,), prompts=prompts, max_tokens=max_tokens, seeds=(seed,),
-                     trainer_dtypes=(trainer_dtype,), engine_url=engine_url)
+                     trainer_dtypes=(trainer_dtype,), engine_url=engine_url, cluster=cluster,
+                     engine_resources=engine_resources, trainer_resources=trainer_resources)
 (run,) = load_or_run(drift_run, config, runs_dir=runs_dir)
 run.steps
 """
@@ -160,7 +170,7 @@ rl_steps = 6
 rl_prompts = 4
 rl_samples = 8
 modes = ["none", "R2", "R3"]
-runs_dir = None  # runs made here go here; None: r3lab's runs folder ($R3LAB_RUNS, else the checkout's data/runs)
+""" + CLUSTER_PARAMS + """runs_dir = None  # runs made here go here; None: r3lab's runs folder ($R3LAB_RUNS, else the checkout's data/runs)
 out_dir = "out/02_expert_distribution"
 export = False
 """),
@@ -225,7 +235,7 @@ rl_steps = 6
 rl_prompts = 4
 rl_samples = 8
 modes = ["none", "R2", "R3"]
-runs_dir = None  # None: r3lab's runs folder ($R3LAB_RUNS, else the checkout's data/runs)
+""" + CLUSTER_PARAMS + """runs_dir = None  # None: r3lab's runs folder ($R3LAB_RUNS, else the checkout's data/runs)
 out_dir = "out/03_logprob_drift"
 export = False
 """),
@@ -307,7 +317,7 @@ live_max_tokens = 16
 live_timeout_s = 1800  # how long the last cell waits for the live job
 trainer = "hf"  # the trainer of the runs started here: hf (transformers) or megatron (Megatron-core, CPU ranks)
 tp, pp, ep = 1, 1, 1  # the Megatron layout (tensor, pipeline, expert parallel; dp derived); trainer="megatron" only
-out_dir = None  # where runs (and exported figures, in figures/) go; None: data/runs
+""" + CLUSTER_PARAMS + """out_dir = None  # where runs (and exported figures, in figures/) go; None: data/runs
 """),
     code("""
 from r3lab import viz, widgets
@@ -352,7 +362,8 @@ shows its output here. **Export** writes the figures into `figures/` of the runs
 dashboard = widgets.AblationDashboard(out_dir, model=model, modes=modes, steps=live_steps,
                                       prompts_per_step=live_prompts_per_step,
                                       samples_per_prompt=live_samples_per_prompt, max_tokens=live_max_tokens,
-                                      trainer=trainer, tp=tp, pp=pp, ep=ep)
+                                      trainer=trainer, tp=tp, pp=pp, ep=ep, cluster=cluster,
+                                      engine_resources=engine_resources, trainer_resources=trainer_resources)
 dashboard
 """),
     md("""
@@ -365,7 +376,8 @@ DIR --name PREFIX ...`: `widgets.monitor(DIR, PREFIX)`. Here the notebook starts
     code("""
 job = widgets.start_rl(out_dir, model=model, modes=modes, steps=live_steps,
                        prompts_per_step=live_prompts_per_step, samples_per_prompt=live_samples_per_prompt,
-                       max_tokens=live_max_tokens, trainer=trainer, tp=tp, pp=pp, ep=ep)
+                       max_tokens=live_max_tokens, trainer=trainer, tp=tp, pp=pp, ep=ep,
+                       cluster=cluster, engine_resources=engine_resources, trainer_resources=trainer_resources)
 live = widgets.monitor(job)
 live
 """, "live"),
@@ -472,7 +484,8 @@ Where no replay, R2 and R3 part ways as the engine's precision falls. The commit
 `python bench/bench_phase.py` (in `bench/results/phase/`): every model and engine precision of the dial
 (`--engine-quant`: none, fp8, int8, int6, int4, a *simulation* of weight quantization on the engine side) with the
 objectives none, R2, R3, none+TIS, R3+TIS and GSPO (no replay), three seeds each; then staleness 0/1/2/4 at matched
-weights. First the key numbers, then the two figures, then the **dial**: pick a model, a precision, an objective, a
+weights. R3W (the engine's routing weights replayed beside its expert ids) joins them at fp8 and int4, from the
+committed runs of `python bench/bench_r3w.py --rl` (`bench/results/r3w_rl/`, same setting). First the key numbers, then the two figures, then the **dial**: pick a model, a precision, an objective, a
 seed and the steps; **Start** runs `r3lab rl` in a child process, its curves grow in place, and the finished run
 lands on the diagram as a star beside the committed ones.
 
@@ -481,6 +494,7 @@ largest |Δlog p|, the clip fraction, the IS effective sample size) say how clos
 """),
         params("""
 phase_runs = None  # a folder of finished phase-diagram runs; None: the committed ones (bench/results/phase)
+r3w_runs = None  # R3W runs at the diagram's setting; None: the committed ones (bench/results/r3w_rl); False: none
 model = "tiny-qwen3-moe"  # the dial's starting point: model, engine precision, objective, seed
 engine_quant = "fp8"
 objective = "R3"
@@ -498,10 +512,10 @@ import pandas as pd
 from IPython.display import Markdown
 
 from r3lab import viz, widgets
-from r3lab.runs.phase import PRECURSORS, phase_records, phase_runs_dir, phase_summary, phase_table
+from r3lab.runs.phase import PRECURSORS, phase_records, phase_runs_dir, phase_summary, phase_table, r3w_phase_runs
 
 pd.options.display.float_format = "{:.3g}".format
-runs = widgets.load_runs(phase_runs or phase_runs_dir())
+runs = widgets.load_runs(phase_runs or phase_runs_dir()) + ([] if r3w_runs is False else r3w_phase_runs(r3w_runs))
 records = phase_records(runs)
 len(records)
 """),

@@ -8,6 +8,7 @@ import pytest
 
 from r3lab.config import RLConfig
 from r3lab.errors import R3LabError
+from r3lab.runs.horizon import HORIZON_BASE
 from r3lab.metrics import (
     bootstrap_mean_diff,
     k3_trend,
@@ -94,7 +95,7 @@ def test_horizon_table_from_runs_on_disk(tmp_path):
     from r3lab.runs import list_runs
     from r3lab.runs.horizon import horizon_bands, horizon_record, horizon_setting, horizon_table
 
-    base = RLConfig.quick(task="ladder", steps=120, engine_quant="int4", noise_every=0)
+    base = RLConfig.quick(**HORIZON_BASE, steps=120, engine_quant="int4", noise_every=0)
     k3 = np.full(120, 1e-4)
     k3[60:] = 4e-4
     k3[30] = 5e-3
@@ -112,6 +113,8 @@ def test_horizon_table_from_runs_on_disk(tmp_path):
     assert rec["curve"][0] == pytest.approx(np.linspace(0.1, 0.5, 120)[:10].mean())
     assert rec["collapse_step"] is None and rec["late_collapse_step"] is None
     assert horizon_setting(search.to_dict()) == "lr=0.01"
+    ladder = {**search.to_dict(), "task": "ladder", "lr": 3e-3, "max_tokens": 16}  # the earlier sweep's runs
+    assert horizon_setting(ladder) == "task=ladder, lr=0.003, max_tokens=16"
     lr = horizon_record(next(r for r in runs if r.name == "search-lr"))
     assert lr["collapse_step"] == 60 and lr["late_collapse_step"] == 60
     bands = horizon_bands(runs, "reward_mean")
@@ -129,7 +132,7 @@ def test_horizon_figure_gives_each_aftermath_series_its_own_axis(tmp_path):
     from r3lab.runs.horizon import AFTERMATH_SERIES
     from r3lab.viz.horizon import horizon_figure
 
-    base = RLConfig.quick(task="ladder", steps=60, engine_quant="int4", noise_every=0)
+    base = RLConfig.quick(**HORIZON_BASE, steps=60, engine_quant="int4", noise_every=0)
     k3 = np.full(60, 1e-4)
     k3[20] = 5e-2
     for mode in ("none", "R3"):
@@ -146,3 +149,27 @@ def test_horizon_figure_gives_each_aftermath_series_its_own_axis(tmp_path):
     titles = [fig.layout[k].title.text for k in fig.layout if k.startswith("xaxis") and fig.layout[k].title.text]
     assert titles.count("step") == 1
     assert fig.layout.legend.y > -0.1  # the legend sits right below the panels, no empty band above it
+
+
+def test_the_sweeps_base_config_is_the_tables_base():
+    """bench_horizon's runs and the table's ``base`` row are one setting: a run of the plan's base sweep must read
+    as ``base``, and every search run as exactly the fields its setting changes."""
+    import sys
+    from pathlib import Path
+
+    from r3lab.runs.horizon import horizon_setting
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+    try:
+        import bench_horizon
+    finally:
+        sys.path.pop(0)
+    plan = bench_horizon.plan()
+    for name, cfg in plan.items():
+        setting = horizon_setting(cfg.to_dict())
+        if name.startswith("search-"):
+            key = name.removeprefix("search-").rsplit("-", 2)[0]
+            want = ", ".join(f"{k}={v}" for k, v in bench_horizon.SEARCH[key].items() if k in HORIZON_BASE)
+            assert setting == want, name
+        else:
+            assert setting == "base", name

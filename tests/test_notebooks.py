@@ -240,3 +240,32 @@ def test_generated_notebooks_match_their_generator():
         want = nbformat.writes(gen["build"](cells, ci, n))
         have = (ROOT / "notebooks" / f"{name}.ipynb").read_text()
         assert have.strip() == want.strip(), f"notebooks/{name}.ipynb differs from scripts/make_notebooks.py"
+
+
+# the calls that start an engine or trainer ranks from a notebook: each must receive the cluster parameters
+CLUSTER_CALLS = {"RLConfig.quick", "DriftConfig", "widgets.AblationDashboard", "widgets.start_rl"}
+CLUSTER_KNOBS = {"cluster", "engine_resources", "trainer_resources"}
+
+
+def test_notebooks_that_run_experiments_pass_the_cluster_on():
+    """Notebooks 02, 03 and 04 run drift and RL themselves: their parameters name the Ray cluster (and the actors'
+    resources), and every call that starts an engine or trainer ranks gets all three, so a notebook pointed at a
+    cluster never runs part of its work on this machine instead."""
+    import ast
+
+    seen = {}
+    for path in NOTEBOOKS:
+        nb = nbformat.read(path, as_version=4)
+        code = [c.source for c in nb.cells if c.cell_type == "code"]
+        params = {t.id for n in ast.walk(ast.parse(code[0])) if isinstance(n, ast.Assign) for t in n.targets
+                  if isinstance(t, ast.Name)}
+        calls = [n for src in code[1:] for n in ast.walk(ast.parse(src))
+                 if isinstance(n, ast.Call) and ast.unparse(n.func) in CLUSTER_CALLS]
+        if not calls:
+            continue
+        seen[path.stem] = len(calls)
+        assert CLUSTER_KNOBS <= params, f"{path.stem}: parameters lack {sorted(CLUSTER_KNOBS - params)}"
+        for call in calls:
+            given = {k.arg: ast.unparse(k.value) for k in call.keywords}
+            assert all(given.get(k) == k for k in CLUSTER_KNOBS), f"{path.stem}: {ast.unparse(call)[:80]}"
+    assert set(seen) == {"02_expert_distribution", "03_logprob_drift", "04_rl_ablation"}, seen

@@ -159,3 +159,25 @@ def test_phase_summary_holds_the_medians_and_the_collapsed_seeds(records):
     assert [c[1] for c in table.columns[:2]] == ["none", "int4"]
     with pytest.raises(R3LabError, match="no summary number"):
         phase_summary(records, ["k3_typo"])
+
+
+def test_r3w_phase_runs_take_only_the_r3w_runs(tmp_path):
+    """The R3W sweep's folder also holds none and R3 runs of the diagram's own cells: only the R3W runs join the
+    diagram (pooling the others would count those cells twice), and a folder without one is refused by name."""
+    from r3lab.runs.phase import r3w_phase_runs
+
+    for obj in ("none", "R3", "R3W"):
+        write_phase_run(tmp_path, f"q-fp8-{obj}-s0", engine_quant="fp8", objective=obj, reward=0.3, k3=2e-4)
+    runs = r3w_phase_runs(tmp_path)
+    assert [r.name for r in runs] == ["q-fp8-R3W-s0"]
+    (rec,) = phase_records(runs)
+    assert rec["objective"] == "R3W" and rec["engine_quant"] == "fp8"
+    committed = r3w_phase_runs()  # bench/results/r3w_rl: 3 seeds at fp8 and int4
+    assert sorted((r.config["engine_quant"], r.config["seed"]) for r in committed) == [
+        (q, s) for q in ("fp8", "int4") for s in (0, 1, 2)]
+    empty = tmp_path / "empty"
+    write_phase_run(empty, "q-none-s0", objective="none")
+    with pytest.raises(R3LabError, match="holds no finished R3W run"):
+        r3w_phase_runs(empty)
+    with pytest.raises(R3LabError, match="no R3W runs at"):
+        r3w_phase_runs(tmp_path / "missing")

@@ -36,7 +36,8 @@ __all__ = ["HORIZON_BASE", "TREND_WINDOW", "SPIKE_FACTOR", "AFTERMATH_STEPS", "A
            "mode_comparison", "curve_at"]
 
 # the sweep's base config (bench/bench_horizon.py's base_config): a run differing in these is a search setting
-HORIZON_BASE = {"lr": 3e-3, "mini_batches": 2, "max_tokens": 16, "staleness": 0, "old_logprobs": "current"}
+HORIZON_BASE = {"task": "chain", "lr": 3e-4, "mini_batches": 2, "max_tokens": 32, "staleness": 0,
+                "old_logprobs": "current"}
 TREND_WINDOW = 50  # k3 medians over the first and last 50 steps
 SPIKE_FACTOR = 10.0  # a k3 spike: a step above 10x the run's median k3
 AFTERMATH_STEPS = 10  # what follows a spike: the means over the next 10 steps

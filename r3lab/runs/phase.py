@@ -17,14 +17,14 @@ import numpy as np
 from r3lab.config import ENGINE_QUANTS, MODES, PHASE_OBJECTIVES, RLMetric
 from r3lab.errors import R3LabError
 from r3lab.paths import results_dir
-from r3lab.runs.reader import Run
+from r3lab.runs.reader import Run, load_runs
 
 if TYPE_CHECKING:
     import pandas as pd
 
 __all__ = ["phase_objective", "phase_run_name", "staleness_run_name", "phase_record", "phase_records",
            "phase_table", "phase_summary", "phase_runs_dir", "PRECISION_ORDER", "LAST_STEPS", "SUMMARY_COLUMNS",
-           "PRECURSORS"]
+           "PRECURSORS", "r3w_phase_runs"]
 
 PRECISION_ORDER = ENGINE_QUANTS  # the dial from full engine precision down to int4
 LAST_STEPS = 3  # "final reward": the mean over the run's last 3 steps (one step's 32 samples are noisy)
@@ -104,6 +104,20 @@ def phase_runs_dir() -> Path:
         raise R3LabError(f"no phase-diagram runs at {p}: `python bench/bench_phase.py` makes them (or pass a folder "
                          "of your own runs)")
     return p
+
+
+def r3w_phase_runs(folder: str | Path | None = None) -> list[Run]:
+    """The R3W runs at the diagram's setting (``folder``, default the committed ``bench/results/r3w_rl`` of
+    ``python bench/bench_r3w.py --rl``: fp8 and int4, 3 seeds, 16 steps), for drawing beside the diagram's runs.
+    Only the R3W runs: that sweep's none and R3 runs are the diagram's own cells run again (and do not reproduce
+    them bit for bit: other thread settings), so pooling them would count those cells twice."""
+    root = Path(folder) if folder is not None else results_dir() / "r3w_rl"
+    if not root.is_dir():
+        raise R3LabError(f"no R3W runs at {root}: `python bench/bench_r3w.py --rl` makes them")
+    runs = [r for r in load_runs(root) if r.kind == "rl" and phase_objective(r.config) == "R3W"]
+    if not runs:
+        raise R3LabError(f"{root} holds no finished R3W run (mode R3W, the phase diagram's setting)")
+    return runs
 
 
 def phase_records(runs: Iterable[Run]) -> list[dict[str, Any]]:
