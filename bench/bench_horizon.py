@@ -59,17 +59,19 @@ SEARCH = {
 }
 SEARCH_MODES, SEARCH_SEEDS = ("none", "R3"), (0,)
 # how the committed chain sweep ran: 2 workers at once (--worker 0/2, 1/2), nice 19, one engine each, with
-# OMP_NUM_THREADS=1 (the earlier ladder sweep: 4 workers, --match int4-<mode>-s*, nice 10). A rerun with `r3lab rl` and a run's config reproduces its steps exactly only with that thread
-# count too (measured: int4-R2-s0, steps 0-35 of `OMP_NUM_THREADS=1 <Run.rerun_command()>`, every non-timing key
-# equal; with the default threads the float metrics differ at ~1e-7 from step 0 and the samples from step 2). Runs
-# written since record it (config.json "threads", r3lab.runs.writer.threads; Run.rerun_command() puts it first);
+# OMP_NUM_THREADS=1 (the earlier ladder sweep: 4 workers, --match int4-<mode>-s*, nice 10). A rerun with
+# `r3lab rl` and a run's config reproduces its steps exactly only with that thread count too (measured: the
+# ladder run int4-R2-s0, steps 0-35 of `OMP_NUM_THREADS=1 <Run.rerun_command()>`, every non-timing key equal; with
+# the default threads the float metrics differ at ~1e-7 from step 0 and the samples from step 2). Runs written
+# since record it (config.json "threads", r3lab.runs.writer.threads; Run.rerun_command() puts it first);
 # the committed ladder runs predate that and hold none
 WORKERS = 2
 
 
 def base_config(**overrides) -> RLConfig:
-    """The sweep's config: quick sizes with ``MAX_TOKENS`` tokens and lr ``LR``, the chain task, ``STEPS`` steps, no engine noise-floor probe (its prefill
-    every 10 steps is time the sweep does not have; the phase runs measured that floor at 0)."""
+    """The sweep's config: quick sizes with ``MAX_TOKENS`` tokens and lr ``LR``, the chain task, ``STEPS`` steps,
+    no engine noise-floor probe (its prefill every 10 steps is time the sweep does not have; the phase runs measured
+    that floor at 0)."""
     kw = {"model": MODEL, "task": TASK, "steps": STEPS, "noise_every": 0, "lr": LR, "max_tokens": MAX_TOKENS,
           **overrides}
     return RLConfig.quick(**kw)

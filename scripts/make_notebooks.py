@@ -170,7 +170,8 @@ rl_steps = 6
 rl_prompts = 4
 rl_samples = 8
 modes = ["none", "R2", "R3"]
-""" + CLUSTER_PARAMS + """runs_dir = None  # runs made here go here; None: r3lab's runs folder ($R3LAB_RUNS, else the checkout's data/runs)
+""" + CLUSTER_PARAMS + """\
+runs_dir = None  # runs made here go here; None: r3lab's runs folder ($R3LAB_RUNS, else the checkout's data/runs)
 out_dir = "out/02_expert_distribution"
 export = False
 """),
@@ -235,7 +236,8 @@ rl_steps = 6
 rl_prompts = 4
 rl_samples = 8
 modes = ["none", "R2", "R3"]
-""" + CLUSTER_PARAMS + """runs_dir = None  # None: r3lab's runs folder ($R3LAB_RUNS, else the checkout's data/runs)
+""" + CLUSTER_PARAMS + """\
+runs_dir = None  # None: r3lab's runs folder ($R3LAB_RUNS, else the checkout's data/runs)
 out_dir = "out/03_logprob_drift"
 export = False
 """),
@@ -317,7 +319,8 @@ live_max_tokens = 16
 live_timeout_s = 1800  # how long the last cell waits for the live job
 trainer = "hf"  # the trainer of the runs started here: hf (transformers) or megatron (Megatron-core, CPU ranks)
 tp, pp, ep = 1, 1, 1  # the Megatron layout (tensor, pipeline, expert parallel; dp derived); trainer="megatron" only
-""" + CLUSTER_PARAMS + """out_dir = None  # where runs (and exported figures, in figures/) go; None: data/runs
+""" + CLUSTER_PARAMS + """\
+out_dir = None  # where runs (and exported figures, in figures/) go; None: data/runs
 """),
     code("""
 from r3lab import viz, widgets
@@ -485,8 +488,8 @@ Where no replay, R2 and R3 part ways as the engine's precision falls. The commit
 (`--engine-quant`: none, fp8, int8, int6, int4, a *simulation* of weight quantization on the engine side) with the
 objectives none, R2, R3, none+TIS, R3+TIS and GSPO (no replay), three seeds each; then staleness 0/1/2/4 at matched
 weights. R3W (the engine's routing weights replayed beside its expert ids) joins them at fp8 and int4, from the
-committed runs of `python bench/bench_r3w.py --rl` (`bench/results/r3w_rl/`, same setting). First the key numbers, then the two figures, then the **dial**: pick a model, a precision, an objective, a
-seed and the steps; **Start** runs `r3lab rl` in a child process, its curves grow in place, and the finished run
+committed runs of `python bench/bench_r3w.py --rl` (`bench/results/r3w_rl/`, same setting). First the key
+numbers, then the two figures, then the **dial**: pick a model, a precision, an objective, a seed and the steps; **Start** runs `r3lab rl` in a child process, its curves grow in place, and the finished run
 lands on the diagram as a star beside the committed ones.
 
 Read the diagram for what it shows, whichever way it falls: where no seed collapsed, the precursors (F(2), the

@@ -8,7 +8,6 @@ import pytest
 
 from r3lab.config import RLConfig
 from r3lab.errors import R3LabError
-from r3lab.runs.horizon import HORIZON_BASE
 from r3lab.metrics import (
     bootstrap_mean_diff,
     k3_trend,
@@ -18,6 +17,7 @@ from r3lab.metrics import (
     spike_aftermath,
     spike_steps,
 )
+from r3lab.runs.horizon import HORIZON_BASE
 
 
 def test_k3_trend_by_hand():
