@@ -489,8 +489,9 @@ Where no replay, R2 and R3 part ways as the engine's precision falls. The commit
 objectives none, R2, R3, none+TIS, R3+TIS and GSPO (no replay), three seeds each; then staleness 0/1/2/4 at matched
 weights. R3W (the engine's routing weights replayed beside its expert ids) joins them at fp8 and int4, from the
 committed runs of `python bench/bench_r3w.py --rl` (`bench/results/r3w_rl/`, same setting). First the key
-numbers, then the two figures, then the **dial**: pick a model, a precision, an objective, a seed and the steps; **Start** runs `r3lab rl` in a child process, its curves grow in place, and the finished run
-lands on the diagram as a star beside the committed ones.
+numbers, then the two figures, then the **dial**: pick a model, a precision, an objective, a seed and the steps;
+**Start** runs `r3lab rl` in a child process, its curves grow in place, and the finished run lands on the diagram
+as a star beside the committed ones.
 
 Read the diagram for what it shows, whichever way it falls: where no seed collapsed, the precursors (F(2), the
 largest |Δlog p|, the clip fraction, the IS effective sample size) say how close each objective came.
