@@ -588,16 +588,17 @@ def nb07_horizon() -> list:
 # 07 · The long horizon: k3, spikes and collapse over hundreds of RL steps
 
 The committed runs of `python bench/bench_horizon.py` (in `bench/results/horizon/`): tiny-qwen3-moe on the
-`ladder` task, hundreds of quick RL steps per run, engine int4 (the simulated weight quantization of
-`--engine-quant`), modes none / R2 / R3 / none+TIS over seeds. What to read: whether k3 grows over training
-without replay and stays flat with R3, what follows a k3 spike, and whether any mode collapses. The table's
-header says which planned runs did not run.
+`chain` task, 300 quick RL steps per run at lr 3e-4, engine fp8 and int4 (the simulated weight quantization of
+`--engine-quant`), modes none / R2 / R3 / none+TIS over 3 seeds; then the collapse search, one seed of none and
+R3 per setting tried (higher lr, more mini-batches, longer responses, staleness, the earlier `ladder` task).
+What to read: whether k3 grows over training without replay and stays flat with R3, what follows a k3 spike,
+and whether any mode collapses. The table's header says which planned runs did not run.
 """),
         params("""
 horizon_runs = None  # a folder of finished long-horizon runs; None: the committed ones (bench/results/horizon)
 smooth = 10  # the reward curves' trailing mean, in steps
 out_dir = "out/07_horizon"  # exported figures go here
-export = False  # write PNG/SVG/PDF of the figure (needs Chromium)
+export = False  # write PNG/SVG/PDF of the figures (needs Chromium)
 """),
         code("""
 import pandas as pd
@@ -611,13 +612,18 @@ runs = widgets.load_runs(horizon_runs or horizon_runs_dir())
 records = pd.DataFrame(horizon_records(runs)).drop(columns=["spike_steps"])
 records
 """),
-        md("## k3 and reward over steps, and what follows a k3 spike"),
+        md("## The sweep: k3 and reward over steps, and what follows a k3 spike"),
         code("""
 figure = viz.horizon_figure(runs, smooth=smooth)
 figure
 """),
+        md("## The collapse search: every setting tried, k3 and reward"),
         code("""
-viz.export_figures({"horizon": figure}, out_dir) if export else []
+search_figure = viz.horizon_search_figure(runs, smooth=smooth)
+search_figure
+"""),
+        code("""
+viz.export_figures({"horizon": figure, "horizon_search": search_figure}, out_dir) if export else []
 """),
         md("## The whole table (`bench/results/horizon.md` is rendered from the same runs)"),
         code("""
@@ -639,7 +645,7 @@ NOTEBOOKS = {
     "05_regimes": (nb05_regimes(), {"dial_steps": 2, "dial_prompts_per_step": 2, "dial_samples_per_prompt": 2,
                                     "dial_max_tokens": 8, "start_run": True, "run_timeout_s": 600}, 3),
     "06_your_run": (nb06_your_run(), {"run": None}, 7),  # as shipped; tests/test_notebooks.py also imports a dump
-    "07_horizon": (nb07_horizon(), {"smooth": 5}, 1),  # the committed runs
+    "07_horizon": (nb07_horizon(), {"smooth": 5}, 2),  # the committed runs
 }
 
 

@@ -173,3 +173,37 @@ def test_the_sweeps_base_config_is_the_tables_base():
             assert setting == want, name
         else:
             assert setting == "base", name
+
+
+def test_the_sweep_figure_draws_the_base_setting_and_the_search_figure_every_other(tmp_path):
+    """The sweep's figure draws only the base setting's runs (a search run's curve among the seed bands would
+    read as a seed); the search figure draws one row per setting tried, none of the base's, and a request for a
+    setting no run has is an error naming the settings there are."""
+    from r3lab.runs import list_runs
+    from r3lab.viz.horizon import horizon_figure, horizon_search_figure
+
+    base = RLConfig.quick(**HORIZON_BASE, steps=40, engine_quant="int4", noise_every=0)
+    k3 = np.full(40, 1e-4)
+    for mode in ("none", "R3"):
+        _write_run(tmp_path, f"int4-{mode}-s0", RLConfig.from_dict({**base.to_dict(), "mode": mode}),
+                   np.linspace(0.1, 0.5, 40), k3)
+        for name, change in (("lr", {"lr": 1e-2}), ("long", {"max_tokens": 64})):
+            _write_run(tmp_path, f"search-{name}-{mode}-s0",
+                       RLConfig.from_dict({**base.to_dict(), "mode": mode, **change}), np.full(40, 0.3), k3 * 10)
+    runs = [r for _, r in list_runs(tmp_path)]
+    sweep = horizon_figure(runs)
+    lines = {t.name for t in sweep.data if t.mode == "lines" and t.name}
+    assert lines == {"int4 none (1 seed)", "int4 R3 (1 seed)"}
+    assert {t.name for t in sweep.data if t.mode == "markers"} == {"int4-none-s0", "int4-R3-s0"}
+    assert len([t for t in horizon_figure(runs, setting=None).data if t.mode == "lines"]) == 2 * 2 * 3
+    search = horizon_search_figure(runs)
+    titles = [a.text for a in search.layout.annotations]
+    assert {"lr=0.01: k3", "lr=0.01: reward", "max_tokens=64: k3", "max_tokens=64: reward"} <= set(titles)
+    assert not any(t.startswith("base") for t in titles)
+    k3_lines = [t for t in search.data if t.mode == "lines" and t.yaxis in ("y", "y3")]
+    assert len(k3_lines) == 4 and all(np.allclose(t.y, 1e-3) for t in k3_lines)  # the search runs' k3, not the base's
+    with pytest.raises(R3LabError, match=r"no runs of the setting 'lr=1' among 6 runs .*'base'"):
+        horizon_figure(runs, setting="lr=1")
+    base_only = [r for r in runs if r.name.startswith("int4")]
+    with pytest.raises(R3LabError, match="no collapse-search runs among 2 runs"):
+        horizon_search_figure(base_only)

@@ -31,7 +31,7 @@ from r3lab.viz.available import (
     run_figures,
 )
 from r3lab.viz.exporting import EXPORT_FORMATS, export, export_figures, find_chromium
-from r3lab.viz.horizon import horizon_figure
+from r3lab.viz.horizon import horizon_figure, horizon_search_figure
 from r3lab.viz.logprobs import (
     delta_histogram_figure,
     extreme_fraction_figure,
@@ -73,6 +73,6 @@ __all__ = ["MODE_COLORS", "mode_color", "ONE_COLUMN", "TWO_COLUMN", "TEMPLATE", 
            "delta_histogram_figure", "flip_split_figure", "layer_drift_figure", "response_differs",
            "most_flipped_sample", "export_figures", "paper_figures", "paper_figure_set",
            "SOURCE_COLORS", "NOT_DRAWN", "NOTEBOOK_CONFIG", "LabFigure", "finish", "axis_ticks", "tick_labels",
-           "tick_values", "phase_figure", "staleness_figure", "OBJECTIVE_STYLES", "horizon_figure", "NotAvailable",
-           "health_figure", "run_figures", "drawn", "expert_load", "in_place", "routes_or_note", "of_kind",
-           "mismatch_logprobs", "noise_floors", "column_or_note", "rl_logprobs_or_note"]
+           "tick_values", "phase_figure", "staleness_figure", "OBJECTIVE_STYLES", "horizon_figure",
+           "horizon_search_figure", "NotAvailable", "health_figure", "run_figures", "drawn", "expert_load", "in_place",
+           "routes_or_note", "of_kind", "mismatch_logprobs", "noise_floors", "column_or_note", "rl_logprobs_or_note"]

@@ -92,13 +92,14 @@ def paper_figure_set(results: str | os.PathLike) -> dict[str, go.Figure]:
                              "`python bench/bench_rl.py`")
         figures[f"rl_k3_{_short(model)}"] = rl_curves_figure(runs, title=f"{model}: train-inference k3 KL per RL step")
     figures.update(_phase_figures(need(results / "phase", PHASE_COMMAND)))
-    figures["horizon"] = _horizon_figure(need(results / "horizon", HORIZON_COMMAND))
+    figures.update(_horizon_figures(need(results / "horizon", HORIZON_COMMAND)))
     return figures
 
 
-def _horizon_figure(folder: Path) -> go.Figure:
-    """The long-horizon figure (k3 and reward with seed bands, the spike aftermath) from the committed runs."""
-    from r3lab.viz.horizon import horizon_figure
+def _horizon_figures(folder: Path) -> dict[str, go.Figure]:
+    """The long-horizon figure (the base sweep's k3 and reward with seed bands, the spike aftermath) and the
+    collapse search's figure, from the committed runs."""
+    from r3lab.viz.horizon import horizon_figure, horizon_search_figure
 
     found = list_runs(folder)
     bad = [f"{p.name}: {r}" for p, r in found if isinstance(r, RunFormatError)]
@@ -107,7 +108,7 @@ def _horizon_figure(folder: Path) -> go.Figure:
     runs = [r for _, r in found if isinstance(r, Run)]
     if not runs:
         raise R3LabError(f"no long-horizon runs in {folder}: `{HORIZON_COMMAND}`")
-    return horizon_figure(runs)
+    return {"horizon": horizon_figure(runs), "horizon_search": horizon_search_figure(runs)}
 
 
 def _phase_figures(folder: Path) -> dict[str, go.Figure]:
