@@ -61,6 +61,49 @@ def test_export_writes_the_three_formats_and_leaves_the_environment_alone(tmp_pa
         export(fig, tmp_path / "x", formats=["jpeg"])
 
 
+def test_kaleidos_page_race_is_tried_again_and_nothing_else_is(tmp_path, monkeypatch):
+    """kaleido's page can be reached before its script defined ``kaleido_scopes`` on a loaded machine: that error
+    is tried again in a fresh browser (and named after the last try); any other error is raised at once."""
+    import kaleido
+
+    from r3lab.viz import exporting
+
+    real = kaleido.calc_fig_sync
+    calls = []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("{'description': 'ReferenceError: kaleido_scopes is not defined'}")
+        return real(*args, **kwargs)
+
+    fig = go.Figure(go.Scatter(x=[0, 1], y=[1, 2]))
+    monkeypatch.setattr(kaleido, "calc_fig_sync", flaky)
+    (png,) = export(fig, tmp_path / "a", formats=["png"])
+    check_figure_file(png, min_bytes=2000)
+    assert len(calls) == 2
+
+    def always(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("ReferenceError: kaleido_scopes is not defined")
+
+    calls.clear()
+    monkeypatch.setattr(kaleido, "calc_fig_sync", always)
+    with pytest.raises(R3LabError, match=r"never defined its renderer .* in 3 fresh browsers"):
+        export(fig, tmp_path / "b", formats=["png"])
+    assert len(calls) == exporting._PAGE_RACE_TRIES
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("TypeError: fig.data is not iterable")
+
+    calls.clear()
+    monkeypatch.setattr(kaleido, "calc_fig_sync", broken)
+    with pytest.raises(RuntimeError, match="not iterable"):
+        export(fig, tmp_path / "c", formats=["png"])
+    assert len(calls) == 1
+
+
 def test_r3lab_figures_regenerates_every_committed_figure(tmp_path, capsys):
     from r3lab.cli import main
 

@@ -39,10 +39,18 @@ def find_chromium() -> str:
     raise R3LabError(_NO_CHROMIUM)
 
 
+# kaleido 1.5 runs its renderer in a fresh Chromium page per call; on a loaded machine the call can reach the page
+# before the page's script has defined ``kaleido_scopes`` (seen once in CI while two RL sweeps shared the 2 cores).
+# That race, and only that one, is tried again in a fresh browser; every other error is raised at once.
+_PAGE_RACE = "kaleido_scopes is not defined"
+_PAGE_RACE_TRIES = 3
+
+
 def _render(fig: go.Figure, fmt: str, scale: float, browser: str) -> bytes:
     """One image of ``fig`` from kaleido, its browser given as an argument (the process environment is untouched).
 
-    The size falls back as ``plotly.io.write_image``'s does: the layout's, the template's, plotly's default.
+    The size falls back as ``plotly.io.write_image``'s does: the layout's, the template's, plotly's default. The
+    page-load race above is tried again, up to ``_PAGE_RACE_TRIES`` browsers in all.
     """
     import kaleido
     from kaleido.errors import ChromeNotFoundError
@@ -54,11 +62,20 @@ def _render(fig: go.Figure, fmt: str, scale: float, browser: str) -> bytes:
     for key in ("plotlyjs", "mathjax", "headers"):  # what plotly passes on when set
         if getattr(pio.defaults, key, None):
             kopts[key] = getattr(pio.defaults, key)
-    try:
-        return kaleido.calc_fig_sync(fig.to_dict(), opts={"format": fmt, "width": width, "height": height,
-                                                          "scale": scale}, topojson=pio.defaults.topojson, kopts=kopts)
-    except ChromeNotFoundError as e:
-        raise R3LabError(f"kaleido could not start the browser {browser!r}: {_NO_CHROMIUM}") from e
+    spec = fig.to_dict()
+    for attempt in range(1, _PAGE_RACE_TRIES + 1):
+        try:
+            return kaleido.calc_fig_sync(spec, opts={"format": fmt, "width": width, "height": height, "scale": scale},
+                                         topojson=pio.defaults.topojson, kopts=kopts)
+        except ChromeNotFoundError as e:
+            raise R3LabError(f"kaleido could not start the browser {browser!r}: {_NO_CHROMIUM}") from e
+        except Exception as e:  # noqa: BLE001 (kaleido's JavascriptError is private: matched by its text)
+            if _PAGE_RACE not in str(e):
+                raise
+            if attempt == _PAGE_RACE_TRIES:
+                raise R3LabError(f"kaleido's page in {browser!r} never defined its renderer ({_PAGE_RACE!r}) in "
+                                 f"{_PAGE_RACE_TRIES} fresh browsers: the machine may be too loaded") from e
+    raise AssertionError("unreachable")
 
 
 def export(fig: go.Figure, path: str | os.PathLike[str], *, formats: Sequence[str] = EXPORT_FORMATS,
