@@ -292,7 +292,10 @@ def test_rerun_command_runs_the_same_config_under_the_recorded_threads(tmp_path,
     old = load(results_dir() / "horizon" / "int4-R2-s0")  # committed before "threads" existed
     assert "threads" not in old.meta and old.threads is None
     env, args, back = parsed(old.rerun_command())
-    assert env == [] and back == RLConfig.from_dict(old.config) and args.name == "int4-R2-s0"
+    assert env == [] and back == RLConfig.from_dict(old.config) and args.name == "int4"  # the folder: int4-R2-s0
+    w = RunWriter(tmp_path, "tis-run", "rl", cfg.to_dict())  # a name without the -<mode>-s<seed> ending: kept whole
+    w.finish({})
+    assert parsed(load(w.path).rerun_command())[1].name == "tis-run"
     from r3lab.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"RLConfig has no field\(s\) \['modes', 'nan'\]"):

@@ -102,18 +102,23 @@ class Run:
 
     def rerun_command(self, runs: str = "RUNS", name: str | None = None) -> str:
         """The shell command that runs this RL run's config again with ``r3lab rl`` into ``runs`` (folder
-        ``<name>-<mode>-s<seed>``; default name: this run's), under the thread settings it recorded
-        (``OMP_NUM_THREADS=...`` first; a run that recorded none gets no prefix, and a bitwise rerun then needs
-        the thread count it ran with, found elsewhere)."""
+        ``<name>-<mode>-s<seed>``; default name: this run's, less its ``-<mode>-s<seed>`` ending, so that the rerun's
+        folder has this run's name), under the thread settings it recorded (``OMP_NUM_THREADS=...`` first; a run
+        that recorded none gets no prefix, and a bitwise rerun then needs the thread count it ran with, found
+        elsewhere)."""
         import shlex
 
-        from r3lab.config import RLConfig
+        from r3lab.config import RLConfig, run_name
 
         self.require_kind("rl")
         cfg = RLConfig.from_dict(self.config)
+        if name is None:
+            ending = run_name("", cfg.mode, cfg.seed)
+            name = self.name[:-len(ending)] if self.name.endswith(ending) and len(self.name) > len(ending) \
+                else self.name
         env = [f"{k}={v}" for k, v in (self.threads or {}).items() if k != "torch" and v is not None]
         return " ".join([*env, "r3lab", "rl", *map(shlex.quote, cfg.to_cli_args()), "--runs", shlex.quote(runs),
-                         "--name", shlex.quote(name or self.name), "--no-progress"])
+                         "--name", shlex.quote(name), "--no-progress"])
 
     def require_kind(self, kind: str) -> Run:
         """This run, if it is of ``kind`` (``"rl"``, ``"drift"``); else an error naming both."""
