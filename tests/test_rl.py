@@ -336,10 +336,15 @@ def test_r3w_forwards_mix_the_experts_with_the_engines_captured_weights(weight_e
     assert out.metrics["router/live_vs_engine_weights_l1"] > 0
 
 
-def test_r3w_refuses_an_engine_without_weights_and_a_trainer_that_replays_ids_only(engine):
+def test_r3w_refuses_an_engine_without_weights_and_a_trainer_that_replays_ids_only(engine, monkeypatch):
+    from r3lab import trainer_registry
+
     with pytest.raises(ConfigError, match="capture_weights"):
         run_rl(dataclasses.replace(R3W, steps=1), engine=engine, progress=False)
-    with pytest.raises(ConfigError, match="R3W"):
+    assert RLConfig.quick(mode="R3W", trainer="megatron").mode == "R3W"  # both RL trainers replay weights
+    ids_only = dataclasses.replace(trainer_registry.TRAINER_REGISTRY["megatron"], weight_replay=False)
+    monkeypatch.setitem(trainer_registry.TRAINER_REGISTRY, "megatron", ids_only)
+    with pytest.raises(ConfigError, match="R3W .* the megatron trainer replays ids only"):
         RLConfig.quick(mode="R3W", trainer="megatron")
     with pytest.raises(ConfigError, match="weight-replay straight applies to --mode R3W"):
         RLConfig.quick(mode="R3", weight_replay="straight")

@@ -343,3 +343,48 @@ def test_behaviour_weight_logprobs_equal_a_fresh_trainer_loaded_with_the_snapsho
         assert np.abs(back.logprobs - qwen["replay"]).max() < TOL
     finally:
         behaviour.close()
+
+
+def test_r3w_on_the_ranks_equals_the_transformers_r3w_and_stop_freezes_the_routers(qwen):
+    """R3W on Megatron (TP2 x PP2): the routing weights the routes carry reach every rank's routers, so the
+    scores equal the transformers trainer's R3W scores (and differ from ids-only replay), one policy step gives the
+    transformers trainer's step, and ``weights="stop"`` leaves every router weight exactly where it was."""
+    from r3lab.routes import Routes
+
+    path, batch = model_dir("tiny-qwen3-moe"), qwen["batch"]
+    hf = HFTrainer.load(path, lr=LR)
+    own = hf.score(batch, record=True, record_weights=True).routes
+    assert own.weights is not None
+    w = np.random.default_rng(3).uniform(0.2, 1.0, own.weights.shape).astype(np.float32)
+    w /= w.sum(-1, keepdims=True)  # an "engine" mixing the same experts in other proportions
+    eng = Routes(own.values, own.cu_seqlens, own.num_experts, own.layer_ids, weights=w)
+    want = hf.score(batch, routes=eng, weights="stop").logprobs
+    ids_only = hf.score(batch, routes=eng.without_weights()).logprobs
+    update = _update(batch, want)
+    hf_step = hf.policy_step(batch, update, routes=eng, weights="stop")
+    with MegatronTrainer(path, lr=LR, tp=2, pp=2, timeout_s=120) as t:
+        with pytest.raises(ConfigError, match="carry no routing weights"):
+            t.score(batch, routes=eng.without_weights(), weights="stop")
+        with pytest.raises(ConfigError, match="give the engine's routes"):
+            t.score(batch, weights="stop")
+        with pytest.raises(ConfigError, match="weights must be one of"):
+            t.score(batch, routes=eng, weights="frozen")
+        got = t.score(batch, routes=eng, weights="stop")
+        step = t.policy_step(batch, update, routes=eng, weights="stop")
+        after = t.export_weights()
+        assert t.replay_checked > 0 and t.replay_mismatched == 0  # the ids the routers used are the replayed ones
+    assert np.abs(got.logprobs - want).max() < TOL
+    assert np.abs(want - ids_only).max() > 100 * TOL  # the weights changed the scores: the check can fail
+    ref, ckpt = hf.export_weights(), HFTrainer.load(path).export_weights()
+    # the step's gradient is the transformers trainer's (loss and grad norm within 1e-4 below). Adam's first step
+    # moves a weight by lr * g / (|g| + eps), so a gradient element within rounding of zero can land anywhere in
+    # (-lr, lr) (measured once: 1.3e-4 on one o_proj element); every other element within lr / 20, and none
+    # near a whole step the other way (what an ids-only step would give: 2e-3 everywhere)
+    far = sum(int(((after[n] - ref[n]).abs() > WEIGHT_TOL).sum()) for n in ref)
+    assert far <= 1e-5 * sum(t.numel() for t in ref.values()), far
+    assert max(float((after[n] - ref[n]).abs().max()) for n in ref) < LR / 2
+    for k in ("loss", "grad_norm", "clip_frac", "approx_kl", "tis_weight_mean"):
+        assert getattr(step, k) == pytest.approx(getattr(hf_step, k), rel=1e-4, abs=1e-6), k
+    routers = [n for n in ckpt if ".mlp.gate." in n]
+    assert routers and all(torch.equal(after[n], ckpt[n]) for n in routers)  # stop: no router gradient
+    assert max(float((after[n] - ckpt[n]).abs().max()) for n in ckpt) > 10 * WEIGHT_TOL  # the experts moved

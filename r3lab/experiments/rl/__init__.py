@@ -17,7 +17,8 @@ Replay modes (one switch, as verl's ``router_replay.mode``):
   :func:`engine_options` asks for) instead of the weights the trainer's router computes at the replayed ids.
   ``weight_replay="stop"`` (the default, #3509's variant): the weights are constants, so the loss sends no gradient
   into the routers (they still move through the layers below them); ``"straight"``: the engine's weights forward,
-  the live rule's gradient back (straight-through), so the routers keep learning. transformers trainer only.
+  the live rule's gradient back (straight-through), so the routers keep learning. Both RL trainers: the
+  transformers one (``hf_replay``) and Megatron on CPU ranks (``megatron_weight_replay`` on every rank).
 
 Every step also logs the router's own drift (``router/*``, :class:`~r3lab.config.RLMetric`): per mini-batch, the
 current policy's live routing (what its routers choose natively) against the ids the forward replays (R2, R3,

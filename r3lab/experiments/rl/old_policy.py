@@ -25,8 +25,11 @@ def replay_weights(config: RLConfig) -> dict[str, Any]:
     ``"straight"``); every other mode passes nothing (the live router's weights at the ids it uses)."""
     if config.mode != "R3W":
         return {}
-    if config.trainer != "hf":
-        raise ConfigError(f"mode R3W runs on the hf trainer; the {config.trainer} trainer replays ids only")
+    from r3lab.trainer_registry import trainer_spec
+
+    if not trainer_spec(config.trainer).weight_replay:
+        raise ConfigError(f"mode R3W replays the engine's routing weights; the {config.trainer} trainer replays ids "
+                          "only (--trainer hf or megatron)")
     return {"weights": config.weight_replay}
 
 

@@ -235,7 +235,23 @@ class MegatronTrainer(Closing, Trainer):
         shares = [dp_sequence_ids(total, self.layout, d)[0].tolist() for d in range(dp)]
         return dataclasses.asdict(batch.take(idx)), shares, total  # every TokenBatch field, at the batch's width
 
-    def _stage(self, batch: TokenBatch, routes: Routes | None, total: int) -> tuple[dict | None, Any]:
+    def _stage(self, batch: TokenBatch, routes: Routes | None, total: int,
+               weights: str | None = None) -> tuple[dict | None, Any]:
+        """The routes staged for the ranks (each rank fetches its own share's chunk); with ``weights`` (R3W) the
+        engine's routing weights go along in the call, whole, ``[rows, router layers, top_k]`` of the padded batch
+        (a rank picks its rows by the same token map it checks the replayed ids with). Staging carries ids only:
+        putting the weights into its chunks would change the chunk format, so they travel beside it."""
+        if weights is not None:
+            from r3lab.replay.megatron_weights import MEGATRON_WEIGHT_REPLAY
+
+            if weights not in MEGATRON_WEIGHT_REPLAY:
+                raise ConfigError(f"weights must be one of {MEGATRON_WEIGHT_REPLAY} (R3W) or None, got {weights!r}")
+            if routes is None:
+                raise ConfigError(f"weights={weights!r} replays the engine's routing weights beside its ids: "
+                                  "give the engine's routes (routes=...)")
+            if isinstance(routes, Routes) and routes.weights is None:
+                raise ConfigError(f"weights={weights!r}: the routes carry no routing weights (capture them with "
+                                  "RolloutEngine(capture_weights=True))")
         if routes is None:
             return None, None
         from r3lab.staging import StagingPlan, stage
@@ -253,10 +269,18 @@ class MegatronTrainer(Closing, Trainer):
             routes = routes.take(list(range(len(routes))) + [len(routes) - 1] * (total - len(routes)))
         plan = StagingPlan.build(total, self.layout)
         self._stages += 1
-        staged, stats = stage(routes, plan, self._backend, codec=self.codec, stage_id=f"b{self._stages}")
+        ids_only = routes if routes.weights is None else routes.without_weights()
+        staged, stats = stage(ids_only, plan, self._backend, codec=self.codec, stage_id=f"b{self._stages}")
         self.stage_stats.append(stats)
-        return dict(stage_id=staged.stage_id, plan=plan.to_dict(), refs=dict(staged.refs),
-                    layer_ids=list(staged.layer_ids)), staged
+        info = dict(stage_id=staged.stage_id, plan=plan.to_dict(), refs=dict(staged.refs),
+                    layer_ids=list(staged.layer_ids))
+        if weights is not None:
+            layers = [int(g) for g in self.layout.router_layers]
+            have = routes.layer_ids.tolist()
+            info.update(weight_mode=weights, weight_layers=layers,
+                        weights=np.ascontiguousarray(routes.weights[:, [have.index(g) for g in layers]],
+                                                     dtype=np.float32))
+        return info, staged
 
     def _release(self, staged: Any) -> None:
         if staged is None:
@@ -306,12 +330,12 @@ class MegatronTrainer(Closing, Trainer):
     # ---- the Trainer interface ------------------------------------------------------------------
     def score(self, batch: TokenBatch, *, routes: Routes | None = None, record: bool = False,
               entropy: bool = False, weights: str | None = None) -> TrainerScores:
-        if weights is not None:
-            raise ConfigError(f"weights={weights!r} (R3W, the engine's routing weights) is replayed by the "
-                              "transformers trainer only (--trainer hf); this trainer replays expert ids")
+        """:meth:`Scorer.score <r3lab.trainers.base.Scorer.score>` on the ranks; ``weights`` (``"stop"`` /
+        ``"straight"``, R3W): the experts are mixed with the routing weights ``routes`` carry
+        (:mod:`r3lab.replay.megatron_weights`)."""
         t0 = time.perf_counter()
         payload, shares, total = self._padded(batch)
-        staged_info, staged = self._stage(batch, routes, total)
+        staged_info, staged = self._stage(batch, routes, total, weights)
         try:
             replies = self._call("score", batch=payload, shares=shares, staged=staged_info, record=record,
                                  entropy=entropy)
@@ -326,7 +350,10 @@ class MegatronTrainer(Closing, Trainer):
         self.timings["score"].append(time.perf_counter() - t0)
         return out
 
-    def policy_step(self, batch: TokenBatch, update: PolicyUpdate, *, routes: Routes | None = None) -> PolicyStepStats:
+    def policy_step(self, batch: TokenBatch, update: PolicyUpdate, *, routes: Routes | None = None,
+                    weights: str | None = None) -> PolicyStepStats:
+        """One policy step on the ranks (the whole ``update``); ``weights`` (R3W) as in :meth:`score`: ``"stop"``
+        sends the router no gradient from the loss, ``"straight"`` the live router's."""
         import torch
 
         from r3lab.trainers.loss import clipped_policy_loss
@@ -348,12 +375,12 @@ class MegatronTrainer(Closing, Trainer):
         index = [np.arange(e - k, e) for e, k in zip(ends, batch.response_lengths, strict=True)]
         mask = None if update.loss_mask is None else np.asarray(update.loss_mask, dtype=bool)
         kept = batch.token_sample if mask is None else batch.token_sample[mask]
-        weights = None if update.token_weights is None else np.asarray(update.token_weights, dtype=np.float64)
+        token_weights = None if update.token_weights is None else np.asarray(update.token_weights, dtype=np.float64)
         # the whole update crosses to the ranks (every field, dataclasses.asdict), its arrays as numpy
         sent = dataclasses.replace(update, old_logprobs=arrays["old_logprobs"], advantages=arrays["advantages"],
-                                   infer_logprobs=arrays["infer_logprobs"], loss_mask=mask, token_weights=weights,
-                                   token_sample=batch.token_sample)
-        staged_info, staged = self._stage(batch, routes, total)
+                                   infer_logprobs=arrays["infer_logprobs"], loss_mask=mask,
+                                   token_weights=token_weights, token_sample=batch.token_sample)
+        staged_info, staged = self._stage(batch, routes, total, weights)
         try:
             replies = self._call("policy_step", batch=payload, shares=shares, staged=staged_info,
                                  update=dataclasses.asdict(sent), index=index, real_samples=len(batch),

@@ -6,6 +6,8 @@ ready, then serves the driver's commands from its pipe until ``close``: ``score`
 Each command's reply is ``("ok", result)`` or ``("error", traceback)``; results are numpy (no tensors cross the
 pipe). Routes arrive through :mod:`r3lab.staging` (:class:`StoreBackend`): this rank receives only its DP
 share's chunk, :func:`~r3lab.slicing.shard_local` slices it and :func:`~r3lab.replay.megatron_replay` replays it.
+Under R3W the engine's routing weights come beside them in the call, and
+:func:`~r3lab.replay.megatron_weight_replay` replays ids and weights together.
 """
 
 from __future__ import annotations
@@ -90,6 +92,20 @@ class RankState:
         ids = shard_local(share, lay, pp_rank=self.pp, cp_rank=0, tp_rank=self.tp)
         return [torch.from_numpy(np.ascontiguousarray(a)) for a in ids]
 
+    def _replay_weights(self, staged: dict | None, ids: list[torch.Tensor] | None, real: np.ndarray,
+                        global_rows: np.ndarray) -> list[torch.Tensor] | None:
+        """R3W: per router of this rank, the engine's routing weights at the rows of its replayed ids (``real``
+        rows: the batch rows ``global_rows``; padding rows get 1 / top_k, which no loss reads)."""
+        if staged is None or staged.get("weights") is None or ids is None:
+            return None
+        full, layers = staged["weights"], list(staged["weight_layers"])
+        out = []
+        for g, t in zip(self.routers, ids, strict=True):
+            w = np.full(tuple(t.shape), 1.0 / t.shape[1], dtype=np.float32)
+            w[real] = full[global_rows, layers.index(int(g))]
+            out.append(torch.from_numpy(w))
+        return out
+
     def _hooks(self, used: dict[int, torch.Tensor]) -> list[Any]:
         """Forward hooks keeping each router's routing map: the ids it actually used (replayed or chosen)."""
 
@@ -111,16 +127,20 @@ class RankState:
             mismatched += int(differ[real].sum())
         return int(real.sum()) * len(ids), mismatched
 
-    def _forward(self, tokens: torch.Tensor, ids: list[torch.Tensor] | None, record: bool, grad_fn=None):
-        """One micro-batch forward (and backward when ``grad_fn`` is given) with replay, recording or neither."""
-        from r3lab.replay import megatron_replay
+    def _forward(self, tokens: torch.Tensor, ids: list[torch.Tensor] | None, record: bool, grad_fn=None,
+                 weights: list[torch.Tensor] | None = None, weight_mode: str = "stop"):
+        """One micro-batch forward (and backward when ``grad_fn`` is given) with replay (of the ids, and with
+        ``weights`` of the routing weights too: R3W), recording or neither."""
+        from r3lab.replay import megatron_replay, megatron_weight_replay
 
         used: dict[int, torch.Tensor] = {}
         hooks = self._hooks(used)
         recorded = None
         try:
             if ids is not None:
-                with megatron_replay(self.model.chunks, [ids]) as rep:
+                replay = megatron_replay(self.model.chunks, [ids]) if weights is None else \
+                    megatron_weight_replay(self.model.chunks, [ids], [weights], weights=weight_mode)
+                with replay as rep:
                     rep.begin_microbatch(forward_only=grad_fn is None)
                     out = self._run(tokens, rep.after_forward, grad_fn)
             elif record:
@@ -180,8 +200,10 @@ class RankState:
         tb = TokenBatch(**batch)  # the driver's batch, every field (dataclasses.asdict)
         mine, lay, tokens, real, global_rows = self._inputs(tb, shares)
         ids = self._replay_ids(staged, lay)
+        w = self._replay_weights(staged, ids, real, global_rows)
         with torch.no_grad():
-            logits, used, recorded = self._forward(tokens, ids, record and ids is None)
+            logits, used, recorded = self._forward(tokens, ids, record and ids is None, weights=w,
+                                                   weight_mode=(staged or {}).get("weight_mode", "stop"))
         out: dict[str, Any] = {"checked": 0, "mismatched": 0}
         if ids is not None:
             out["checked"], out["mismatched"] = self._check_replay(ids, used, real)
@@ -216,8 +238,9 @@ class RankState:
         if self.optimizer is None:
             raise RuntimeError("this trainer has no optimizer: build it with lr=...")
         tb, whole = TokenBatch(**batch), PolicyUpdate(**update)
-        mine, lay, tokens, real, _ = self._inputs(tb, shares)
+        mine, lay, tokens, real, global_rows = self._inputs(tb, shares)
         ids = self._replay_ids(staged, lay)
+        w = self._replay_weights(staged, ids, real, global_rows)
         pl, seqs = tb.prompt_lens, tb.sequences
         keep = [(b, i) for b, i in enumerate(mine) if i < real_samples]  # filler samples carry no loss
         result: dict[str, Any] = {}
@@ -252,7 +275,8 @@ class RankState:
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        _, used, _ = self._forward(tokens, ids, False, grad_fn=loss_of)
+        _, used, _ = self._forward(tokens, ids, False, grad_fn=loss_of, weights=w,
+                                   weight_mode=(staged or {}).get("weight_mode", "stop"))
         result["checked"], result["mismatched"] = self._check_replay(ids, used, real) if ids is not None else (0, 0)
         norm = self._reduce_and_clip(float(whole.max_grad_norm))
         self.optimizer.step()
