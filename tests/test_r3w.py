@@ -208,7 +208,7 @@ def megatron_world():
 
     mc.init_cpu_parallel()
     yield mc
-    mc.destroy_cpu_parallel(keep_process_group=False)  # no gloo group left (test_trainer_megatron)
+    mc.destroy_cpu_parallel()  # the gloo group stays: in-process vLLM engines of this session may hold it
 
 
 @pytest.fixture(autouse=True)
@@ -303,3 +303,22 @@ def test_megatron_r3w_guards(megatron_world, monkeypatch):
                             inspect.getsourcelines(obj)[0]))
     with pytest.raises(ReplayError, match="changed under r3lab"):
         check_megatron_router()
+
+
+def test_the_gloo_group_an_in_process_engine_holds_is_never_destroyed(megatron_world, monkeypatch):
+    """A Megatron teardown that destroyed the process group an in-process vLLM engine had set up its world group on
+    broke every engine started after it ("Process group ... is not initialized in the world group map", seen in a
+    shuffled suite): destroy_parallel refuses, naming why, and the group stays."""
+    import sys
+    import types
+
+    import torch.distributed as dist
+
+    from r3lab.errors import R3LabError
+
+    assert dist.is_initialized()
+    monkeypatch.setitem(sys.modules, "vllm.distributed.parallel_state", types.SimpleNamespace(_WORLD=object()))
+    with pytest.raises(R3LabError, match="an in-process vLLM engine holds this process's torch.distributed group"):
+        megatron_world.destroy_cpu_parallel(keep_process_group=False)
+    assert dist.is_initialized()
+    megatron_world.init_cpu_parallel()  # the module's Megatron groups back for the tests after this one

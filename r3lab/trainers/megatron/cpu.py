@@ -237,8 +237,19 @@ def init_parallel(
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+def _vllm_holds_the_process_group() -> bool:
+    """Whether an in-process vLLM engine has set up its world group on this process's torch.distributed group
+    (``vllm.distributed.parallel_state._WORLD``, vLLM 0.30): destroying that group breaks the engine, and every
+    in-process engine started after it fails with "Process group ... is not initialized in the world group map"."""
+    import sys
+
+    ps = sys.modules.get("vllm.distributed.parallel_state")
+    return ps is not None and getattr(ps, "_WORLD", None) is not None
+
+
 def destroy_parallel(*, keep_process_group: bool = True) -> None:
-    """Tear down the model-parallel groups and Megatron's router-replay registry (and the gloo group if asked)."""
+    """Tear down the model-parallel groups and Megatron's router-replay registry (and the gloo group if asked; refused
+    while an in-process vLLM engine holds it, as the error says)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.transformer.moe.router_replay import RouterReplay
@@ -246,4 +257,8 @@ def destroy_parallel(*, keep_process_group: bool = True) -> None:
     RouterReplay.clear_global_router_replay_instances()
     parallel_state.destroy_model_parallel()
     if not keep_process_group and dist.is_initialized():
+        if _vllm_holds_the_process_group():
+            raise R3LabError("destroy_parallel(keep_process_group=False): an in-process vLLM engine holds this "
+                             "process's torch.distributed group; destroying it would break that engine and every "
+                             "in-process engine started after it. Keep the group (keep_process_group=True)")
         dist.destroy_process_group()
