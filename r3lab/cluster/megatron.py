@@ -205,8 +205,8 @@ class RayMegatronTrainer(MegatronTrainer):
             raise ClusterError(f"the Megatron trainer on Ray ({self._describe()}) is closed")
         return self._gather([m.handle.call.remote(cmd, kwargs) for m in self._members], cmd, self.timeout_s)
 
-    def _stage(self, batch: Any, routes: Any, total: int) -> tuple[dict | None, Any]:
-        info, staged = super()._stage(batch, routes, total)
+    def _stage(self, batch: Any, routes: Any, total: int, weights: str | None = None) -> tuple[dict | None, Any]:
+        info, staged = super()._stage(batch, routes, total, weights)
         if info is not None:
             info["coordinator"] = staged.coordinator  # the ranks report to the backend's coordinator actor
         return info, staged

@@ -249,15 +249,16 @@ class MegatronTrainer(Closing, Trainer):
             if routes is None:
                 raise ConfigError(f"weights={weights!r} replays the engine's routing weights beside its ids: "
                                   "give the engine's routes (routes=...)")
-            if isinstance(routes, Routes) and routes.weights is None:
-                raise ConfigError(f"weights={weights!r}: the routes carry no routing weights (capture them with "
-                                  "RolloutEngine(capture_weights=True))")
         if routes is None:
             return None, None
         from r3lab.staging import StagingPlan, stage
 
         if not isinstance(routes, Routes):
             raise ConfigError(f"routes must be r3lab Routes, got {type(routes).__name__}")
+        carried = routes.weights
+        if weights is not None and carried is None:
+            raise ConfigError(f"weights={weights!r}: the routes carry no routing weights (capture them with "
+                              "RolloutEngine(capture_weights=True))")
         want = np.array([len(q) for q in batch.sequences])
         if len(routes) != len(batch) or not np.array_equal(np.asarray(routes.lengths), want):
             raise ConfigError(f"routes have {len(routes)} sequences of {np.asarray(routes.lengths).tolist()[:8]} rows; "
@@ -267,19 +268,19 @@ class MegatronTrainer(Closing, Trainer):
             raise ConfigError(f"routes lack the router layers {missing} of {self.model_dir.name}")
         if total > len(routes):
             routes = routes.take(list(range(len(routes))) + [len(routes) - 1] * (total - len(routes)))
+            carried = routes.weights  # the padded batch's rows (the filler samples' weights too)
         plan = StagingPlan.build(total, self.layout)
         self._stages += 1
-        ids_only = routes if routes.weights is None else routes.without_weights()
+        ids_only = routes if carried is None else routes.without_weights()
         staged, stats = stage(ids_only, plan, self._backend, codec=self.codec, stage_id=f"b{self._stages}")
         self.stage_stats.append(stats)
         info = dict(stage_id=staged.stage_id, plan=plan.to_dict(), refs=dict(staged.refs),
                     layer_ids=list(staged.layer_ids))
-        if weights is not None:
+        if weights is not None and carried is not None:
             layers = [int(g) for g in self.layout.router_layers]
             have = routes.layer_ids.tolist()
             info.update(weight_mode=weights, weight_layers=layers,
-                        weights=np.ascontiguousarray(routes.weights[:, [have.index(g) for g in layers]],
-                                                     dtype=np.float32))
+                        weights=np.ascontiguousarray(carried[:, [have.index(g) for g in layers]], dtype=np.float32))
         return info, staged
 
     def _release(self, staged: Any) -> None:
