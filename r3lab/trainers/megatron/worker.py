@@ -93,9 +93,10 @@ class RankState:
         return [torch.from_numpy(np.ascontiguousarray(a)) for a in ids]
 
     def _replay_weights(self, staged: dict | None, ids: list[torch.Tensor] | None, real: np.ndarray,
-                        global_rows: np.ndarray) -> list[torch.Tensor] | None:
+                        global_rows: np.ndarray) -> tuple[list[torch.Tensor], str] | None:
         """R3W: per router of this rank, the engine's routing weights at the rows of its replayed ids (``real``
-        rows: the batch rows ``global_rows``; padding rows get 1 / top_k, which no loss reads)."""
+        rows: the batch rows ``global_rows``; padding rows get 1 / top_k, which no loss reads), and the driver's
+        weight mode (``"stop"`` / ``"straight"``); None without weights."""
         if staged is None or staged.get("weights") is None or ids is None:
             return None
         full, layers = staged["weights"], list(staged["weight_layers"])
@@ -104,7 +105,7 @@ class RankState:
             w = np.full(tuple(t.shape), 1.0 / t.shape[1], dtype=np.float32)
             w[real] = full[global_rows, layers.index(int(g))]
             out.append(torch.from_numpy(w))
-        return out
+        return out, staged["weight_mode"]
 
     def _hooks(self, used: dict[int, torch.Tensor]) -> list[Any]:
         """Forward hooks keeping each router's routing map: the ids it actually used (replayed or chosen)."""
@@ -128,9 +129,9 @@ class RankState:
         return int(real.sum()) * len(ids), mismatched
 
     def _forward(self, tokens: torch.Tensor, ids: list[torch.Tensor] | None, record: bool, grad_fn=None,
-                 weights: list[torch.Tensor] | None = None, weight_mode: str = "stop"):
+                 weights: tuple[list[torch.Tensor], str] | None = None):
         """One micro-batch forward (and backward when ``grad_fn`` is given) with replay (of the ids, and with
-        ``weights`` of the routing weights too: R3W), recording or neither."""
+        ``weights``, :meth:`_replay_weights`'s, of the routing weights too: R3W), recording or neither."""
         from r3lab.replay import megatron_replay, megatron_weight_replay
 
         used: dict[int, torch.Tensor] = {}
@@ -139,7 +140,7 @@ class RankState:
         try:
             if ids is not None:
                 replay = megatron_replay(self.model.chunks, [ids]) if weights is None else \
-                    megatron_weight_replay(self.model.chunks, [ids], [weights], weights=weight_mode)
+                    megatron_weight_replay(self.model.chunks, [ids], [weights[0]], weights=weights[1])
                 with replay as rep:
                     rep.begin_microbatch(forward_only=grad_fn is None)
                     out = self._run(tokens, rep.after_forward, grad_fn)
@@ -202,8 +203,7 @@ class RankState:
         ids = self._replay_ids(staged, lay)
         w = self._replay_weights(staged, ids, real, global_rows)
         with torch.no_grad():
-            logits, used, recorded = self._forward(tokens, ids, record and ids is None, weights=w,
-                                                   weight_mode=(staged or {}).get("weight_mode", "stop"))
+            logits, used, recorded = self._forward(tokens, ids, record and ids is None, weights=w)
         out: dict[str, Any] = {"checked": 0, "mismatched": 0}
         if ids is not None:
             out["checked"], out["mismatched"] = self._check_replay(ids, used, real)
@@ -275,8 +275,7 @@ class RankState:
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        _, used, _ = self._forward(tokens, ids, False, grad_fn=loss_of, weights=w,
-                                   weight_mode=(staged or {}).get("weight_mode", "stop"))
+        _, used, _ = self._forward(tokens, ids, False, grad_fn=loss_of, weights=w)
         result["checked"], result["mismatched"] = self._check_replay(ids, used, real) if ids is not None else (0, 0)
         norm = self._reduce_and_clip(float(whole.max_grad_norm))
         self.optimizer.step()
