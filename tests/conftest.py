@@ -118,7 +118,20 @@ def _count_engine_starts():
     engine_module.RolloutEngine.__init__ = init
 
 
+# ---- where the suite's time goes, per test file (setup + call + teardown; printed at the end) -----------------------
+
+_FILE_SECONDS: collections.Counter[str] = collections.Counter()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _FILE_SECONDS[Path(report.nodeid.split("::")[0]).name] += report.duration
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if _FILE_SECONDS:
+        total = sum(_FILE_SECONDS.values())
+        top = ", ".join(f"{f} {s:.0f}" for f, s in _FILE_SECONDS.most_common(25))
+        terminalreporter.write_line(f"seconds per test file ({total:.0f} s in all; the slowest 25): {top}")
     if _ENGINE_STARTS:
         per_file = ", ".join(f"{f} {n}" for f, n in sorted(_ENGINE_STARTS.items()))
         terminalreporter.write_line(f"vLLM engines started: {sum(_ENGINE_STARTS.values())} ({per_file})")

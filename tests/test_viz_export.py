@@ -63,45 +63,76 @@ def test_export_writes_the_three_formats_and_leaves_the_environment_alone(tmp_pa
 
 def test_kaleidos_page_race_is_tried_again_and_nothing_else_is(tmp_path, monkeypatch):
     """kaleido's page can be reached before its script defined ``kaleido_scopes`` on a loaded machine: that error
-    is tried again in a fresh browser (and named after the last try); any other error is raised at once."""
+    is tried again in a fresh browser from the image it hit (the images before it are kept, none is rendered twice),
+    and named after the last try; any other error is raised at once."""
     import kaleido
 
     from r3lab.viz import exporting
 
-    real = kaleido.calc_fig_sync
-    calls = []
+    real = kaleido.Kaleido.calc_fig
+    calls: list[str] = []
+    browsers: list[int] = []
+    real_enter = kaleido.Kaleido.__aenter__
 
-    def flaky(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 1:
+    async def counting_enter(self):
+        browsers.append(1)
+        return await real_enter(self)
+
+    async def flaky(self, spec, opts=None, **kwargs):
+        calls.append(opts["format"])
+        if len(calls) == 2:  # the second image of the first browser
             raise RuntimeError("{'description': 'ReferenceError: kaleido_scopes is not defined'}")
-        return real(*args, **kwargs)
+        return await real(self, spec, opts=opts, **kwargs)
 
     fig = go.Figure(go.Scatter(x=[0, 1], y=[1, 2]))
-    monkeypatch.setattr(kaleido, "calc_fig_sync", flaky)
-    (png,) = export(fig, tmp_path / "a", formats=["png"])
-    check_figure_file(png, min_bytes=2000)
-    assert len(calls) == 2
+    monkeypatch.setattr(kaleido.Kaleido, "__aenter__", counting_enter)
+    monkeypatch.setattr(kaleido.Kaleido, "calc_fig", flaky)
+    files = export(fig, tmp_path / "a")
+    for f in files:
+        check_figure_file(f, min_bytes=2000)
+    assert calls == ["png", "svg", "svg", "pdf"] and len(browsers) == 2  # svg again, in a second browser
 
-    def always(*args, **kwargs):
-        calls.append(1)
+    async def always(self, *args, **kwargs):
+        calls.append("x")
         raise RuntimeError("ReferenceError: kaleido_scopes is not defined")
 
     calls.clear()
-    monkeypatch.setattr(kaleido, "calc_fig_sync", always)
+    monkeypatch.setattr(kaleido.Kaleido, "calc_fig", always)
     with pytest.raises(R3LabError, match=r"never defined its renderer .* in 3 fresh browsers"):
         export(fig, tmp_path / "b", formats=["png"])
     assert len(calls) == exporting._PAGE_RACE_TRIES
 
-    def broken(*args, **kwargs):
-        calls.append(1)
+    async def broken(self, *args, **kwargs):
+        calls.append("x")
         raise RuntimeError("TypeError: fig.data is not iterable")
 
     calls.clear()
-    monkeypatch.setattr(kaleido, "calc_fig_sync", broken)
+    monkeypatch.setattr(kaleido.Kaleido, "calc_fig", broken)
     with pytest.raises(RuntimeError, match="not iterable"):
         export(fig, tmp_path / "c", formats=["png"])
     assert len(calls) == 1
+
+
+def test_export_figures_renders_every_figure_in_one_browser(tmp_path, monkeypatch):
+    """One Chromium for all the images of an export_figures call (a browser start is most of an image's time)."""
+    import kaleido
+
+    from r3lab.viz import export_figures
+
+    browsers: list[int] = []
+    real_enter = kaleido.Kaleido.__aenter__
+
+    async def counting_enter(self):
+        browsers.append(1)
+        return await real_enter(self)
+
+    monkeypatch.setattr(kaleido.Kaleido, "__aenter__", counting_enter)
+    figs = {f"f{i}": go.Figure(go.Bar(x=[0, 1, 2], y=[i, 2, 1])) for i in range(3)}
+    files = export_figures(figs, tmp_path, formats=["svg", "png"])
+    assert [f.name for f in files] == [f"f{i}.{fmt}" for i in range(3) for fmt in ("svg", "png")]
+    for f in files:
+        check_figure_file(f, min_bytes=2000)
+    assert len(browsers) == 1
 
 
 def test_r3lab_figures_regenerates_every_committed_figure(tmp_path, capsys):

@@ -288,6 +288,7 @@ def test_reference_runs_load():
     assert {r.config["mode"] for r in runs} == {"none", "R2", "R3"} and all(r.finished for r in runs)
 
 
+@pytest.mark.engine  # its Run starts an RL job: a vLLM engine and a trainer in a child process
 def test_dashboard_runs_the_experiment_and_shows_exactly_what_the_runs_hold(tmp_path):
     dash = AblationDashboard(tmp_path / "runs", tmp_path / "figures", steps=2, prompts_per_step=2,
                              samples_per_prompt=2, max_tokens=8, interval=0.2)
