@@ -1,8 +1,10 @@
 """r3lab.rollout.connect against vLLM servers started the way a user starts them (not through r3lab).
 
 Each server is ``python -m vllm.entrypoints.openai.api_server ...`` in its own process group (start_new_session;
-tests/user_vllm.py), started lazily, at most one alive at a time (2 cores), and its group is ended in the fixture's
-teardown even when a test fails. Tests that share a server run next to each other (one start each).
+tests/user_vllm.py), started lazily, one user server alive at a time, and its group is ended in the fixture's
+teardown even when a test fails. The tests that read the Qwen3 user server run next to each other on one start of
+it (the test that kills it comes last of them); r3lab's own ``RolloutServer``, the reference two tests compare
+with, is started once beside it (an idle vLLM server holds its 128 MiB KV cache and no core).
 """
 
 from __future__ import annotations
@@ -27,6 +29,16 @@ def servers(tmp_path_factory) -> Iterator[UserServers]:
         yield s
     finally:
         s.stop()
+
+
+@pytest.fixture(scope="module")
+def own_server(tmp_path_factory):
+    """r3lab's own launch of the same model and seed: what an attached server's answers are compared with."""
+    from r3lab.rollout import RolloutServer
+
+    with RolloutServer(QWEN, seed=0, max_model_len=512,
+                       log_path=tmp_path_factory.mktemp("own-vllm") / "srv.log") as srv:
+        yield srv
 
 
 def test_capture_equals_drift_and_rescores(servers, tmp_path, monkeypatch):
@@ -85,10 +97,8 @@ def test_capture_equals_drift_and_rescores(servers, tmp_path, monkeypatch):
     assert np.isfinite(rescored.step_records[0]["k3_none"]) and "engine-only capture" in rescore_table(rescored)
 
 
-def test_attached_equals_rollout_server(servers, tmp_path):
+def test_attached_equals_rollout_server(servers, own_server):
     """Same tokens, log-probabilities and routes as RolloutServer (r3lab's own launch) for the same seed."""
-    from r3lab.rollout import RolloutServer
-
     prompts = [[5, 6, 7, 8, 9], [11, 12, 13], [20, 21, 22, 23, 24, 25, 26]]
     sp = SamplingConfig(max_tokens=12, seed=3, n=2)
     url = servers.get(QWEN)
@@ -98,9 +108,7 @@ def test_attached_equals_rollout_server(servers, tmp_path):
         attached = eng.generate(prompts, sp)
         with pytest.raises(AttachError, match="cannot push the trainer's weights"):
             eng.update_weights()
-    servers.stop()
-    with RolloutServer(QWEN, seed=0, max_model_len=512, log_path=tmp_path / "srv.log") as srv:
-        own = srv.generate(prompts, sp)
+    own = own_server.generate(prompts, sp)
     assert len(attached) == len(own) == 6
     for a, b in zip(attached, own, strict=True):
         assert (a.prompt_index, a.sample_index) == (b.prompt_index, b.sample_index)
@@ -109,11 +117,12 @@ def test_attached_equals_rollout_server(servers, tmp_path):
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
 
 
-def test_drift_through_attached_server(servers, tmp_path):
+def test_drift_through_attached_server(servers, own_server, tmp_path):
     """r3lab drift --engine-url: the run's samples are the ones RolloutServer gives for the same seed inputs."""
+    from transformers import AutoTokenizer
+
     from r3lab.config import DriftConfig
     from r3lab.experiments.drift import run_drift, seed_inputs
-    from r3lab.rollout import RolloutServer
 
     cfg = DriftConfig(models=(str(QWEN),), prompts=3, max_tokens=8, seeds=(0,), trainer_dtypes=("float32",),
                       engine_url=servers.get(QWEN))
@@ -121,30 +130,12 @@ def test_drift_through_attached_server(servers, tmp_path):
     rows = run_drift(cfg, progress=False, runs_root=tmp_path / "runs", run_name="attached",
                      on_trainer=lambda label, trainer, res: seen.extend(res))
     assert len(rows) == 1 and np.isfinite(rows[0].summary["k3_engine_floor"])
-    servers.stop()
     prompts, sp = seed_inputs(cfg, 0)
-    with RolloutServer(QWEN, seed=0, max_model_len=512, log_path=tmp_path / "srv.log") as srv:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(str(QWEN))
-        own = srv.generate([tok.encode(p, add_special_tokens=False) for p in prompts], sp)
+    tok = AutoTokenizer.from_pretrained(str(QWEN))
+    own = own_server.generate([tok.encode(p, add_special_tokens=False) for p in prompts], sp)
     assert [r.token_ids for r in seen] == [r.token_ids for r in own]
     for a, b in zip(seen, own, strict=True):
         np.testing.assert_array_equal(a.routes.values, b.routes.values)
-
-
-def test_server_without_routes_names_the_flag(servers):
-    url = servers.get(QWEN, routes=False)
-    with pytest.raises(AttachError, match="--enable-return-routed-experts") as e:
-        connect(url, model=QWEN)
-    assert url in str(e.value)
-
-
-def test_server_of_another_model(servers):
-    url = servers.get(GLM)
-    with pytest.raises(AttachError, match="the local config.json") as e:
-        connect(url, model=QWEN)
-    assert "tiny-glm4-moe" in str(e.value) and "--model" in str(e.value)
 
 
 def test_server_dies_mid_run(servers, tmp_path, monkeypatch):
@@ -183,6 +174,20 @@ def test_server_dies_mid_run(servers, tmp_path, monkeypatch):
     with pytest.raises(AttachError, match="unreachable or went away") as e:
         eng.generate([[5, 6, 7]], SamplingConfig(max_tokens=4, seed=0))
     assert url in str(e.value)
+
+
+def test_server_without_routes_names_the_flag(servers):
+    url = servers.get(QWEN, routes=False)
+    with pytest.raises(AttachError, match="--enable-return-routed-experts") as e:
+        connect(url, model=QWEN)
+    assert url in str(e.value)
+
+
+def test_server_of_another_model(servers):
+    url = servers.get(GLM)
+    with pytest.raises(AttachError, match="the local config.json") as e:
+        connect(url, model=QWEN)
+    assert "tiny-glm4-moe" in str(e.value) and "--model" in str(e.value)
 
 
 def test_drift_run_marked_stopped_when_server_is_gone(tmp_path):
