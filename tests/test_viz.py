@@ -507,3 +507,16 @@ def test_one_seed_draws_no_error_bars_and_legends_count_seeds_in_the_singular(tm
     assert all(t.type == "scatter" and t.error_y.visible is False for t in fig.data)  # points, no stub bars
     assert "1 seed)" in fig.layout.title.text and "no spread" in fig.layout.title.subtitle.text
     assert not set(SOURCE_COLORS.values()) & set(MODE_COLORS.values())  # engine/trainer never wear a mode's colour
+
+
+def test_band_colours_blend_hex_and_refuse_anything_else():
+    """One colour helper for every band and second-engine line: the same arithmetic the figures were drawn with."""
+    from r3lab.errors import R3LabError
+    from r3lab.viz.style import lighter, translucent
+
+    assert translucent("#1f77b4", 0.15) == "rgba(31,119,180,0.15)"
+    assert lighter("#1f77b4") == "#8fbbda"  # (31+224/2, 119+136/2, 180+75/2) rounded half to even: 143, 187, 218
+    assert lighter("#000000", 1.0) == "#ffffff" and lighter("#d62728", 0.0) == "#d62728"
+    for bad in ("red", "#fff", "rgb(1,2,3)", "#12345g"):
+        with pytest.raises(R3LabError, match="#rrggbb"):
+            translucent(bad, 0.5)

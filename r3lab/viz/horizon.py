@@ -21,29 +21,12 @@ from r3lab.config import RLMetric
 from r3lab.errors import R3LabError
 from r3lab.runs.horizon import AFTERMATH_SERIES, AFTERMATH_STEPS, horizon_bands, horizon_records, horizon_setting
 from r3lab.viz.phase import OBJECTIVE_STYLES
-from r3lab.viz.style import finish
+from r3lab.viz.style import finish, lighter, translucent
 from r3lab.viz.ticks import axis_ticks
 
 __all__ = ["horizon_figure", "horizon_search_figure", "HORIZON_SIZE", "AFTERMATH_TITLES"]
 
 HORIZON_SIZE = {"width": 1100, "height": 860}
-
-
-def _band_color(color: str, alpha: float = 0.18) -> str:
-    c = color.lstrip("#")
-    if len(c) != 6:
-        return color
-    r, g, b = (int(c[i:i + 2], 16) for i in (0, 2, 4))
-    return f"rgba({r},{g},{b},{alpha})"
-
-
-def _lighter(color: str, share: float = 0.5) -> str:
-    """``color`` blended ``share`` of the way to white (a second engine beside the first, same objective)."""
-    c = color.lstrip("#")
-    if len(c) != 6:
-        return color
-    r, g, b = (round(int(c[i:i + 2], 16) + (255 - int(c[i:i + 2], 16)) * share) for i in (0, 2, 4))
-    return f"#{r:02x}{g:02x}{b:02x}"
 
 
 AFTERMATH_TITLES = {"grad_norm": "grad norm", "is_ess": "IS eff. sample size", "clip_frac": "clip fraction",
@@ -84,12 +67,12 @@ def horizon_figure(runs: Sequence[Any], *, smooth: int = 10, setting: str | None
             engine, obj = name.split(" (")[0].split(" ", 1)
             color, dash, _ = OBJECTIVE_STYLES.get(obj, ("#555555", "solid", "circle"))
             if engine != first_engine:  # a second engine: the objective's colour, lighter (open markers below)
-                color = _lighter(color)
+                color = lighter(color)
             lo, hi = b["lo"], b["hi"]
             if row == 1:  # a log axis: clip the band's floor above 0
                 lo, hi = np.maximum(lo, 1e-14), np.maximum(hi, 1e-14)
             fig.add_trace(go.Scatter(x=np.r_[b["steps"], b["steps"][::-1]], y=np.r_[hi, lo[::-1]], fill="toself",
-                                     fillcolor=_band_color(color), line={"width": 0}, hoverinfo="skip",
+                                     fillcolor=translucent(color, 0.18), line={"width": 0}, hoverinfo="skip",
                                      showlegend=False, legendgroup=name), row=row, col=1)
             fig.add_trace(go.Scatter(x=b["steps"], y=np.maximum(b["median"], 1e-14) if row == 1 else b["median"],
                                      mode="lines", line={"color": color, "dash": dash, "width": 1.5},
@@ -132,7 +115,10 @@ def horizon_search_figure(runs: Sequence[Any], *, smooth: int = 10) -> go.Figure
     left and the reward (a ``smooth``-step trailing mean) on the right, one line per (engine, objective): the median
     over seeds with a min - max band where a setting has several seeds."""
     runs = list(runs)
-    settings = list(dict.fromkeys(s for s in (horizon_setting(r.config) for r in runs) if s != "base"))
+    of_setting: dict[str, list[Any]] = {}
+    for r in runs:
+        of_setting.setdefault(horizon_setting(r.config), []).append(r)
+    settings = [s for s in of_setting if s != "base"]
     if not settings:
         raise R3LabError(f"no collapse-search runs among {len(runs)} runs (every run has the sweep's base setting)")
     fig = make_subplots(rows=len(settings), cols=2, shared_xaxes=True, vertical_spacing=0.32 / len(settings),
@@ -140,7 +126,7 @@ def horizon_search_figure(runs: Sequence[Any], *, smooth: int = 10) -> go.Figure
                         subplot_titles=[f"{s}: {what}" for s in settings for what in ("k3", "reward")])
     shown: set[str] = set()
     for row, setting in enumerate(settings, start=1):
-        these = [r for r in runs if horizon_setting(r.config) == setting]
+        these = of_setting[setting]
         drawn: list[np.ndarray] = []
         for col, bands in ((1, horizon_bands(these, RLMetric.K3_KL)),
                            (2, horizon_bands(these, RLMetric.REWARD, smooth=smooth))):
@@ -154,7 +140,7 @@ def horizon_search_figure(runs: Sequence[Any], *, smooth: int = 10) -> go.Figure
                     drawn += [lo, hi] if b["seeds"] > 1 else [mid]
                 if b["seeds"] > 1:
                     fig.add_trace(go.Scatter(x=np.r_[b["steps"], b["steps"][::-1]], y=np.r_[hi, lo[::-1]],
-                                             fill="toself", fillcolor=_band_color(color), line={"width": 0},
+                                             fill="toself", fillcolor=translucent(color, 0.18), line={"width": 0},
                                              hoverinfo="skip", showlegend=False, legendgroup=label),
                                   row=row, col=col)
                 fig.add_trace(go.Scatter(x=b["steps"], y=mid, mode="lines",

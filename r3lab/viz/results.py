@@ -13,7 +13,7 @@ from plotly.subplots import make_subplots
 from r3lab import labels, metrics
 from r3lab.errors import R3LabError
 from r3lab.runs import Run, mode_order
-from r3lab.viz.style import MODE_COLORS, ONE_COLUMN, TWO_COLUMN, finish, mode_color, plural
+from r3lab.viz.style import MODE_COLORS, ONE_COLUMN, TWO_COLUMN, finish, mode_color, plural, translucent
 from r3lab.viz.ticks import axis_ticks
 
 __all__ = ["transport_figure", "codec_figure", "rl_curves_figure", "drift_figure", "load_shift_figure"]
@@ -21,9 +21,9 @@ __all__ = ["transport_figure", "codec_figure", "rl_curves_figure", "drift_figure
 
 def _band(fig: go.Figure, x: np.ndarray, lo: np.ndarray, hi: np.ndarray, color: str, name: str, row: Any = None,
           col: Any = None) -> None:
-    rgba = "rgba({},{},{},0.15)".format(*(int(color[i : i + 2], 16) for i in (1, 3, 5)))
-    fig.add_scatter(x=np.concatenate([x, x[::-1]]), y=np.concatenate([hi, lo[::-1]]), fill="toself", fillcolor=rgba,
-                    line={"width": 0}, hoverinfo="skip", showlegend=False, legendgroup=name, row=row, col=col)
+    fig.add_scatter(x=np.concatenate([x, x[::-1]]), y=np.concatenate([hi, lo[::-1]]), fill="toself",
+                    fillcolor=translucent(color, 0.15), line={"width": 0}, hoverinfo="skip", showlegend=False,
+                    legendgroup=name, row=row, col=col)
 
 
 def transport_figure(records: Iterable[Mapping[str, Any]], *, popularity: str = "uniform") -> go.Figure:

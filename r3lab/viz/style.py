@@ -17,11 +17,12 @@ from typing import Any
 import numpy as np
 import plotly.graph_objects as go
 import plotly.io as pio
+from plotly.colors import hex_to_rgb
 
 from r3lab.errors import R3LabError
 
 __all__ = ["MODE_COLORS", "mode_color", "SOURCE_COLORS", "ONE_COLUMN", "TWO_COLUMN", "TEMPLATE", "FLIP_COLOR",
-           "NOTEBOOK_CONFIG", "NOT_DRAWN", "LabFigure", "finish", "plural", "wrap"]
+           "NOTEBOOK_CONFIG", "NOT_DRAWN", "LabFigure", "finish", "plural", "wrap", "translucent", "lighter"]
 
 # one colour per replay mode, everywhere
 MODE_COLORS = {"none": "#7f7f7f", "R2": "#1f77b4", "R3": "#d62728", "R3W": "#9467bd"}
@@ -43,6 +44,23 @@ TEMPLATE = "r3lab"
 def mode_color(mode: str) -> str:
     """The replay mode's colour in every figure (:data:`MODE_COLORS`; green for a mode outside none/R2/R3)."""
     return MODE_COLORS.get(mode, "#2ca02c")
+
+
+def _rgb(color: str) -> tuple[int, int, int]:
+    if not re.fullmatch(r"#[0-9a-fA-F]{6}", color):
+        raise R3LabError(f"colour {color!r} is not of the form #rrggbb (the figure colours r3lab blends are)")
+    return hex_to_rgb(color)
+
+
+def translucent(color: str, alpha: float) -> str:
+    """``#rrggbb`` as ``rgba(r,g,b,alpha)``: a band's fill in its line's colour."""
+    r, g, b = _rgb(color)
+    return f"rgba({r},{g},{b},{alpha})"
+
+
+def lighter(color: str, share: float = 0.5) -> str:
+    """``#rrggbb`` blended ``share`` of the way to white, as ``#rrggbb``."""
+    return "#{:02x}{:02x}{:02x}".format(*(round(v + (255 - v) * share) for v in _rgb(color)))
 
 
 def plural(n: int, word: str, words: str | None = None) -> str:
