@@ -4,7 +4,7 @@ One two-raylet cluster per module (:func:`r3lab.testing.cluster.local_cluster`: 
 each raylet told its agents' ports so that it starts on a loaded 2-core machine): node A holds the custom resource
 ``engine`` (1 CPU), node B holds ``trainer`` (2 CPUs). Asserted: the engine actor lands on A and both TP ranks on B
 (node ids); a quick drift through the cluster equals the local drift for the same seed bit for bit (same kernels,
-same inputs: vLLM in an actor is vLLM in a process, gloo ranks in actors are gloo ranks in processes); a 2-step RL
+same inputs: vLLM in an actor is vLLM in a process, gloo ranks in actors are gloo ranks in processes); a 2-step R3W RL
 run with Megatron TP2 equals the local one bit for bit; killing a rank actor mid-step ends the run within its bound,
 naming the actor and its node, leaving no rank process, and the run folder says stopped with that reason. Raylets,
 vLLM and two Megatron ranks: run under the heavy lock (``flock /tmp/r3lab-heavy.lock``)."""
@@ -19,7 +19,7 @@ import time
 import numpy as np
 import pytest
 
-from r3lab.config import DriftConfig, RLConfig
+from r3lab.config import DriftConfig, RLConfig, RLMetric
 from r3lab.errors import ClusterError
 
 ENGINE = '{"engine": 1}'
@@ -85,20 +85,29 @@ def test_quick_drift_through_the_cluster_equals_the_local_drift(cluster, tmp_pat
     assert np.array_equal(a.routes(0, "engine").values, b.routes(0, "engine").values)
 
 
-def _rl(**kw) -> RLConfig:
+def _rl(mode: str = "R3", **kw) -> RLConfig:
     return RLConfig.quick(trainer="megatron", tp=2, steps=2, prompts_per_step=2, samples_per_prompt=2,
-                          max_tokens=8, mini_batches=2, mode="R3", noise_every=0, **kw)
+                          max_tokens=8, mini_batches=2, mode=mode, noise_every=0, **kw)
 
 
-def test_a_two_step_megatron_rl_run_through_the_cluster_equals_the_local_run(cluster, tmp_path):
+def test_a_two_step_megatron_r3w_run_through_the_cluster_equals_the_local_run(cluster, tmp_path):
+    """R3W (the engine actor captures its routers' weights, the rank actors replay ids and weights): the steps'
+    values and the stored engine routes, ids and weights, equal the local run's."""
     from r3lab.experiments.rl import run_rl
+    from r3lab.runs import load
 
-    local = run_rl(_rl(), progress=False, runs_root=tmp_path, run_name="local")
-    remote = run_rl(_rl(cluster="ray", engine_resources=ENGINE, trainer_resources=TRAINER), progress=False,
+    local = run_rl(_rl("R3W"), progress=False, runs_root=tmp_path, run_name="local")
+    remote = run_rl(_rl("R3W", cluster="ray", engine_resources=ENGINE, trainer_resources=TRAINER), progress=False,
                     runs_root=tmp_path, run_name="ray")
     keys = [k for k in local.steps[0] if not k.startswith("time_")]
+    assert RLMetric.ROUTER_WEIGHTS_L1 in keys, keys  # the live router's weights measured against the engine's
     for x, y in zip(local.steps, remote.steps, strict=True):
         assert {k: x[k] for k in keys} == {k: y[k] for k in keys}  # bit-equal: same kernels, same inputs
+    a, b = load(tmp_path / "local"), load(tmp_path / "ray")
+    for step in (0, 1):
+        ra, rb = a.routes(step, "engine"), b.routes(step, "engine")
+        assert ra.weights is not None and rb.weights is not None, "R3W stored no engine routing weights"
+        assert np.array_equal(ra.values, rb.values) and np.array_equal(ra.weights, rb.weights)
 
 
 def test_a_rank_killed_mid_step_ends_the_run_within_its_bound(cluster, tmp_path):
