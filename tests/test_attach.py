@@ -4,7 +4,8 @@ Each server is ``python -m vllm.entrypoints.openai.api_server ...`` in its own p
 tests/user_vllm.py), started lazily, one user server alive at a time, and its group is ended in the fixture's
 teardown even when a test fails. The tests that read the Qwen3 user server run next to each other on one start of
 it (the test that kills it comes last of them); r3lab's own ``RolloutServer``, the reference two tests compare
-with, is started once beside it (an idle vLLM server holds its 128 MiB KV cache and no core).
+with, is started once beside it (an idle vLLM server holds its 128 MiB KV cache and no core). Two user servers
+start in all: the Qwen3 one (another model's checkpoint is checked against it too) and, last, one without routes.
 """
 
 from __future__ import annotations
@@ -138,6 +139,17 @@ def test_drift_through_attached_server(servers, own_server, tmp_path):
         np.testing.assert_array_equal(a.routes.values, b.routes.values)
 
 
+def test_server_of_another_model(servers):
+    """A Qwen3 server, the GLM checkpoint here (same layer count, top-k and experts; GLM's layer 0 is dense): the
+    probe's routes in that layer name the mismatch and both models. (The other way round, a GLM server against the
+    Qwen3 checkpoint, is tests/test_attach_handshake.py's, on the probe answer a real GLM server gives.)"""
+    url = servers.get(QWEN)
+    with pytest.raises(AttachError, match=r"dense layers \[0\] \(from the config\) hold expert ids") as e:
+        connect(url, model=GLM)
+    msg = str(e.value)
+    assert "tiny-qwen3-moe" in msg and "tiny-glm4-moe" in msg and "--model" in msg and url in msg
+
+
 def test_server_dies_mid_run(servers, tmp_path, monkeypatch):
     """A client's next request names the server that went away; so does a capture run whose server dies after its
     first request, and that run is marked stopped (no summary, no step written), never half-written."""
@@ -181,13 +193,6 @@ def test_server_without_routes_names_the_flag(servers):
     with pytest.raises(AttachError, match="--enable-return-routed-experts") as e:
         connect(url, model=QWEN)
     assert url in str(e.value)
-
-
-def test_server_of_another_model(servers):
-    url = servers.get(GLM)
-    with pytest.raises(AttachError, match="the local config.json") as e:
-        connect(url, model=QWEN)
-    assert "tiny-glm4-moe" in str(e.value) and "--model" in str(e.value)
 
 
 def test_drift_run_marked_stopped_when_server_is_gone(tmp_path):
