@@ -127,6 +127,18 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     _FILE_SECONDS[Path(report.nodeid.split("::")[0]).name] += report.duration
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """In a pytest-xdist worker (scripts/test.sh runs two): hand its engine count to the controller, which prints."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["engine_starts"] = dict(_ENGINE_STARTS)
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: absent (and never called) without workers
+def pytest_testnodedown(node, error) -> None:
+    _ENGINE_STARTS.update(getattr(node, "workeroutput", {}).get("engine_starts", {}))
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     if _FILE_SECONDS:
         total = sum(_FILE_SECONDS.values())
