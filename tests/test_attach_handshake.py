@@ -10,26 +10,18 @@ local expert count, constant routes (a capture hook that never ran).
 
 from __future__ import annotations
 
-import base64
-import io
-
 import numpy as np
 import pytest
 
 from r3lab.errors import AttachError
 from r3lab.paths import model_dir
 from r3lab.rollout import AttachedServer
+from r3lab.testing import vllm_npy_base64
 
 QWEN, GLM = model_dir("tiny-qwen3-moe"), model_dir("tiny-glm4-moe")
 PROBE = [1, 2, 3, 4]
 RESPONSE = [5, 6, 7, 8]
 ROWS = len(PROBE) + len(RESPONSE) - 1  # vLLM: the last sampled token has no row
-
-
-def _npy_b64(arr: np.ndarray) -> str:
-    bio = io.BytesIO()
-    np.save(bio, arr)
-    return base64.b64encode(bio.getvalue()).decode()
 
 
 def _routes(dense: tuple[int, ...] = (), *, layers: int = 8, top_k: int = 2, experts: int = 16, seed: int = 0):
@@ -46,7 +38,7 @@ def _attached(model, routes: np.ndarray | None, served: str = "served-model") ->
     srv = AttachedServer("http://127.0.0.1:9", model=model, handshake=False)
     choice = {"token_ids": RESPONSE, "text": ""}
     if routes is not None:
-        choice["routed_experts"] = _npy_b64(routes)
+        choice["routed_experts"] = vllm_npy_base64(routes)
 
     def answer(path, body=None, timeout=None):
         if path == "/v1/models":

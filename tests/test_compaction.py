@@ -1,6 +1,5 @@
 import base64
 import inspect
-import io
 import struct
 import zlib
 from pathlib import Path
@@ -33,6 +32,7 @@ from r3lab.compaction import (
 from r3lab.compaction.codecs import id_bits
 from r3lab.errors import RouteFormatError
 from r3lab.routes import Routes, compact_dtype
+from r3lab.testing import vllm_npy_base64
 
 
 @st.composite
@@ -306,34 +306,28 @@ def test_field_style_payloads():
     assert r.lengths.tolist() == [1, 2] and r.values[0].tolist() == [[300, 7]]
 
 
-def _npy_b64(arr, **kw) -> str:
-    bio = io.BytesIO()
-    np.save(bio, arr, **kw)
-    return base64.b64encode(bio.getvalue()).decode()
-
-
 def test_read_vllm_npy_base64():
     arr = np.arange(24, dtype=np.uint8).reshape(4, 3, 2)
-    assert np.array_equal(read_vllm_npy_base64(_npy_b64(arr)), arr)
+    assert np.array_equal(read_vllm_npy_base64(vllm_npy_base64(arr)), arr)
     big = np.arange(24, dtype=np.uint16).reshape(4, 3, 2) + 300
-    assert np.array_equal(read_vllm_npy_base64(_npy_b64(big)), big)
+    assert np.array_equal(read_vllm_npy_base64(vllm_npy_base64(big)), big)
     cases = {
-        "pickle": (_npy_b64(np.array([{"a": 1}], dtype=object), allow_pickle=True), "refusing .npy dtype"),
-        "float": (_npy_b64(arr.astype(np.float32)), "refusing .npy dtype"),
-        "big-endian": (_npy_b64(big.astype(">u2")), "refusing .npy dtype"),
-        "fortran": (_npy_b64(np.asfortranarray(arr)), "Fortran"),
-        "2-D": (_npy_b64(arr.reshape(4, 6)), "shape"),
+        "pickle": (vllm_npy_base64(np.array([{"a": 1}], dtype=object), allow_pickle=True), "refusing .npy dtype"),
+        "float": (vllm_npy_base64(arr.astype(np.float32)), "refusing .npy dtype"),
+        "big-endian": (vllm_npy_base64(big.astype(">u2")), "refusing .npy dtype"),
+        "fortran": (vllm_npy_base64(np.asfortranarray(arr)), "Fortran"),
+        "2-D": (vllm_npy_base64(arr.reshape(4, 6)), "shape"),
         "not npy": (base64.b64encode(b"hello world").decode(), "not .npy"),
         "bad base64": ("!!!", "bad base64"),
     }
     for _name, (data, message) in cases.items():
         with pytest.raises(RouteFormatError, match=message):
             read_vllm_npy_base64(data)
-    raw = base64.b64decode(_npy_b64(arr))
+    raw = base64.b64decode(vllm_npy_base64(arr))
     with pytest.raises(RouteFormatError, match="do not match"):
         read_vllm_npy_base64(base64.b64encode(raw[:-1]))
     with pytest.raises(RouteFormatError, match="over the cap"):
-        read_vllm_npy_base64(_npy_b64(arr), max_bytes=8)
+        read_vllm_npy_base64(vllm_npy_base64(arr), max_bytes=8)
 
 
 def test_read_vllm_nested_list_and_sglang():

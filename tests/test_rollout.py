@@ -15,8 +15,6 @@ SGLang server starts here; its reader is tested against SGLang's documented form
 from __future__ import annotations
 
 import ast
-import base64
-import io
 import json
 import logging
 import os
@@ -44,6 +42,7 @@ from r3lab.rollout import (
     validate_engine_routes,
 )
 from r3lab.rollout._common import LOG_LEVEL_ENV, vllm_env
+from r3lab.testing import vllm_npy_base64
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {name: ROOT / "data" / "models" / name for name in ("tiny-qwen3-moe", "tiny-glm4-moe")}
@@ -192,12 +191,6 @@ def test_server_matches_in_process_engine(engines, tmp_path, monkeypatch):
     assert not [ln for ln in log if info.search(ln)], [ln for ln in log if info.search(ln)][:5]
 
 
-def _npy_b64(arr: np.ndarray, allow_pickle: bool = False) -> str:
-    buf = io.BytesIO()
-    np.save(buf, arr, allow_pickle=allow_pickle)
-    return base64.b64encode(buf.getvalue()).decode()
-
-
 def test_server_client_refuses_bad_routes():
     from r3lab.rollout import parse_completion
 
@@ -210,16 +203,17 @@ def test_server_client_refuses_bad_routes():
                              "logprobs": {"token_logprobs": [-0.1, -0.2]}, "routed_experts": b64,
                              "finish_reason": "length"}]}
 
-    out = parse_completion(resp(_npy_b64(good)), layout, [[1, 2, 3]])
+    out = parse_completion(resp(vllm_npy_base64(good)), layout, [[1, 2, 3]])
     assert out[0].routes.total_tokens == P + R - 1
     with pytest.raises(R3LabError, match="refusing|pickle|dtype"):
-        parse_completion(resp(_npy_b64(np.array([{"a": 1}], dtype=object), allow_pickle=True)), layout, [[1, 2, 3]])
+        hostile = vllm_npy_base64(np.array([{"a": 1}], dtype=object), allow_pickle=True)
+        parse_completion(resp(hostile), layout, [[1, 2, 3]])
     with pytest.raises(R3LabError, match="cap"):
-        parse_completion(resp(_npy_b64(good)), layout, [[1, 2, 3]], max_routes_bytes=16)
+        parse_completion(resp(vllm_npy_base64(good)), layout, [[1, 2, 3]], max_routes_bytes=16)
     with pytest.raises(R3LabError, match="float|dtype"):
-        parse_completion(resp(_npy_b64(good.astype(np.float32))), layout, [[1, 2, 3]])
+        parse_completion(resp(vllm_npy_base64(good.astype(np.float32))), layout, [[1, 2, 3]])
     with pytest.raises(RolloutError, match="shape"):
-        parse_completion(resp(_npy_b64(good[:-1])), layout, [[1, 2, 3]])
+        parse_completion(resp(vllm_npy_base64(good[:-1])), layout, [[1, 2, 3]])
     with pytest.raises(RolloutError, match="no routed_experts"):
         parse_completion(resp(None), layout, [[1, 2, 3]])
 

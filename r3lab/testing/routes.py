@@ -1,7 +1,10 @@
-"""Random valid routes for tests and benchmarks: k distinct expert ids per row, uniformly drawn."""
+"""Random valid routes for tests and benchmarks (k distinct expert ids per row, uniformly drawn), and routes written
+as vLLM sends them over HTTP."""
 
 from __future__ import annotations
 
+import base64
+import io
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,7 +13,7 @@ import numpy as np
 from r3lab.routes import Routes
 from r3lab.workloads import workload_routes  # noqa: F401  (importable here as before; exported by r3lab.workloads)
 
-__all__ = ["random_routes", "random_route_tensors"]
+__all__ = ["random_routes", "random_route_tensors", "vllm_npy_base64"]
 
 
 def random_routes(
@@ -39,3 +42,12 @@ def random_route_tensors(n_tokens: int, layers: Sequence[int], *, num_experts: i
         layer: torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(n_tokens)])
         for layer in layers
     }
+
+
+def vllm_npy_base64(arr: np.ndarray, **save_kwargs: Any) -> str:
+    """``arr`` as vLLM's completions API sends ``routed_experts``: a ``.npy`` file (``np.save``; ``save_kwargs``
+    such as ``allow_pickle=True`` for a hostile payload), base64-encoded; what
+    :func:`r3lab.compaction.payload.read_vllm_npy_base64` reads."""
+    bio = io.BytesIO()
+    np.save(bio, arr, **save_kwargs)
+    return base64.b64encode(bio.getvalue()).decode()
