@@ -113,17 +113,17 @@ def _parser() -> argparse.ArgumentParser:
                    "source checkout)")
     b.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark (e.g. --quick)")
     b.set_defaults(func=lambda a: _bench(a.name, a.args))
-    for name in BENCHMARKS:
-        if name not in ("drift", "rl"):  # those names are the experiments themselves
-            s = sub.add_parser(name, help=f"= r3lab bench {name}: {BENCHMARKS[name]}")
-            s.add_argument("args", nargs=argparse.REMAINDER)
-            s.set_defaults(func=functools.partial(_bench_shortcut, name))
     d.set_defaults(func=_drift)
     r.set_defaults(func=_rl)
     ls.set_defaults(func=_runs)
     f.set_defaults(func=_figures)
     dr.set_defaults(func=_doctor)
     rs.set_defaults(func=_rescore)
+    for name in BENCHMARKS:  # `r3lab NAME` = `r3lab bench NAME`, unless a command has that name (drift, rl, rescore)
+        if name not in sub.choices:
+            s = sub.add_parser(name, help=f"= r3lab bench {name}: {BENCHMARKS[name]}")
+            s.add_argument("args", nargs=argparse.REMAINDER)
+            s.set_defaults(func=functools.partial(_bench_shortcut, name))
     return ap
 
 
@@ -292,6 +292,12 @@ def _doctor(args: argparse.Namespace) -> None:
         sys.exit(1)
 
 
+def _bench_shortcuts(parser: argparse.ArgumentParser) -> set[str]:
+    """The commands that are ``r3lab bench NAME`` (a benchmark no command is named after)."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {n for n, p in sub.choices.items() if isinstance(p.get_default("func"), functools.partial)}
+
+
 def _bench_shortcut(name: str, args: argparse.Namespace) -> None:
     _bench(name, args.args)
 
@@ -330,7 +336,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv = ["drift", *argv]
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    if argv[0] in _bench_shortcuts(parser) and argv[1:2] not in (["-h"], ["--help"]):
+        argv = ["bench", *argv]  # argparse's REMAINDER as a parser's only argument refuses leading flags (--quick)
+    args = parser.parse_args(argv)
     if args.version:
         print(_version())
         return

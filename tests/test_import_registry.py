@@ -253,3 +253,23 @@ def test_benchmarks_are_the_bench_scripts_with_their_docstrings():
         doc = ast.get_docstring(ast.parse(script.read_text()))
         assert doc, f"{script.name} has no docstring: r3lab bench lists its first line"
         assert BENCHMARKS[script.stem.removeprefix("bench_")] == doc.splitlines()[0].rstrip(".")
+
+
+def test_every_benchmark_runs_as_r3lab_bench_and_a_command_keeps_its_name(monkeypatch):
+    """``r3lab bench NAME ARGS`` for every script, and ``r3lab NAME ARGS`` too unless a command has that name
+    (``rescore`` is a benchmark and a command: the command stays the command). A benchmark named like a command once
+    made the parser itself fail, every command with it; and ``r3lab dial --quick`` was refused (argparse's REMAINDER
+    drops leading flags), though the README names it."""
+    from r3lab import cli
+
+    ran: list[tuple[str, list[str]]] = []
+    monkeypatch.setattr(cli, "_bench", lambda name, args: ran.append((name, list(args))))
+    commands = {"drift", "rl", "rescore", "import", "doctor", "figures", "runs", "capture", "bench"}
+    assert "rescore" in cli.BENCHMARKS and commands <= set(cli._parser()._actions[-1].choices)
+    for name in cli.BENCHMARKS:
+        cli.main(["bench", name, "--quick", "x"])
+        assert ran.pop() == (name, ["--quick", "x"])
+    for name in sorted(set(cli.BENCHMARKS) - commands):  # the shortcut
+        cli.main([name, "--quick", "x"])
+        assert ran.pop() == (name, ["--quick", "x"])
+    assert cli._parser().parse_args(["rescore", "RUN"]).func is cli._rescore and not ran
