@@ -9,7 +9,11 @@ Per shipped model and trainer dtype (bf16 with fp32 routers, fp32), on ``cuda``:
   does not matter);
 * under replay the router still gets finite, non-zero gradients (the gate weights come from its logits);
 * the trainer's noise floor on the GPU: one padded batch vs one sequence at a time (k3 KL of the same
-  tokens), and routing of the GPU trainer vs the CPU trainer in the same dtype (set disagreement).
+  tokens), and routing of the GPU trainer vs the CPU trainer in the same dtype (set disagreement);
+* R3W (ids and routing weights replayed, :func:`r3lab.replay.hf_replay` ``weights=``): replaying the routers' own
+  recorded ids and weights gives bit-identical logits; other weights (each token's weights reversed) reach every
+  router's output exactly and change the logits; ``stop`` sends the routers no gradient, ``straight`` a finite,
+  non-zero one.
 
 Exit code 1 if a check fails, 2 without CUDA (with a message, not a traceback).
 """
@@ -103,6 +107,8 @@ def main() -> int:
             grads = [p.grad for n, p in gpu.named_parameters() if n.endswith("mlp.gate.weight")]
             check(bool(grads) and all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads),
                   f"router gradients under replay: finite and non-zero in all {len(grads)} routers")
+            gpu.zero_grad(set_to_none=True)
+            check_weight_replay(gpu, torch.tensor([seqs[0]], device=dev), check)
             check(count_replay_hooks(gpu) == 0, "no replay hook left after the contexts")
             rows.append((name, dtype, sum(len(s) for s in seqs), floor, k3_cpu, float(dis.mean()),
                          float(dis.any(axis=1).mean()), time.perf_counter() - t0))
@@ -114,7 +120,8 @@ def main() -> int:
         f"`python scripts/gpu_replay_check.py` on {torch.cuda.get_device_name(0) if dev == 'cuda' else dev}, "
         f"torch {torch.__version__}, "
         f"{platform.python_version()}: {args.prompts} corpus texts of 40 words per model. Checks: own-route "
-        "replay bit-identical, decoded (sorted) rows the same, router gradients under replay, no hook left: "
+        "replay bit-identical, decoded (sorted) rows the same, router gradients under replay, R3W (own ids and "
+        "weights bit-identical, other weights reach the routers exactly, stop / straight gradients), no hook left: "
         f"{'all passed' if not failures else 'FAILED: ' + '; '.join(failures)}.",
         "",
         "| model | trainer | tokens | k3 batched vs one at a time (GPU) | k3 GPU vs CPU trainer "
@@ -129,6 +136,43 @@ def main() -> int:
     if args.out:
         Path(args.out).write_text(table)
     return 1 if failures else 0
+
+
+def check_weight_replay(model, ids, check) -> None:
+    """R3W on this device: own ids + own weights change nothing; other weights arrive exactly; the two gradients."""
+    import torch
+
+    from r3lab.replay import find_hf_routers, hf_replay
+
+    model.eval()
+    with torch.no_grad():
+        native = model(input_ids=ids).logits
+        with hf_replay(model, mode="record") as rec:
+            model(input_ids=ids)
+        own = rec.to_routes(weights=True)
+        with hf_replay(model, own, weights="stop", record_replayed=True) as rep:
+            again = model(input_ids=ids).logits
+    check(torch.equal(native, again), "R3W with the routers' own ids and weights: bit-identical logits")
+    check(all(torch.equal(rep.replayed_weights[g][0].float().cpu(), torch.tensor(own.weights[:, j]))
+              for j, g in enumerate(own.layer_ids)), "R3W: each router hands on exactly the recorded weights")
+    other = own.__class__(own.values, own.cu_seqlens, own.num_experts, own.layer_ids,
+                          weights=own.weights[..., ::-1].copy())  # each token's weights reversed over its experts
+    model.train()
+    grads = {}
+    for mode in ("stop", "straight"):
+        model.zero_grad(set_to_none=True)
+        with hf_replay(model, other, weights=mode, record_replayed=True) as rep:
+            logits = model(input_ids=ids).logits
+            logits.float().log_softmax(-1).mean().backward()
+        got = [torch.equal(rep.replayed_weights[g][0].float().cpu(), torch.tensor(other.weights[:, j]))
+               for j, g in enumerate(other.layer_ids)]
+        check(all(got), f"R3W {mode}: other weights reach every router's output exactly")
+        check(not torch.equal(logits.detach(), native), f"R3W {mode}: other weights change the logits")
+        grads[mode] = [r.weight.grad for r in find_hf_routers(model).values()]
+    check(all(g is None or not g.any() for g in grads["stop"]), "R3W stop: no router gradient from the loss")
+    check(all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads["straight"]),
+          "R3W straight: finite, non-zero router gradients")
+    model.zero_grad(set_to_none=True)
 
 
 if __name__ == "__main__":
