@@ -79,7 +79,7 @@ routed to. A trainer scores the same tokens and records the experts *it* would c
   fewer tokens than a real batch.
 """),
     params("""
-model = "tiny-qwen3-moe"  # a shipped model (data/models/) or a model directory
+model = "tiny-qwen3-moe"  # tiny-qwen3-moe, tiny-glm4-moe, tiny-olmoe (data/models/) or a model directory
 prompts = 8
 max_tokens = 32
 seed = 0
@@ -157,7 +157,7 @@ Runs are loaded from disk (`drift_run`, `rl_runs`) or, when those are `None`, ru
 compare the modes with each other, not with zero.
 """),
     params("""
-model = "tiny-qwen3-moe"
+model = "tiny-qwen3-moe"  # tiny-qwen3-moe, tiny-glm4-moe or tiny-olmoe, or a model directory
 drift_run = None  # a drift run (r3lab drift), a capture run (r3lab capture) or an imported run; None: run one here
 engine_url = None  # the drift run's engine: a running vLLM server; None: start one in-process (RL always does)
 prompts = 16
@@ -223,7 +223,7 @@ Look for: points off the diagonal, the F(τ) curve of R3 against the floors, dri
 tokens, and layers whose disagreement carries the drift.
 """),
     params("""
-model = "tiny-qwen3-moe"
+model = "tiny-qwen3-moe"  # tiny-qwen3-moe, tiny-glm4-moe or tiny-olmoe, or a model directory
 drift_run = None  # a drift run or an imported run (r3lab import) to load; None: run one small here
 engine_url = None  # the drift run's engine: a running vLLM server; None: start one in-process (RL always does)
 prompts = 24
@@ -309,8 +309,8 @@ them as PNG/SVG/PDF) and the **live monitor** following a job that runs while th
 """),
     params("""
 reference_runs = None  # a folder of finished RL (or imported) runs; None: the committed ones (bench/results/rl)
-reference_prefix = "tiny-qwen3-moe-default-"  # the runs of that folder to plot (name prefix)
-model = "tiny-qwen3-moe"  # the model of the runs started from this notebook
+reference_prefix = "tiny-qwen3-moe-default-"  # the runs to plot (name prefix; tiny-olmoe-default-, ...)
+model = "tiny-qwen3-moe"  # the model of the runs started here: tiny-qwen3-moe, tiny-glm4-moe or tiny-olmoe
 modes = ["none", "R2", "R3"]
 live_steps = 6  # the live job: RL steps, prompts per step, samples per prompt, tokens per sample
 live_prompts_per_step = 4

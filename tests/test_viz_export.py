@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 # what the committed results hold: the transport table, the drift run (of two models), RL runs of two models and
 # the phase diagram's runs (bench/results/phase/: the diagram and its staleness figure)
-PAPER_FIGURES = ("transport", "drift", "expert_load_qwen3", "expert_load_glm4", "rl_k3_glm4", "rl_k3_qwen3",
-                 "phase", "phase_staleness", "horizon", "horizon_search")
+PAPER_FIGURES = ("transport", "drift", "expert_load_qwen3", "expert_load_glm4", "expert_load_olmoe", "rl_k3_glm4",
+                 "rl_k3_olmoe", "rl_k3_qwen3", "phase", "phase_staleness", "horizon", "horizon_search")
 
 
 def check_figure_file(path: Path, min_bytes: int = 4000) -> None:
@@ -165,7 +165,8 @@ def test_the_paper_figures_are_read_from_the_results_not_named_in_the_code(tmp_p
 
     assert list(paper_figure_set(RESULTS)) == list(PAPER_FIGURES)
     results = tmp_path / "results"
-    shutil.copytree(RESULTS, results, ignore=shutil.ignore_patterns("tiny-qwen3-moe-*", "routes", "tokens"))
+    left_out = shutil.ignore_patterns("tiny-qwen3-moe-*", "tiny-olmoe-*", "routes", "tokens")
+    shutil.copytree(RESULTS, results, ignore=left_out)
     shutil.copytree(RESULTS / "drift-run" / "routes", results / "drift-run" / "routes")
     cfg = results / "drift-run" / "config.json"
     meta = json.loads(cfg.read_text())
