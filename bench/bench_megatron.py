@@ -174,7 +174,7 @@ def run_staging(routes: Routes, dps: list[int], codecs: list[str], reps: int) ->
         for c in codecs:
             out.append((dp, c, "local", med([run_local(routes, layout, c) for _ in range(reps + 1)])))
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
              object_store_memory=256 * MiB)
     try:
         actor = ray.remote(RankWorker).options(num_cpus=0)

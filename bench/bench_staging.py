@@ -223,6 +223,7 @@ def main() -> None:
         decode(encode(routes.take([0]), codec))
     batch_bytes = routes.values.nbytes
     ray.init(
+        address="local",  # a private instance, measured alone: never a cluster `ray start` left running
         num_cpus=2,
         include_dashboard=False,
         log_to_driver=False,

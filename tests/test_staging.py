@@ -310,6 +310,7 @@ def ray_workers():
     for attempt in (1, 2):  # Ray gives its raylet a fixed 30 s to start; a loaded 2-core CI box can miss it once
         try:
             ray.init(
+                address="local",  # a new instance of its own: never the cluster a test beside it (test_cluster) runs
                 num_cpus=2,
                 include_dashboard=False,
                 log_to_driver=False,
