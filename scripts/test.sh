@@ -16,4 +16,6 @@ fi
 if [[ "$workers" == 0 ]]; then
     exec python -m pytest "$@"
 fi
-exec python -m pytest -n "$workers" --dist loadfile "$@"
+# --no-loadscope-reorder: the files go out in collection order, which tests/conftest.py sets heaviest first
+# (FILE_SECONDS); xdist's own order (most tests first) left the slowest, few-test files for last
+exec python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder "$@"

@@ -76,13 +76,41 @@ def _no_stdlib_distutils_left_behind():
             del sys.modules[name]
 
 
+# Seconds each file took (the "seconds per test file" line a full run prints; two workers, this 2-core machine). Only
+# the order in which the two xdist workers take the files follows from them (:func:`_heaviest_files_first`); a wrong
+# or missing number costs minutes, never a result. A file not listed counts as UNLISTED_FILE_SECONDS.
+FILE_SECONDS: dict[str, float] = {  # measured 2026-12-04 (test_staging: the fast tier's figure)
+    "test_cluster.py": 270, "test_notebooks.py": 259, "test_trainer_megatron.py": 252, "test_browser_figures.py": 218,
+    "test_attach.py": 126, "test_staging.py": 96, "test_browser_dashboard.py": 94, "test_slicing.py": 89,
+    "test_megatron_load.py": 78, "test_viz_export.py": 68, "test_browser.py": 67, "test_async.py": 65,
+    "test_rollout.py": 59, "test_rl.py": 53, "test_importers_skyrl_verl.py": 50, "test_widgets.py": 46,
+    "test_gpu_recipe.py": 45, "test_packaging.py": 32, "test_staging_dist.py": 30, "test_megatron_sync.py": 29,
+    "test_experiments.py": 29, "test_rescore.py": 27, "test_quant.py": 18, "test_olmoe.py": 17, "test_typing.py": 16,
+}
+UNLISTED_FILE_SECONDS = 10.0
+
+
+def _heaviest_files_first(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In an xdist worker (scripts/test.sh: ``--dist loadfile --no-loadscope-reorder``), order the files by
+    :data:`FILE_SECONDS`, heaviest first: xdist hands out files in collection order to whichever worker is free,
+    so the long files start early and the short ones fill the gaps at the end (longest-processing-time first). Its
+    own default orders files by their number of tests, which put the slowest, few-test files (the browser, the
+    cluster, the wheel build) last, one worker idle while the other finished them. The sort is stable: each file's
+    tests keep their order. A shuffled run (``-p randomly``) and a run in one process keep the order they have."""
+    if not hasattr(config, "workerinput") or config.pluginmanager.get_plugin("randomly") is not None:
+        return
+    items.sort(key=lambda item: -FILE_SECONDS.get(item.path.name, UNLISTED_FILE_SECONDS))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark each test with its file's tiers (:data:`TIERS`), and every test of a slow tier with ``slow``."""
+    """Mark each test with its file's tiers (:data:`TIERS`), and every test of a slow tier with ``slow``; in an xdist
+    worker, the heaviest files first (:func:`_heaviest_files_first`)."""
     for item in items:
         for tier in TIERS.get(item.path.name, ()):
             item.add_marker(getattr(pytest.mark, tier))
         if any(item.get_closest_marker(t) for t in SLOW_TIERS):
             item.add_marker(pytest.mark.slow)
+    _heaviest_files_first(config, items)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
