@@ -14,7 +14,7 @@ from r3lab.viz import EXPORT_FORMATS, export, find_chromium, paper_figures
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-# what the committed results hold: the transport table, the drift run (of two models), RL runs of two models and
+# what the committed results hold: the transport table, the drift run (of three models), RL runs of three models and
 # the phase diagram's runs (bench/results/phase/: the diagram and its staleness figure)
 PAPER_FIGURES = ("transport", "drift", "expert_load_qwen3", "expert_load_glm4", "expert_load_olmoe", "rl_k3_glm4",
                  "rl_k3_olmoe", "rl_k3_qwen3", "phase", "phase_staleness", "horizon", "horizon_search")
