@@ -119,9 +119,11 @@ def _parser() -> argparse.ArgumentParser:
     f.set_defaults(func=_figures)
     dr.set_defaults(func=_doctor)
     rs.set_defaults(func=_rescore)
-    for name in BENCHMARKS:  # `r3lab NAME` = `r3lab bench NAME`, unless a command has that name (drift, rl, rescore)
+    # `r3lab NAME ARGS` = `r3lab bench NAME ARGS`, unless a command has that name (drift, rl, rescore); the shortcut
+    # has no option of its own (prefix "+", no -h), so every argument, --quick and -h too, goes to the script
+    for name in BENCHMARKS:
         if name not in sub.choices:
-            s = sub.add_parser(name, help=f"= r3lab bench {name}: {BENCHMARKS[name]}")
+            s = sub.add_parser(name, help=f"= r3lab bench {name}: {BENCHMARKS[name]}", prefix_chars="+", add_help=False)
             s.add_argument("args", nargs=argparse.REMAINDER)
             s.set_defaults(func=functools.partial(_bench_shortcut, name))
     return ap
@@ -292,12 +294,6 @@ def _doctor(args: argparse.Namespace) -> None:
         sys.exit(1)
 
 
-def _bench_shortcuts(parser: argparse.ArgumentParser) -> set[str]:
-    """The commands that are ``r3lab bench NAME`` (a benchmark no command is named after)."""
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return {n for n, p in sub.choices.items() if isinstance(p.get_default("func"), functools.partial)}
-
-
 def _bench_shortcut(name: str, args: argparse.Namespace) -> None:
     _bench(name, args.args)
 
@@ -336,10 +332,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv = ["drift", *argv]
-    parser = _parser()
-    if argv[0] in _bench_shortcuts(parser) and argv[1:2] not in (["-h"], ["--help"]):
-        argv = ["bench", *argv]  # argparse's REMAINDER as a parser's only argument refuses leading flags (--quick)
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)
     if args.version:
         print(_version())
         return
