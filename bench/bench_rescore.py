@@ -8,7 +8,7 @@ per model and layout, how far Megatron's log-probs are from the transformers tra
 replay and under R3), whether its native routing differs from the transformers trainer's, and k3 none / R3 before
 and after. The rescored runs go to a temporary folder; the reference run is only read.
 
-    python bench/bench_rescore.py            # every layout (about 10 minutes on 2 cores), writes rescore.md
+    python bench/bench_rescore.py            # every layout (about 6 minutes on 2 cores), writes rescore.md
     python bench/bench_rescore.py --quick    # TP2 on one model's cells; writes nothing
 """
 
@@ -24,9 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
+from r3lab.config import RLMetric
 from r3lab.experiments.rescore import rescore_run, rescore_table
 from r3lab.paths import results_dir
-from r3lab.runs import load
+from r3lab.runs import Run, load
 
 RESULTS = results_dir()
 SOURCE = RESULTS / "drift-run"
@@ -34,11 +35,9 @@ LAYOUTS = {"TP2 + SP": dict(tp=2), "PP2": dict(pp=2), "EP2 (DP2)": dict(ep=2)}
 DTYPE = "float32"  # the cells both trainers score bit-reproducibly (bf16 differs by its own noise floor)
 
 
-def _cells(models: tuple[str, ...] | None) -> list[int]:
-    """The reference run's fp32 cells (of ``models``, default all), by step."""
-    run = load(SOURCE)
-    return [i for i, s in enumerate(run.step_records)
-            if s["trainer_dtype"] == DTYPE and (models is None or s["model"] in models)]
+def _cells(run: Run, model: str) -> list[int]:
+    """The steps of ``run``'s fp32 cells of ``model``."""
+    return [i for i, s in enumerate(run.step_records) if s["trainer_dtype"] == DTYPE and s["model"] == model]
 
 
 def _summary(rows: list[tuple[str, str, list[dict], float]]) -> list[str]:
@@ -50,7 +49,7 @@ def _summary(rows: list[tuple[str, str, list[dict], float]]) -> list[str]:
         def med(key: str, st: list[dict] = steps) -> float:
             return float(np.median([s[key] for s in st]))
 
-        dis = "routing/engine_trainer_disagreement"
+        dis = RLMetric.ENGINE_TRAINER_DISAGREEMENT
         lines.append(
             f"| {model} | {layout} | {len(steps)} | {sum(s['tokens'] for s in steps)} | "
             f"{max(s['vs_source/max_abs_dlogp_none'] for s in steps):.1e} | "
@@ -78,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
             for model in models:
                 t = time.perf_counter()
                 name = f"{copy.name}-{model}-megatron-" + "".join(f"{k}{v}" for k, v in layout.items())
-                out = rescore_run(copy, trainer="megatron", steps=_cells((model,)), out=name, **layout)
+                out = rescore_run(copy, trainer="megatron", steps=_cells(source, model), out=name, **layout)
                 sec = time.perf_counter() - t
                 run = load(out)
                 rows.append((label, model, run.step_records, sec))
