@@ -155,8 +155,7 @@ def check_weight_replay(model, ids, check) -> None:
     check(torch.equal(native, again), "R3W with the routers' own ids and weights: bit-identical logits")
     check(all(torch.equal(rep.replayed_weights[g][0].float().cpu(), torch.tensor(own.weights[:, j]))
               for j, g in enumerate(own.layer_ids)), "R3W: each router hands on exactly the recorded weights")
-    other = own.__class__(own.values, own.cu_seqlens, own.num_experts, own.layer_ids,
-                          weights=own.weights[..., ::-1].copy())  # each token's weights reversed over its experts
+    other = own.with_weights(own.weights[..., ::-1].copy())  # each token's weights reversed over its experts
     model.train()
     grads = {}
     for mode in ("stop", "straight"):
