@@ -1,9 +1,14 @@
-"""What the figures look like in a real browser: every notebook run in JupyterLab at its default layout.
+"""What the figures look like in a real browser: every executed notebook opened in JupyterLab at its default layout.
 
-Each notebook under notebooks/ (notebooks added later included) is parameterized with its CI parameters
-(``metadata["r3lab"]["ci_parameters"]``, cells tagged ``live`` left out) and run with Run All in JupyterLab
-served by ``tests/test_browser.py``'s fixture, in Chromium at 1400x1000 with the file browser open (output
-area about 968 px wide). Then the DOM is checked, figure by figure:
+The notebooks run once, in ``tests/test_notebooks.py`` (papermill on the ``r3lab`` kernel with their CI parameters,
+the ``live`` cells included, and the imported-run and attached-server variants). Each executed notebook is then
+opened here (:class:`FigureLab`): JupyterLab served by ``tests/test_browser.py``'s fixture, in Chromium at 1400x1000
+with the file browser open (output area about 968 px wide). JupyterLab draws a saved plotly output with the renderer
+that draws it in a live run (jupyterlab-plotly's mime renderer, ``safe``, so an untrusted notebook draws it too), so
+the figures are those a user sees after Run All. Running notebooks in JupyterLab itself (Run All, the kernel, the
+widgets) is what ``tests/test_browser.py`` and ``tests/test_browser_dashboard.py`` test.
+
+Every plotly output the notebook holds must be drawn; then the DOM is checked, figure by figure:
 
 * the figure fits its output area: no horizontal scroll, and no drawn text (titles, tick labels, colour-bar
   labels, legend) outside the figure's box, so nothing is clipped or hidden behind a scroll;
@@ -11,47 +16,24 @@ area about 968 px wide). Then the DOM is checked, figure by figure:
 * no title (of the figure, an axis or a colour bar) overlaps another or the legend;
 * every legend entry has a drawn trace, or says in its own text that it is not drawn.
 
-A screenshot of every figure is saved under the test's temporary folder (``figures/<notebook>-<n>.png``).
+A screenshot of every figure is saved under the lab's temporary folder (``figures/<notebook>-<n>.png``).
+This file holds the checks and proves they can fail: a notebook of plain plotly figures, one problem each.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import shutil
 from pathlib import Path
 
-import make_dumps
 import nbformat
-import pytest
 from test_browser import CHROMIUM_ARGS, _chromium, lab_server
 
 from r3lab.viz import NOT_DRAWN
 
-ROOT = Path(__file__).resolve().parent.parent
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 VIEWPORT = {"width": 1400, "height": 1000}
-
-
-def _ci_notebook(path: Path, root: Path, tmp: Path) -> Path:
-    from papermill.iorw import load_notebook_node
-    from papermill.parameterize import parameterize_notebook
-
-    nb = load_notebook_node(str(path))
-    params = dict(nb.metadata["r3lab"]["ci_parameters"])
-    params.update({"out_dir": str(tmp / "out"), "export": False})
-    if path.stem == "06_your_run":  # the notebook opens an imported run: import a generated slime dump
-        params["run"] = str(make_dumps.imported_run(tmp))
-    source = next(c.source for c in nb.cells if c.cell_type == "code")
-    if "\nruns_dir =" in "\n" + source:
-        params["runs_dir"] = str(tmp / "runs")
-    params = {k: v for k, v in params.items() if f"\n{k} =" in "\n" + source}
-    nb.cells = [c for c in nb.cells if "live" not in c.metadata.get("tags", [])]
-    nb = parameterize_notebook(nb, params)
-    for c in nb.cells:
-        if c.cell_type == "code":
-            c.outputs, c.execution_count = [], None
-    out = root / path.name
-    nbformat.write(nb, out)
-    return out
+PLOTLY = "application/vnd.plotly.v1+json"
 
 
 # Per figure: does it fit its output area, which tick labels repeat on an axis, which legend entries draw nothing
@@ -110,35 +92,55 @@ _CHECK = r"""(gd) => {
 }""".replace("NOT_DRAWN", json.dumps(NOT_DRAWN))
 
 
-@pytest.fixture(params=NOTEBOOKS, ids=lambda p: p.stem)
-def lab(request, tmp_path):
-    root = tmp_path / "lab"
-    root.mkdir()
-    nb = _ci_notebook(request.param, root, tmp_path)
-    with lab_server(tmp_path, root) as (base, token):
-        yield base, token, nb.name, tmp_path
+class FigureLab:
+    """One JupyterLab server and one Chromium page, for any number of executed notebooks.
 
+    ``check(executed)`` copies the notebook into the lab's root, opens it in a workspace of its own (no tab of an
+    earlier notebook restored beside it), waits until every saved plotly output is drawn, and returns the problems
+    its figures show (an empty list: none). Use it as a context manager: the browser and the server (with the
+    kernels JupyterLab started for the notebooks it opened) end on the way out."""
 
-def test_every_figure_fits_reads_and_draws_what_its_legend_lists(lab):
-    from playwright.sync_api import sync_playwright
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = Path(tmp)
+        self.root = self.tmp / "lab"
+        self.shots = self.tmp / "figures"
+        self._opened = 0
+        self._stack = contextlib.ExitStack()
 
-    base, token, name, out = lab
-    shots = out / "figures"
-    shots.mkdir()
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=_chromium(), headless=True, args=CHROMIUM_ARGS, timeout=60_000)
+    def __enter__(self) -> FigureLab:
+        from playwright.sync_api import sync_playwright
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.shots.mkdir(parents=True, exist_ok=True)
         try:
-            page = browser.new_page(viewport=VIEWPORT)
-            try:
-                problems = _run_and_check(page, base, token, name, shots)
-            except Exception:
-                page.screenshot(path=str(out / "failure.png"), full_page=True)
-                print(f"failure screenshot: {out / 'failure.png'}")
-                raise
-        finally:
-            browser.close()
-    print(f"screenshots: {shots}")
-    assert not problems, "\n".join(problems)
+            self.base, self.token = self._stack.enter_context(lab_server(self.tmp, self.root))
+            p = self._stack.enter_context(sync_playwright())
+            browser = p.chromium.launch(executable_path=_chromium(), headless=True, args=CHROMIUM_ARGS,
+                                        timeout=60_000)
+            self._stack.callback(browser.close)
+            self.page = browser.new_page(viewport=VIEWPORT)
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def check(self, executed: Path) -> list[str]:
+        """The problems the figures of ``executed`` (a notebook with its outputs) show in the browser."""
+        self._opened += 1
+        name = f"{self._opened:02d}-{Path(executed).name}"
+        shutil.copyfile(executed, self.root / name)
+        want = sum(PLOTLY in o.get("data", {}) for c in nbformat.read(executed, as_version=4).cells
+                   if c.cell_type == "code" for o in c.outputs)
+        try:
+            return _draw_and_check(self.page, self.base, self.token, name, f"nb{self._opened}", want, self.shots)
+        except Exception:
+            failure = self.shots / f"{Path(name).stem}-failure.png"
+            self.page.screenshot(path=str(failure), full_page=True)
+            print(f"failure screenshot: {failure}")
+            raise
 
 
 _BAD_FIGURES = [  # each cell draws one problem the checks must report (plain plotly figures, not r3lab's)
@@ -155,49 +157,35 @@ _BAD_FIGURES = [  # each cell draws one problem the checks must report (plain pl
 
 
 def test_the_checks_catch_each_problem_they_look_for(tmp_path):
-    """The checks can fail: a notebook of plain plotly figures, each with one of the problems, reports each."""
-    from playwright.sync_api import sync_playwright
+    """The checks can fail: a notebook of plain plotly figures, each with one of the problems, executed the way
+    tests/test_notebooks.py executes the notebooks, then opened in the browser, reports each."""
+    import papermill
 
-    root = tmp_path / "lab"
-    root.mkdir()
     nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "r3lab", "display_name": "r3lab (Python 3.11)",
-                                                            "language": "python"},
-                                            "r3lab": {"ci_expect_figures": len(_BAD_FIGURES) - 1}})
+                                                            "language": "python"}})
     nb.cells = [nbformat.v4.new_code_cell(src) for src, _ in _BAD_FIGURES]
-    nbformat.write(nb, root / "bad.ipynb")
-    shots = tmp_path / "figures"
-    shots.mkdir()
-    with lab_server(tmp_path, root) as (base, token), sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=_chromium(), headless=True, args=CHROMIUM_ARGS, timeout=60_000)
-        try:
-            problems = _run_and_check(browser.new_page(viewport=VIEWPORT), base, token, "bad.ipynb", shots)
-        finally:
-            browser.close()
+    nbformat.write(nb, tmp_path / "bad.in.ipynb")
+    papermill.execute_notebook(str(tmp_path / "bad.in.ipynb"), str(tmp_path / "bad.ipynb"), kernel_name="r3lab",
+                               cwd=str(tmp_path), execution_timeout=300, progress_bar=False)
+    with FigureLab(tmp_path / "browser") as lab:
+        problems = lab.check(tmp_path / "bad.ipynb")
     for i, (_, want) in enumerate(_BAD_FIGURES[1:]):
-        found = [m for m in problems if m.startswith(f"bad.ipynb figure {i} ")]
+        found = [m for m in problems if m.startswith(f"01-bad.ipynb figure {i} ")]
         assert any(want in m for m in found), (i, want, found)
 
 
-def _run_and_check(page, base: str, token: str, name: str, shots: Path) -> list[str]:
-    page.goto(f"{base}/lab/tree/{name}?token={token}", timeout=60_000)
+def _draw_and_check(page, base: str, token: str, name: str, workspace: str, want: int, shots: Path) -> list[str]:
+    page.goto(f"{base}/lab/workspaces/{workspace}/tree/{name}?token={token}", timeout=60_000)
     page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
-    page.wait_for_function("() => document.body.innerText.includes('r3lab (Python 3.11) | Idle')", timeout=90_000)
     assert page.locator(".jp-FileBrowser").first.is_visible(), "the default layout has the file browser open"
-    page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
-    page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
-    # done: the kernel is idle and every code cell has run, or a cell raised (Run All stops there)
-    page.wait_for_function(r"""() => {
-        const prompts = Array.from(document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')).map(e => e.textContent);
-        const failed = Array.from(document.querySelectorAll('.jp-OutputArea-output'))
-            .some(o => o.textContent.includes('Traceback (most recent call last)'));
-        return document.body.innerText.includes('| Idle') && (failed || prompts.every(t => /\[\d+\]/.test(t)));
-    }""", timeout=900_000, polling=1000)
-    failed = page.locator(".jp-OutputArea-output", has_text="Traceback (most recent call last)")
-    assert failed.count() == 0, failed.first.inner_text()[-3000:]
-    page.wait_for_timeout(1500)  # plotly's resize to the output width
     figures = page.locator(".jp-OutputArea-output.js-plotly-plot")  # JupyterLab's plotly output is the plot
-    want = int(json.loads((shots.parent / "lab" / name).read_text())["metadata"]["r3lab"]["ci_expect_figures"])
-    assert figures.count() >= want, f"{figures.count()} figures drawn, {want} expected"
+    try:
+        page.wait_for_function(f"() => document.querySelectorAll('.jp-OutputArea-output.js-plotly-plot').length "
+                               f">= {want}", timeout=90_000, polling=500)
+    except Exception as e:
+        raise AssertionError(f"{name}: {figures.count()} of its {want} plotly outputs drawn") from e
+    assert figures.count() == want, f"{name}: {figures.count()} figures drawn, the notebook holds {want}"
+    page.wait_for_timeout(1500)  # plotly's resize to the output width
     problems = []
     for i in range(figures.count()):
         fig = figures.nth(i)

@@ -53,36 +53,43 @@ def _all_gone(pids, within: float = 30.0) -> bool:
     return True
 
 
-def test_the_engine_and_the_ranks_land_on_their_nodes(cluster):
-    from r3lab.cluster import RayEngine, load_trainer
-    from r3lab.paths import model_dir
-    from r3lab.trainer_registry import TrainerOptions
-
-    path = model_dir("tiny-qwen3-moe")
-    with RayEngine(path, resources=ENGINE) as eng:
-        assert eng.node_id == cluster["engine"]
-        with load_trainer("megatron", path, TrainerOptions(tp=2), resources=TRAINER) as tr:
-            assert tr.node_ids == [cluster["trainer"]] * 2
-            pids = tr.pids
-        assert _all_gone(pids)
-    with pytest.raises(ClusterError, match="no node of the cluster can hold the engine actor"):
-        RayEngine(path, resources='{"GPU": 1}')
-
-
-def test_quick_drift_through_the_cluster_equals_the_local_drift(cluster, tmp_path):
+def test_quick_drift_through_the_cluster_lands_on_its_nodes_and_equals_the_local_drift(cluster, tmp_path,
+                                                                                        monkeypatch):
+    """The drift run's own engine actor (started by run_drift for ``cluster="ray"``) lands on node A and both TP
+    rank actors on node B; the ranks' processes end with the run; the result equals the local drift bit for bit.
+    An engine no node can hold is refused before anything waits."""
+    from r3lab.cluster import RayEngine
     from r3lab.experiments.drift import run_drift
+    from r3lab.paths import model_dir
     from r3lab.runs import load
 
+    engines: list[RayEngine] = []
+    start = RayEngine.__init__
+
+    def seen_start(self, *a, **k):  # the engine actor run_drift starts
+        engines.append(self)
+        start(self, *a, **k)
+
+    monkeypatch.setattr(RayEngine, "__init__", seen_start)
+    trainers: list[tuple[list[str], list[int]]] = []
     base = dict(trainer="megatron", tp=2, models=("tiny-qwen3-moe",), trainer_dtypes=("float32",), prompts=3,
                 max_tokens=8)
     local = run_drift(DriftConfig.quick(**base), progress=False, runs_root=tmp_path, run_name="local")
+    assert not engines, "the local drift started an engine actor"
     remote = run_drift(DriftConfig.quick(**base, cluster="ray", engine_resources=ENGINE, trainer_resources=TRAINER),
-                       progress=False, runs_root=tmp_path, run_name="ray")
+                       progress=False, runs_root=tmp_path, run_name="ray",
+                       on_trainer=lambda label, tr, samples: trainers.append((tr.node_ids, tr.pids)))
+    assert [e.node_id for e in engines] == [cluster["engine"]]
+    [(node_ids, pids)] = trainers
+    assert node_ids == [cluster["trainer"]] * 2
+    assert _all_gone(pids)
     assert local[0].summary == remote[0].summary
     a, b = load(tmp_path / "local"), load(tmp_path / "ray")
     for col in ("logp_infer", "logp_none", "logp_r3", "flipped"):
         assert np.array_equal(a.tokens([0])[col].to_numpy(), b.tokens([0])[col].to_numpy()), col
     assert np.array_equal(a.routes(0, "engine").values, b.routes(0, "engine").values)
+    with pytest.raises(ClusterError, match="no node of the cluster can hold the engine actor"):
+        RayEngine(model_dir("tiny-qwen3-moe"), resources='{"GPU": 1}')
 
 
 def _rl(mode: str = "R3", **kw) -> RLConfig:

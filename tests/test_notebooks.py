@@ -3,7 +3,10 @@
 Clean: no outputs or execution counts, the r3lab kernelspec, exactly one cell tagged ``parameters`` and it is
 the first code cell, CI parameters in ``metadata["r3lab"]``. Run: papermill on the ``r3lab`` kernel with those
 parameters (plus ``out_dir`` / ``runs_dir`` in a temporary folder); the executed notebook must hold no error
-and at least ``ci_expect_figures`` plotly figures, and any figure it exported must be a real PNG/SVG/PDF.
+and at least ``ci_expect_figures`` plotly figures, and any figure it exported must be a real PNG/SVG/PDF. Every
+executed notebook (the variants on an imported run and on an attached server too) is then opened in JupyterLab in
+Chromium, and its figures must pass tests/test_browser_figures.py's checks: one execution serves both, where the
+browser test used to run every notebook a second time.
 """
 
 from __future__ import annotations
@@ -68,49 +71,68 @@ def _check_exported(folder: Path) -> list[Path]:
     return files
 
 
-@pytest.mark.engine  # executes the notebook in a kernel (the dial notebook runs RL on an engine)
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids)
-def test_notebook_runs_top_to_bottom_and_draws_its_figures(path, tmp_path, monkeypatch):
-    """As shipped (06: its default run, the committed reference drift run), with the CI parameters."""
+@pytest.fixture(scope="module")
+def figure_lab(tmp_path_factory):
+    """One JupyterLab and one Chromium for the module: each executed notebook's figures are checked in it."""
+    from test_browser_figures import FigureLab
+
+    with FigureLab(tmp_path_factory.mktemp("figure-lab")) as lab:
+        yield lab
+
+
+def _executed(source: Path | str, tmp_path: Path, params: dict, lab) -> list:
+    """Run notebook ``source`` (a path, or the stem of one under notebooks/) with ``params`` (and an ``out_dir``
+    under ``tmp_path`` unless given) in the ``r3lab`` kernel; assert it holds no error and that its figures pass the
+    browser's checks in ``lab``; return its outputs."""
     import papermill  # the lab extra; a missing one fails here, loudly
 
-    # the kernel inherits this environment: make it import the r3lab of this checkout
+    source = Path(source) if Path(source).suffix else ROOT / "notebooks" / f"{source}.ipynb"
+    executed = tmp_path / f"{source.stem.removesuffix('.in')}.{len(list(tmp_path.glob('*.ipynb')))}.ipynb"
+    papermill.execute_notebook(str(source), str(executed), parameters={"out_dir": str(tmp_path / "out"), **params},
+                               kernel_name="r3lab", cwd=str(tmp_path), execution_timeout=600, progress_bar=False)
+    outputs = [o for c in nbformat.read(executed, as_version=4).cells if c.cell_type == "code" for o in c.outputs]
+    errors = [o for o in outputs if o.output_type == "error"]
+    assert not errors, (source.stem, errors[0].get("evalue"))
+    problems = lab.check(executed)
+    assert not problems, "\n".join(problems)
+    return outputs
+
+
+def _figures(outputs: list) -> list:
+    figures = [o for o in outputs if PLOTLY in o.get("data", {})]
+    assert all(f["data"][PLOTLY]["data"] for f in figures), "a figure without traces"
+    return figures
+
+
+@pytest.fixture(autouse=True)
+def _kernel_imports_this_checkout(monkeypatch):
+    """The kernel inherits this environment: make it import the r3lab of this checkout."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+
+
+@pytest.mark.engine  # executes the notebook in a kernel (the dial notebook runs RL on an engine)
+@pytest.mark.browser  # and checks its figures in JupyterLab
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids)
+def test_notebook_runs_top_to_bottom_and_draws_its_figures(path, tmp_path, figure_lab):
+    """As shipped (06: its default run, the committed reference drift run), with the CI parameters."""
     nb = nbformat.read(path, as_version=4)
     meta = nb.metadata["r3lab"]
     out_dir = tmp_path / "out"
     params = {**meta["ci_parameters"], "out_dir": str(out_dir)}
     if "\nruns_dir =" in "\n" + nb.cells[[c.cell_type for c in nb.cells].index("code")].source:
         params["runs_dir"] = str(tmp_path / "runs")
-    executed = tmp_path / path.name
-    papermill.execute_notebook(str(path), str(executed), parameters=params, kernel_name="r3lab", cwd=str(tmp_path),
-                               execution_timeout=600, progress_bar=False)
-    done = nbformat.read(executed, as_version=4)
-    errors = [o for c in done.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
-    assert not errors, errors[0].get("evalue")
-    figures = [o for c in done.cells if c.cell_type == "code" for o in c.outputs if PLOTLY in o.get("data", {})]
+    figures = _figures(_executed(path, tmp_path, params, figure_lab))
     assert len(figures) >= int(meta["ci_expect_figures"]), f"{len(figures)} plotly figures"
-    for f in figures:
-        assert f["data"][PLOTLY]["data"], "a figure without traces"
     if params.get("export"):
         assert _check_exported(out_dir), f"export=True wrote no figure files under {out_dir}"
 
 
-def test_notebook_06_opens_an_imported_run(tmp_path, monkeypatch):
+@pytest.mark.browser  # checks its figures in JupyterLab
+def test_notebook_06_opens_an_imported_run(tmp_path, figure_lab):
     """Notebook 06 pointed at an imported run (a generated slime dump): no error, and its figures."""
-    import papermill
-
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    path = ROOT / "notebooks" / "06_your_run.ipynb"
-    params = {"run": str(make_dumps.imported_run(tmp_path)), "out_dir": str(tmp_path / "out")}
-    executed = tmp_path / path.name
-    papermill.execute_notebook(str(path), str(executed), parameters=params, kernel_name="r3lab", cwd=str(tmp_path),
-                               execution_timeout=600, progress_bar=False)
-    outputs = [o for c in nbformat.read(executed, as_version=4).cells if c.cell_type == "code" for o in c.outputs]
-    errors = [o for o in outputs if o.output_type == "error"]
-    assert not errors, errors[0].get("evalue")
-    figures = [o for o in outputs if PLOTLY in o.get("data", {})]
-    assert len(figures) >= 7 and all(f["data"][PLOTLY]["data"] for f in figures), len(figures)
+    params = {"run": str(make_dumps.imported_run(tmp_path))}
+    outputs = _executed("06_your_run", tmp_path, params, figure_lab)
+    assert len(_figures(outputs)) >= 7, len(_figures(outputs))
     assert any(params["run"] in str(o.get("data", {}).get("text/plain", "")) for o in outputs), "not the given run"
 
 
@@ -122,13 +144,11 @@ IMPORTED_EXPECT = {"02_expert_distribution": (2, 4), "03_logprob_drift": (3, 8),
 
 
 @pytest.mark.engine  # executes the notebook in a kernel (the dial notebook runs RL on an engine)
+@pytest.mark.browser  # and checks its figures in JupyterLab
 @pytest.mark.parametrize("name", sorted(IMPORTED_EXPECT))
-def test_notebook_takes_an_imported_run(name, tmp_path, monkeypatch):
+def test_notebook_takes_an_imported_run(name, tmp_path, figure_lab):
     """Where notebooks 02-04 take a run folder they take an imported run: no error, and in place of each figure
     whose fields the run lacks a note saying which (04: its finished-runs part; the live job cells are dropped)."""
-    import papermill
-
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     run = make_dumps.imported_run(tmp_path / "fixture")
     nb = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4)
     if name == "04_rl_ablation":
@@ -138,43 +158,17 @@ def test_notebook_takes_an_imported_run(name, tmp_path, monkeypatch):
         params = {"drift_run": str(run), "rl_runs": [str(run)], "runs_dir": str(tmp_path / "runs")}
     source = tmp_path / f"{name}.in.ipynb"
     nbformat.write(nb, source)
-    executed = tmp_path / f"{name}.ipynb"
-    papermill.execute_notebook(str(source), str(executed), parameters={**params, "out_dir": str(tmp_path / "out")},
-                               kernel_name="r3lab", cwd=str(tmp_path), execution_timeout=600, progress_bar=False)
-    outputs = [o for c in nbformat.read(executed, as_version=4).cells if c.cell_type == "code" for o in c.outputs]
-    errors = [o for o in outputs if o.output_type == "error"]
-    assert not errors, errors[0].get("evalue")
-    figures = [o for o in outputs if PLOTLY in o.get("data", {})]
+    outputs = _executed(source, tmp_path, params, figure_lab)
+    figures = _figures(outputs)
     notes = [o.data["text/markdown"] for o in outputs if "text/markdown" in o.get("data", {})]
-    for f in figures:
-        assert f["data"][PLOTLY]["data"], "a figure without traces"
     assert all(n.startswith("*") and "need" in n for n in notes), notes
     assert (len(figures), len(notes)) == IMPORTED_EXPECT[name], (len(figures), notes)
     assert not list(tmp_path.joinpath("runs").glob("*")), "the notebook ran an experiment instead of the given run"
 
 
-def _executed(name: str, tmp_path: Path, params: dict) -> list:
-    """Run notebook ``name`` with ``params`` (and an ``out_dir`` under ``tmp_path``); its outputs, none an error."""
-    import papermill
-
-    executed = tmp_path / f"{name}.{len(list(tmp_path.glob('*.ipynb')))}.ipynb"
-    papermill.execute_notebook(str(ROOT / "notebooks" / f"{name}.ipynb"), str(executed),
-                               parameters={**params, "out_dir": str(tmp_path / "out")}, kernel_name="r3lab",
-                               cwd=str(tmp_path), execution_timeout=600, progress_bar=False)
-    outputs = [o for c in nbformat.read(executed, as_version=4).cells if c.cell_type == "code" for o in c.outputs]
-    errors = [o for o in outputs if o.output_type == "error"]
-    assert not errors, (name, errors[0].get("evalue"))
-    return outputs
-
-
-def _figures(outputs: list) -> list:
-    figures = [o for o in outputs if PLOTLY in o.get("data", {})]
-    assert all(f["data"][PLOTLY]["data"] for f in figures), "a figure without traces"
-    return figures
-
-
 @pytest.mark.engine  # a vLLM server started the way a user starts it, and notebooks executed in a kernel
-def test_notebooks_on_an_attached_server_and_a_capture_run(tmp_path, monkeypatch):
+@pytest.mark.browser  # their figures checked in JupyterLab
+def test_notebooks_on_an_attached_server_and_a_capture_run(tmp_path, figure_lab):
     """Notebook 01 with ``engine_url`` samples through a server the user started (tests/user_vllm.py; its access log
     shows the requests); ``r3lab capture`` through that server writes a run that notebooks 01 (``capture_run``), 02
     (``drift_run``) and 06 (``run``) open: expert load, imbalance and the route view drawn, the rest noted."""
@@ -183,13 +177,13 @@ def test_notebooks_on_an_attached_server_and_a_capture_run(tmp_path, monkeypatch
     from r3lab.cli import main
     from r3lab.corpus import corpus_prompts
 
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     servers = UserServers(tmp_path)
     run = tmp_path / "runs" / "cap"
     try:
         url = servers.get(QWEN)
         small = {"prompts": 4, "max_tokens": 12, "repeats": 1}
-        assert len(_figures(_executed("01_capture_and_transport", tmp_path, {**small, "engine_url": url}))) == 2
+        out01 = _executed("01_capture_and_transport", tmp_path, {**small, "engine_url": url}, figure_lab)
+        assert len(_figures(out01)) == 2
         log = next(tmp_path.glob("tiny-qwen3-moe-*.log")).read_text(errors="replace")
         assert log.count("POST /v1/completions") >= 2, "notebook 01 did not sample through the attached server"
         (tmp_path / "prompts.txt").write_text("\n".join(corpus_prompts(4, seed=0)) + "\n")
@@ -197,13 +191,14 @@ def test_notebooks_on_an_attached_server_and_a_capture_run(tmp_path, monkeypatch
               "--tokens", "12", "--samples", "2", "--no-progress"])
     finally:
         servers.stop()
-    assert len(_figures(_executed("01_capture_and_transport", tmp_path, {**small, "capture_run": str(run)}))) == 2
+    out01 = _executed("01_capture_and_transport", tmp_path, {**small, "capture_run": str(run)}, figure_lab)
+    assert len(_figures(out01)) == 2
     out02 = _executed("02_expert_distribution", tmp_path, {"drift_run": str(run), "rl_runs": [str(run)],
-                                                           "runs_dir": str(tmp_path / "made")})
+                                                           "runs_dir": str(tmp_path / "made")}, figure_lab)
     notes = [o.data["text/markdown"] for o in out02 if "text/markdown" in o.get("data", {})]
     assert (len(_figures(out02)), len(notes)) == (2, 4), notes  # expert load and imbalance of the engine
     assert not (tmp_path / "made").exists() or not list((tmp_path / "made").iterdir()), "02 ran an experiment"
-    out06 = _executed("06_your_run", tmp_path, {"run": str(run)})
+    out06 = _executed("06_your_run", tmp_path, {"run": str(run)}, figure_lab)
     titles = [f["data"][PLOTLY]["layout"].get("title", {}).get("text", "") for f in _figures(out06)]
     assert len(titles) >= 3 and any("expert load" in t for t in titles), titles
 

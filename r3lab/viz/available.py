@@ -40,6 +40,7 @@ def health_figure(run: Run | str | os.PathLike):
     from plotly.subplots import make_subplots
 
     from r3lab.viz.style import finish
+    from r3lab.viz.ticks import axis_ticks
 
     r = run if isinstance(run, Run) else load(run)
     steps, ser, n = health_series(r)
@@ -49,7 +50,8 @@ def health_figure(run: Run | str | os.PathLike):
     fig = make_subplots(rows=1, cols=4, subplot_titles=[HEALTH_NAMES[k] for k in keys])
     for i, k in enumerate(keys, 1):
         fig.add_scatter(x=steps, y=ser[k], mode="lines+markers", name=HEALTH_NAMES[k], row=1, col=i, showlegend=False)
-    fig.update_yaxes(type="log", row=1, col=1)
+    # r3lab's log ticks: plotly's own label the minor ticks with their digit only, the same digit in every decade
+    fig.update_yaxes(type="log", **axis_ticks(ser["k3_kl"], log=True, target=4), row=1, col=1)
     # in the paper template at a paper size; a notebook shows it at the output's width (viz.LabFigure)
     return finish(fig, {"width": 1100, "height": 380}, title=f"{r.name}: mismatch health per step ({n} tokens)")
 
