@@ -49,7 +49,6 @@ TIERS: dict[str, tuple[str, ...]] = {
     "test_staging_dist.py": ("megatron",),
     "test_trainer_megatron_bridge.py": ("megatron",),
     "test_browser.py": ("browser",),
-    "test_browser_dashboard.py": ("browser",),
     "test_browser_figures.py": ("browser",),
     "test_gpu_recipe.py": ("network",),
 }

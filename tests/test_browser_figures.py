@@ -5,8 +5,8 @@ the ``live`` cells included, and the imported-run and attached-server variants).
 opened here (:class:`FigureLab`): JupyterLab served by ``tests/test_browser.py``'s fixture, in Chromium at 1400x1000
 with the file browser open (output area about 968 px wide). JupyterLab draws a saved plotly output with the renderer
 that draws it in a live run (jupyterlab-plotly's mime renderer, ``safe``, so an untrusted notebook draws it too), so
-the figures are those a user sees after Run All. Running notebooks in JupyterLab itself (Run All, the kernel, the
-widgets) is what ``tests/test_browser.py`` and ``tests/test_browser_dashboard.py`` test.
+the figures are those a user sees after Run All. Running a notebook in JupyterLab itself (Run All in a fresh kernel,
+the widgets, the dashboard's job) is what ``tests/test_browser.py`` tests.
 
 Every plotly output the notebook holds must be drawn; then the DOM is checked, figure by figure:
 
