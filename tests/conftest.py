@@ -78,13 +78,14 @@ def _no_stdlib_distutils_left_behind():
 # Seconds each file took (the "seconds per test file" line a full run prints; two workers, this 2-core machine). Only
 # the order in which the two xdist workers take the files follows from them (:func:`_heaviest_files_first`); a wrong
 # or missing number costs minutes, never a result. A file not listed counts as UNLISTED_FILE_SECONDS.
-FILE_SECONDS: dict[str, float] = {  # measured 2026-12-04 (test_staging: the fast tier's figure)
-    "test_cluster.py": 270, "test_notebooks.py": 259, "test_trainer_megatron.py": 252, "test_browser_figures.py": 218,
-    "test_attach.py": 126, "test_staging.py": 96, "test_browser_dashboard.py": 94, "test_slicing.py": 89,
-    "test_megatron_load.py": 78, "test_viz_export.py": 68, "test_browser.py": 67, "test_async.py": 65,
-    "test_rollout.py": 59, "test_rl.py": 53, "test_importers_skyrl_verl.py": 50, "test_widgets.py": 46,
-    "test_gpu_recipe.py": 45, "test_packaging.py": 32, "test_staging_dist.py": 30, "test_megatron_sync.py": 29,
-    "test_experiments.py": 29, "test_rescore.py": 27, "test_quant.py": 18, "test_olmoe.py": 17, "test_typing.py": 16,
+FILE_SECONDS: dict[str, float] = {  # measured 2026-12-04, OMP_NUM_THREADS=1 (scripts/test.sh)
+    "test_notebooks.py": 311, "test_cluster.py": 215, "test_trainer_megatron.py": 162, "test_attach.py": 116,
+    "test_staging.py": 75, "test_slicing.py": 63, "test_megatron_load.py": 62, "test_browser.py": 52,
+    "test_viz_export.py": 51, "test_rollout.py": 41, "test_rl.py": 29, "test_widgets.py": 27,
+    "test_importers_skyrl_verl.py": 27, "test_staging_dist.py": 25, "test_gpu_recipe.py": 24,
+    "test_megatron_sync.py": 21, "test_packaging.py": 21, "test_browser_figures.py": 16, "test_olmoe.py": 14,
+    "test_rescore.py": 13, "test_typing.py": 13, "test_quant.py": 12, "test_async.py": 12, "test_importers.py": 9,
+    "test_experiments.py": 8,
 }
 UNLISTED_FILE_SECONDS = 10.0
 
