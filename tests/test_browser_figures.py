@@ -28,7 +28,7 @@ import shutil
 from pathlib import Path
 
 import nbformat
-from test_browser import CHROMIUM_ARGS, _chromium, lab_server
+from test_browser import CHROMIUM_ARGS, _chromium, _shutdown_kernels, lab_server
 
 from r3lab.viz import NOT_DRAWN
 
@@ -129,6 +129,7 @@ class FigureLab:
 
     def check(self, executed: Path) -> list[str]:
         """The problems the figures of ``executed`` (a notebook with its outputs) show in the browser."""
+        _shutdown_kernels(self.base, self.token)  # the kernels JupyterLab started for the notebooks opened before
         self._opened += 1
         name = f"{self._opened:02d}-{Path(executed).name}"
         shutil.copyfile(executed, self.root / name)
