@@ -11,6 +11,7 @@ logs="${R3LAB_EACH_FILE_LOGS:-$(mktemp -d -t r3lab-each-file-XXXXXX)}"
 mkdir -p "$logs"
 jobs="${R3LAB_TEST_JOBS:-2}"
 export R3LAB_EACH_FILE_LOGS="$logs"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # as scripts/test.sh: two processes' default OpenMP threads oversubscribe
 one() {
     local f="$1"; shift
     local name t0 rc
