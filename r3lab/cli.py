@@ -136,7 +136,10 @@ def _add_import(sub: Any) -> None:
 
     im = sub.add_parser("import", help="import another framework's R3 dump (" + ", ".join(REGISTRY) + ", or auto) "
                         "as a run")
-    kinds = im.add_subparsers(dest="kind", metavar="KIND", required=True)
+    im.add_argument("--formats", action="store_true", help="print every dump kind and the layouts of it this r3lab "
+                    "reads (what marks each, what an import gives, the source it was read from), then exit")
+    im.set_defaults(func=_import_formats)
+    kinds = im.add_subparsers(dest="kind", metavar="KIND")
     every: dict[str, str] = {}
     for kind, spec in REGISTRY.items():
         if not spec.available:
@@ -268,6 +271,16 @@ def _figures(args: argparse.Namespace) -> None:
 
     for path in paper_figures(results_dir(args.results), figures_dir(args.out), formats=args.formats or EXPORT_FORMATS):
         print(f"wrote {path}")
+
+
+def _import_formats(args: argparse.Namespace) -> None:
+    """``r3lab import --formats`` (and a bare ``r3lab import``, which also says a kind is needed)."""
+    from r3lab.importers.layouts import formats_table
+
+    if not args.formats:
+        raise R3LabError("r3lab import needs a KIND (or auto) and SRC, e.g. `r3lab import auto DUMP --out RUN`; "
+                         "`r3lab import --formats` lists the kinds and the layouts of each that r3lab reads")
+    print(formats_table())
 
 
 def _import(args: argparse.Namespace) -> None:

@@ -37,6 +37,7 @@ __all__ = [
     "BatchError",
     "ImportFormatError",
     "UnsafeFileError",
+    "UnknownLayoutError",
     "ImporterMissingError",
     "MegatronLoadError",
     "MegatronTrainerError",
@@ -147,6 +148,11 @@ class ImportFormatError(R3LabError, ValueError):
 class UnsafeFileError(R3LabError, ValueError):
     """A file would run code, or load classes beyond tensors and plain containers, if it were opened
     (:mod:`r3lab.importers`)."""
+
+
+class UnknownLayoutError(ImportFormatError):
+    """A dump of a known framework in a layout this r3lab does not read (a newer writer): the message names what
+    was seen and the layouts r3lab reads (:mod:`r3lab.importers.layouts`)."""
 
 
 class ImporterMissingError(ImportFormatError):

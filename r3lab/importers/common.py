@@ -39,7 +39,8 @@ from r3lab.runs import IMPORT_KIND, RunWriter
 
 __all__ = ["NUMPY_ALLOWLIST", "safe_torch_load", "refuse_pickles",
            "read_jsonl", "file_sha256", "file_hashes", "LayerMap", "Sample", "CaptureLog", "write_run",
-           "sample_tokens", "mtp_layer_count", "MTP_CONFIG_KEYS", "jsonl_samples", "layout_config", "FLOAT_COLUMNS"]
+           "sample_tokens", "mtp_layer_count", "MTP_CONFIG_KEYS", "jsonl_samples", "layout_config", "FLOAT_COLUMNS",
+           "SENTINEL"]
 
 REFUSED_SUFFIXES = {".pkl": "a Python pickle", ".pickle": "a Python pickle", ".dill": "a dill pickle",
                     ".joblib": "a joblib pickle"}
@@ -195,7 +196,8 @@ class Sample:
     logp_infer: np.ndarray | None = None  # engine log-prob of each response token
     logp_train: np.ndarray | None = None  # trainer log-prob of each response token
     loss_mask: np.ndarray | None = None
-    routes: np.ndarray | None = None  # [rows, layer axis, top_k] as in the dump
+    routes: np.ndarray | None = None  # [rows, layer axis, top_k] as in the dump (signed: -1 marks an uncaptured row)
+    weights: np.ndarray | None = None  # routing weights beside the ids, the same shape (float), when the dump has them
     reward: float | None = None
     advantage: np.ndarray | None = None
     index: int | None = None
@@ -233,8 +235,13 @@ class CaptureLog:
                 "layer_seen": {str(k): v for k, v in sorted(self.layer_seen.items())}, "max_id": self.max_id}
 
 
-def _check_routes(s: Sample, sample_no: int, lmap: LayerMap, log: CaptureLog) -> np.ndarray | None:
-    """The sample's MoE-layer routes if they pass every capture check, else None (the failure is logged)."""
+def _check_routes(s: Sample, sample_no: int, lmap: LayerMap, log: CaptureLog
+                  ) -> tuple[np.ndarray, np.ndarray | None] | None:
+    """The sample's MoE-layer ``(ids, weights or None)`` if they pass every capture check, else None (logged).
+
+    Rows marked uncaptured with :data:`SENTINEL` end the capture there: a sample whose first ``P + R - 1`` rows are
+    not all captured keeps its tokens and log-probs, its routes are left out (``prefix_capture``), as with a dump
+    that marks its captured prefix itself."""
     where = {"step": s.step, "sample": sample_no}
     if s.routes is None:
         log.add("missing_routes", 1, 1, **where)
@@ -243,7 +250,17 @@ def _check_routes(s: Sample, sample_no: int, lmap: LayerMap, log: CaptureLog) ->
     r = s.routes
     if r.ndim != 3:
         raise ImportFormatError(f"{s.where}: routes must be [rows, layers, top_k], got shape {r.shape}")
+    if s.weights is not None and s.weights.shape != r.shape:
+        raise ImportFormatError(f"{s.where}: routing weights of shape {s.weights.shape} beside ids of shape {r.shape}")
     want = len(s.tokens) - 1  # P + R - 1
+    r, uncaptured = _strip_sentinel_rows(r)
+    if uncaptured is not None:  # rows the producer marked -1 (tunix #2046, NeMo-RL #3113): never expert ids
+        log.add("sentinel_rows", int(uncaptured), 1, **where)
+        if r.shape[0] < want:
+            log.add("prefix_capture", 1, 1, score=want - r.shape[0], route_rows=int(r.shape[0]), expected=want,
+                    **where)
+            return None
+        r = r[:want]
     if s.prefix_capture and r.shape[0] < want:  # a gap the dump marks itself: told apart from a wrong row count
         log.add("prefix_capture", 1, 1, score=want - r.shape[0], route_rows=int(r.shape[0]), expected=want, **where)
         return None
@@ -304,7 +321,28 @@ def _check_routes(s: Sample, sample_no: int, lmap: LayerMap, log: CaptureLog) ->
             log.add("dense_rows", 0, int(dense.sum()))
     if n_oor or n_rep or const_moe.any():
         return None
-    return r[:, moe, :]
+    if s.weights is None:
+        return r[:, moe, :], None
+    w = np.asarray(s.weights[: r.shape[0]], np.float32)[:, moe, :]
+    if not np.isfinite(w).all():
+        raise ImportFormatError(f"{s.where}: routing weights beside the ids are not all finite")
+    return r[:, moe, :], w
+
+
+SENTINEL = -1
+"""What several producers write in an uncaptured route row (tunix #2046, NeMo-RL #3113): every id -1."""
+
+
+def _strip_sentinel_rows(r: np.ndarray) -> tuple[np.ndarray, int | None]:
+    """``(rows, count)``: with rows that are entirely :data:`SENTINEL` (uncaptured), the rows before the first of
+    them and how many rows were marked; ``(r, None)`` when no row is marked. Never casts -1 into an expert id: a row
+    with -1 in some slots only is left as it is (the range check refuses it)."""
+    if r.dtype.kind != "i" or not r.size:
+        return r, None
+    marked = (r == SENTINEL).all(axis=(1, 2))
+    if not marked.any():
+        return r, None
+    return r[: int(np.argmax(marked))], int(marked.sum())
 
 
 def file_hashes(files: Sequence[Path]) -> dict[str, str]:
@@ -321,8 +359,14 @@ def file_hashes(files: Sequence[Path]) -> dict[str, str]:
 
 
 def write_run(samples: Iterable[Sample], out: str | os.PathLike, *, source_format: str, files: Iterable[Path],
-              layer_map: LayerMap | None, extra: Mapping[str, Any] | None = None) -> Path:
+              layer_map: LayerMap | None, extra: Mapping[str, Any] | None = None,
+              layouts: Iterable[str] | None = None) -> Path:
     """Stream samples (grouped by step, steps ascending) into an r3lab run folder ``out``; returns its path.
+
+    ``layouts``: the names of the dump layouts the import met (:class:`r3lab.importers.layouts.LayoutsSeen`, filled
+    while ``samples`` is consumed), recorded as ``config.source_layouts`` and in the summary. A sample's ``weights``
+    (routing weights beside its ids) are stored with the routes (route container format 3) when every sample of
+    the step that keeps routes has them; otherwise they are dropped and counted (``samples_weights_dropped``).
 
     All or nothing: the run is written under a temporary name beside ``out`` and renamed at the end
     (:class:`r3lab.runs.RunWriter` ``atomic=True``); a refused or failed import (Ctrl-C included) leaves nothing.
@@ -366,7 +410,13 @@ def write_run(samples: Iterable[Sample], out: str | os.PathLike, *, source_forma
         if totals["samples"] == 0:
             raise ImportFormatError(f"no samples in {[str(f) for f in files]}")
         writer.add_config({"capture": log.to_dict()})
-        writer.finish({**totals, "source_format": source_format})
+        if layouts is not None:  # read once every sample is: importers fill it while they iterate
+            names = list(layouts)
+            writer.add_config({"source_layouts": names})
+            totals_layouts = {"source_layouts": names}
+        else:
+            totals_layouts = {}
+        writer.finish({**totals, "source_format": source_format, **totals_layouts})
     return writer.path
 
 
@@ -391,6 +441,7 @@ class _StepAccumulator:
         self.prompt: dict[str, list[np.ndarray]] = {}
         self.prompt_writer: Any = None  # pyarrow.parquet.ParquetWriter once the first chunk is written
         self.routes: list[np.ndarray] = []
+        self.weights: list[np.ndarray | None] = []  # routing weights beside each sample's kept ids (None: none)
         self.any_routes = False
         self.n = 0
         self.ntok = 0
@@ -444,9 +495,11 @@ class _StepAccumulator:
             kept = _check_routes(s, self.n, self.layer_map, self.log)
             if kept is not None:
                 self.any_routes = True
-                self.routes.append(kept.astype(np.int64).astype(_compact(self.layer_map)))
+                self.routes.append(kept[0].astype(np.int64).astype(_compact(self.layer_map)))
+                self.weights.append(kept[1])
             else:
                 self.routes.append(None)  # type: ignore[arg-type]
+                self.weights.append(None)
         elif s.routes is not None:
             raise ImportFormatError(f"{s.where}: the dump has routes; pass the model's config.json (--config) so "
                                     "its layer axis can be mapped to global layer ids")
@@ -510,6 +563,13 @@ class _StepAccumulator:
             parts = [r if r is not None else np.zeros((0, *shape), _compact(lm)) for r in self.routes]
             totals["samples_without_routes"] += sum(r is None for r in self.routes)
             routes = Routes.from_list(parts, num_experts=lm.layout.num_experts, layer_ids=lm.moe_ids)
+            kept_w = [w for r, w in zip(self.routes, self.weights, strict=True) if r is not None]
+            if kept_w and all(w is not None for w in kept_w):
+                routes = routes.with_weights(np.concatenate(kept_w))
+                totals["samples_with_weights"] = totals.get("samples_with_weights", 0) + len(kept_w)
+            elif any(w is not None for w in kept_w):  # the container holds weights for every row or none
+                totals["samples_weights_dropped"] = (totals.get("samples_weights_dropped", 0)
+                                                     + sum(w is not None for w in kept_w))
             writer.write_routes(self.step, "engine", routes)
         elif lm is not None:
             totals["samples_without_routes"] += self.n

@@ -1,10 +1,12 @@
 """The importer registry: one entry per dump kind, read by :func:`r3lab.importers.import_run` and ``r3lab import``.
 
 Each entry names the module that imports that kind; the module exports ``import_<kind>(src, out, **options) ->
-Path``, ``detect(path) -> str | None`` (a short reason when a folder looks like that framework's, else None) and
-``OPTIONS: dict[str, str]`` (keyword option name -> help text). Modules are imported only when an entry is used,
-so an entry whose module is not in this r3lab is a clear error (:class:`ImporterMissingError`), not a broken
-package. Adding an importer = one module + one :data:`REGISTRY` entry; nothing else lists kinds.
+Path``, ``detect(path) -> str | None`` (a short reason when a folder looks like that framework's, else None),
+``OPTIONS: dict[str, str]`` (keyword option name -> help text) and ``LAYOUTS`` (the dump layouts it reads, each a
+:class:`r3lab.importers.layouts.Layout`, recognised from the bytes and recorded in the run). Modules are imported
+only when an entry is used, so an entry whose module is not in this r3lab is a clear error
+(:class:`ImporterMissingError`), not a broken package. Adding an importer = one module + one :data:`REGISTRY`
+entry; nothing else lists kinds.
 """
 
 from __future__ import annotations
@@ -60,6 +62,11 @@ class ImporterSpec:
     def options(self) -> Mapping[str, str]:
         """Keyword option -> help text: what ``import_run(kind, ..., **options)`` and ``r3lab import KIND`` take."""
         return dict(getattr(self.load(), "OPTIONS", {}))
+
+    @property
+    def layouts(self) -> tuple[Any, ...]:
+        """The dump layouts this kind's importer reads, oldest first (:class:`r3lab.importers.layouts.Layout`)."""
+        return tuple(getattr(self.load(), "LAYOUTS", ()))
 
     def detect(self, path: Path) -> str | None:
         """A short reason when ``path`` looks like this kind's dump, else None (None also when it cannot tell)."""
