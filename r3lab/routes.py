@@ -17,7 +17,12 @@ import numpy as np
 
 from r3lab.errors import RouteFormatError
 
-__all__ = ["Routes", "compact_dtype", "check_cu_seqlens", "check_distinct_rows", "check_weights"]
+__all__ = ["Routes", "compact_dtype", "check_cu_seqlens", "check_distinct_rows", "check_weights", "SENTINEL"]
+
+SENTINEL = -1
+"""What producers write in every slot of a route row they did not capture (tunix #2046, NeMo-RL #3113): such a row
+means "no route here", never an expert id (a cast to uint8 would make it expert 255). Readers of the wire
+(:mod:`r3lab.compaction`) and importers (:mod:`r3lab.importers`) keep it signed and leave the row out."""
 
 
 def compact_dtype(num_experts: int) -> np.dtype:

@@ -2,7 +2,9 @@
 
 Public, stable: :func:`compact_dtype`, :func:`encode`, :func:`decode`, :func:`to_payload`,
 :func:`from_payload` and the readers of what engines send (vLLM ``.npy`` base64, vLLM 0.21 nested
-lists, SGLang base64 int32). Malformed input of any kind raises :class:`RouteFormatError`.
+lists, SGLang base64 int32 and SGLang's uint8/uint16 ``meta_info`` wire), :func:`stitch_turns` for servers that
+return only the rows a turn adds, and :func:`uncaptured_rows` for rows marked -1 (:data:`r3lab.routes.SENTINEL`).
+Malformed input of any kind raises :class:`RouteFormatError`.
 
 Codecs are numcodecs-style, one per module (:mod:`r3lab.compaction.codecs`): :class:`IdCodec`
 (ids <-> bytes) and :class:`ByteCodec` (bytes <-> bytes) interfaces, a registry
@@ -48,17 +50,23 @@ from r3lab.compaction.container import (
 from r3lab.compaction.legacy import LEGACY_BITPACK, BitPackPlanesV1
 from r3lab.compaction.measure import BASELINE, measure_codecs
 from r3lab.compaction.payload import (
+    SGLANG_WIRE_DTYPES,
     from_payload,
     read_sglang_base64_int32,
+    read_sglang_meta_info,
     read_vllm_nested_list,
     read_vllm_npy_base64,
+    stitch_turns,
     to_payload,
+    uncaptured_rows,
+    vllm_turn_start,
 )
 from r3lab.errors import RouteFormatError  # noqa: F401  (importable here as before; exported by r3lab.errors)
 from r3lab.routes import compact_dtype  # noqa: F401  (importable here as before; exported by r3lab.routes)
 
 __all__ = ["encode", "decode", "read_header", "to_payload", "from_payload",
-    "read_vllm_npy_base64", "read_vllm_nested_list", "read_sglang_base64_int32",
+    "read_vllm_npy_base64", "read_vllm_nested_list", "read_sglang_base64_int32", "read_sglang_meta_info",
+    "SGLANG_WIRE_DTYPES", "uncaptured_rows", "stitch_turns", "vllm_turn_start",
     "Codec", "IdCodec", "ByteCodec", "RowCodec", "Raw", "BitPack", "TopKSet", "TopKGaps", "Zstd", "BitPackPlanesV1",
     "register_codec", "get_codec", "pipeline_configs", "CODECS", "PIPELINES",
     "measure_codecs", "BASELINE",

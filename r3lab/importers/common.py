@@ -24,7 +24,7 @@ import hashlib
 import json
 import os
 import pickle
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +34,7 @@ import numpy as np
 from r3lab import metrics
 from r3lab.errors import ImportFormatError, UnsafeFileError
 from r3lab.moe_layout import MoELayout
-from r3lab.routes import Routes
+from r3lab.routes import SENTINEL, Routes
 from r3lab.runs import IMPORT_KIND, RunWriter
 
 __all__ = ["NUMPY_ALLOWLIST", "safe_torch_load", "refuse_pickles",
@@ -329,10 +329,6 @@ def _check_routes(s: Sample, sample_no: int, lmap: LayerMap, log: CaptureLog
     return r[:, moe, :], w
 
 
-SENTINEL = -1
-"""What several producers write in an uncaptured route row (tunix #2046, NeMo-RL #3113): every id -1."""
-
-
 def _strip_sentinel_rows(r: np.ndarray) -> tuple[np.ndarray, int | None]:
     """``(rows, count)``: with rows that are entirely :data:`SENTINEL` (uncaptured), the rows before the first of
     them and how many rows were marked; ``(r, None)`` when no row is marked. Never casts -1 into an expert id: a row
@@ -360,7 +356,8 @@ def file_hashes(files: Sequence[Path]) -> dict[str, str]:
 
 def write_run(samples: Iterable[Sample], out: str | os.PathLike, *, source_format: str, files: Iterable[Path],
               layer_map: LayerMap | None, extra: Mapping[str, Any] | None = None,
-              layouts: Iterable[str] | None = None) -> Path:
+              layouts: Iterable[str] | None = None,
+              late_config: Callable[[], Mapping[str, Any]] | None = None) -> Path:
     """Stream samples (grouped by step, steps ascending) into an r3lab run folder ``out``; returns its path.
 
     ``layouts``: the names of the dump layouts the import met (:class:`r3lab.importers.layouts.LayoutsSeen`, filled
@@ -410,6 +407,8 @@ def write_run(samples: Iterable[Sample], out: str | os.PathLike, *, source_forma
         if totals["samples"] == 0:
             raise ImportFormatError(f"no samples in {[str(f) for f in files]}")
         writer.add_config({"capture": log.to_dict()})
+        if late_config is not None:  # what the importer learnt only by reading every sample (slime's weight versions)
+            writer.add_config(late_config())
         if layouts is not None:  # read once every sample is: importers fill it while they iterate
             names = list(layouts)
             writer.add_config({"source_layouts": names})
@@ -574,8 +573,9 @@ class _StepAccumulator:
         elif lm is not None:
             totals["samples_without_routes"] += self.n
         rec: dict[str, Any] = {"step": self.step, "samples": self.n, "tokens": self.ntok}
-        if self.rewards:
-            rec["reward_mean"] = float(np.mean(self.rewards))
+        finite = [r for r in self.rewards if np.isfinite(r)]  # NaN: a sample the dump gives no reward (prime-rl)
+        if finite:
+            rec["reward_mean"] = float(np.mean(finite))
         for flag, k in sorted(self.flags.items()):
             rec[f"samples_{flag}"] = k
             totals[f"samples_{flag}"] = totals.get(f"samples_{flag}", 0) + k

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from r3lab._process import Closing
-from r3lab.compaction import DEFAULT_MAX_BYTES, read_vllm_npy_base64
+from r3lab.compaction import DEFAULT_MAX_BYTES, read_vllm_npy_base64, uncaptured_rows, vllm_turn_start
 from r3lab.config import ATTACHED_RL_REASON
 from r3lab.errors import AttachError, R3LabError
 from r3lab.moe_layout import MoELayout
@@ -56,19 +56,21 @@ class CompletionsClient(Closing):
     retries: int = 0
     _slots: threading.BoundedSemaphore | None = None
 
-    def _headers(self) -> dict[str, str]:
+    def _headers(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         h = {"Content-Type": "application/json"}
         if self.api_key:
             h["Authorization"] = f"Bearer {self.api_key}"
+        h.update(extra or {})
         return h
 
-    def _http(self, path: str, body: dict[str, Any] | None = None, timeout: float | None = None) -> dict[str, Any]:
+    def _http(self, path: str, body: dict[str, Any] | None = None, timeout: float | None = None,
+              headers: dict[str, str] | None = None) -> dict[str, Any]:
         """GET (body None) or POST JSON; connection failures retried ``retries`` times, then an error naming it."""
         data = None if body is None else json.dumps(body).encode()
         timeout = self.timeout_s if timeout is None else timeout
         last: BaseException | None = None
         for attempt in range(self.retries + 1):
-            req = urllib.request.Request(self.url + path, data=data, headers=self._headers())
+            req = urllib.request.Request(self.url + path, data=data, headers=self._headers(headers))
             try:
                 if self._slots is not None:
                     self._slots.acquire()
@@ -100,9 +102,12 @@ class CompletionsClient(Closing):
             return out
         raise AttachError(f"server {self.url} unreachable: {last}")  # pragma: no cover - loop always returns/raises
 
-    def request(self, body: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+    def request(self, body: dict[str, Any], timeout: float | None = None,
+                headers: dict[str, str] | None = None) -> dict[str, Any]:
         """POST ``body`` to ``/v1/completions`` and return the parsed JSON (HTTP errors raise RolloutError)."""
-        return self._http("/v1/completions", body, timeout)
+        if headers is None:
+            return self._http("/v1/completions", body, timeout)
+        return self._http("/v1/completions", body, timeout, headers=headers)
 
     def encode_prompts(self, prompts: Sequence[str | Sequence[int]], max_tokens: int = 1) -> list[list[int]]:
         """Token ids of each prompt, checked (strings only where a local tokenizer is known)."""
@@ -113,8 +118,18 @@ class CompletionsClient(Closing):
         return None
 
     def generate(self, prompts: Sequence[str | Sequence[int]], sampling: SamplingConfig | None = None, *,
-                 routes_prompt_start: int = 0) -> list[RolloutResult]:
-        """Prompts in one completions request; results in prompt order, then sample order."""
+                 routes_prompt_start: int = 0, omit_prefix: bool = False,
+                 session_id: str | None = None) -> list[RolloutResult]:
+        """Prompts in one completions request; results in prompt order, then sample order.
+
+        ``omit_prefix``: the server runs with ``--enable-omit-prefix-routed-experts`` (vLLM PR #57966), so a
+        choice's routes may start past ``routes_prompt_start`` (at the cached prefix); each result's
+        ``routes_start`` says where they start, and :func:`~r3lab.rollout.assemble_turns` refuses a turn whose
+        start leaves a gap. That server requires a stable ``session_id`` (sent as ``x-session-id``) per conversation.
+        """
+        if omit_prefix and not session_id:
+            raise RolloutError("omit_prefix needs a session_id: a prefix-omitting vLLM server requires a stable "
+                               "x-session-id per conversation (vLLM PR #57966)")
         sampling = sampling or SamplingConfig()
         ids = self.encode_prompts(prompts, sampling.max_tokens)
         for i, p in enumerate(ids):
@@ -122,9 +137,9 @@ class CompletionsClient(Closing):
                 raise RolloutError(f"prompt {i}: routes_prompt_start={routes_prompt_start} outside [0, {len(p)}]")
         body = dict(sampling.to_openai(), model=self.served_name, prompt=ids, return_token_ids=True,
                     routed_experts_prompt_start=int(routes_prompt_start))
-        resp = self.request(body)
+        resp = self.request(body, headers={"x-session-id": session_id} if session_id else None)
         return parse_completion(resp, self.layout, ids, n=sampling.n, routes_prompt_start=routes_prompt_start,
-                                max_routes_bytes=self.max_routes_bytes)
+                                max_routes_bytes=self.max_routes_bytes, omit_prefix=omit_prefix)
 
     def score(self, sequences: Sequence[Sequence[int]], *, start: int | Sequence[int] = 1) -> list[np.ndarray]:
         """The server's log-probability of each token given the tokens before it (``prompt_logprobs``, prefill)."""
@@ -284,13 +299,23 @@ def served_model(url: str, *, api_key: str | None = None, timeout_s: float = 30.
 
 
 def parse_completion(resp: dict[str, Any], layout: MoELayout, prompts: Sequence[Sequence[int]], *, n: int = 1,
-                     routes_prompt_start: int = 0, max_routes_bytes: int = DEFAULT_MAX_BYTES) -> list[RolloutResult]:
-    """Turn a ``/v1/completions`` response into validated :class:`RolloutResult` objects."""
+                     routes_prompt_start: int = 0, max_routes_bytes: int = DEFAULT_MAX_BYTES,
+                     omit_prefix: bool = False) -> list[RolloutResult]:
+    """Turn a ``/v1/completions`` response into validated :class:`RolloutResult` objects.
+
+    Routes are the ``.npy`` of vLLM's choice, ``|u1`` (at most 256 experts) or ``<u2``, kept in that dtype. Without
+    ``omit_prefix`` they must start at ``routes_prompt_start``; with it (vLLM PR #57966) they start at the row their
+    count implies (:func:`r3lab.compaction.vllm_turn_start`, checked against ``usage.prompt_tokens_details.
+    cached_tokens`` for a one-prompt request that reports it), and ``routes_start`` records it. A choice with rows
+    marked uncaptured (-1 in every slot of a signed array: tunix #2046, NeMo-RL #3113) is refused with an error
+    that says so: r3lab replays every row, and never reads -1 as an expert id.
+    """
     choices = resp.get("choices") if isinstance(resp, dict) else None
     if not isinstance(choices, list) or len(choices) != len(prompts) * n:
         got = len(choices) if isinstance(choices, list) else type(choices).__name__
         raise RolloutError(f"expected {len(prompts) * n} choices, got {got}")
     out: list[RolloutResult] = []
+    cached = _cached_tokens(resp, prompts) if omit_prefix else None
     for c in sorted(choices, key=lambda c: int(c.get("index", 0))):
         k = int(c.get("index", 0))
         i, j = divmod(k, n)
@@ -307,12 +332,33 @@ def parse_completion(resp: dict[str, Any], layout: MoELayout, prompts: Sequence[
         b64 = c.get("routed_experts")
         if not isinstance(b64, str):
             raise RolloutError(f"{where}: no routed_experts (server started without --enable-return-routed-experts?)")
+        start = routes_prompt_start
         try:
             raw = read_vllm_npy_base64(b64, max_bytes=max_routes_bytes)
+            if omit_prefix:
+                start = vllm_turn_start(raw.shape[0], prompt_len=len(prompts[i]), response_len=len(resp_ids),
+                                        requested_start=routes_prompt_start, cached_tokens=cached,
+                                        where="routed_experts")
         except R3LabError as e:
             raise RolloutError(f"{where}: {e}") from e
+        marked = np.flatnonzero(uncaptured_rows(raw))
+        if marked.size:
+            raise RolloutError(
+                f"{where}: {marked.size} of {raw.shape[0]} route rows are marked uncaptured (-1 in every slot; first "
+                f"at row {start + int(marked[0])}): the server captured no routes there, and replay needs every row; "
+                "this sample's routes are refused")
         routes = validate_engine_routes(raw, layout, prompt_len=len(prompts[i]), response_len=len(resp_ids),
-                                        start=routes_prompt_start, where=where)
+                                        start=start, where=where)
         out.append(RolloutResult(i, j, list(prompts[i]), resp_ids, np.asarray(lp, dtype=np.float32), routes,
-                                 c.get("finish_reason"), routes_prompt_start))
+                                 c.get("finish_reason"), start))
     return out
+
+
+def _cached_tokens(resp: dict[str, Any], prompts: Sequence[Sequence[int]]) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` of a one-prompt response (a batch's sum says nothing per prompt;
+    vLLM reports it with ``--enable-prompt-tokens-details``), else None."""
+    if len(prompts) != 1:
+        return None
+    details = (resp.get("usage") or {}).get("prompt_tokens_details") or {}
+    v = details.get("cached_tokens") if isinstance(details, dict) else None
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
