@@ -259,3 +259,180 @@ def test_tiny_qwen3_moe_dumps_import_and_pass_the_doctor(tmp_path, capsys, kind)
     assert run.route_steps("engine") == ([] if kind == "nemo-rl" else [1, 2])
     main(["doctor", str(path)])
     assert "0 failed" in capsys.readouterr().out
+
+
+# --- issue 37: prime-rl's batches/ transport, payload handles, routing weights; layouts named (tests/dumps_prime.py)
+
+def _run_cli(capsys, argv: list[str]) -> str:
+    from r3lab.cli import main
+
+    main(argv)
+    return capsys.readouterr().out + capsys.readouterr().err
+
+
+def _lines_of(src: Path, step: int) -> list[dict]:
+    return _prime_lines(src, step)
+
+
+@pytest.mark.parametrize("mode,layout", [("inline", None), ("payload", "payload-handles"),
+                                         ("trr", "routes-ids-weights-int32"), ("v1", "routed-experts-v1")])
+def test_prime_rl_batches_layouts_import_by_kind_and_auto_alike(tmp_path, capsys, mode, layout):
+    import dumps_prime as dp
+
+    src, truth = dp.prime_batches_dump(tmp_path / "out", routes=mode, run_id="run-7" if mode == "payload" else None)
+    paths = {}
+    for kind in ("prime-rl", "auto"):
+        out = tmp_path / f"run-{kind}"
+        _run_cli(capsys, ["import", kind, str(src), "--out", str(out), "--config", str(QWEN)])
+        paths[kind] = out
+    a, b = runs.load(paths["prime-rl"]), runs.load(paths["auto"])
+    assert b.config["source"]["format"] == "prime-rl"
+    want_layouts = ["export-v1-runs", "microbatch-20"] + ([layout] if layout else [])
+    assert a.config["source_layouts"] == b.config["source_layouts"] == want_layouts
+    for run in (a, b):
+        assert run.token_steps() == run.route_steps("engine") == [1, 2]
+        assert [r["samples"] for r in run.step_records] == [len(truth[1]), len(truth[2])] == [8, 8]
+        for step in (1, 2):
+            lines, toks, r = _lines_of(src, step), run.tokens([step]), run.routes(step, "engine")
+            assert [d["token_ids"] for d in lines] == [t["tokens"] for t in truth[step]]
+            for i, (d, want) in enumerate(zip(lines, truth[step], strict=True)):
+                P = d["loss_mask"].index(True)
+                t = toks[toks["sample"] == i]
+                np.testing.assert_array_equal(t["logp_train"].to_numpy(), np.asarray(d["trainer_logprobs"][P:]))
+                np.testing.assert_array_equal(t["logp_infer"].to_numpy(), np.asarray(d["inference_logprobs"][P:]))
+                rw = t["reward"].to_numpy()
+                assert (np.isnan(rw).all() if want["reward"] is None else (rw == want["reward"]).all())
+                assert np.array_equal(r.sequence(i).astype(np.int64), want["routes"])  # bit-equal ids
+                if mode in ("trr", "v1"):  # the routing weights beside them, bit-equal
+                    w = r.weights[r.cu_seqlens[i]:r.cu_seqlens[i + 1]]
+                    assert w.dtype == np.float32 and np.array_equal(w.view(np.uint32), want["weights"].view(np.uint32))
+            if mode in ("inline", "payload"):
+                assert r.weights is None
+        assert run.summary["samples_without_routes"] == 0
+        assert run.summary.get("samples_with_weights", 0) == (16 if mode in ("trr", "v1") else 0)
+        rep = doctor.diagnose(run.path)
+        assert rep.ok and not [c.name for c in rep.checks if c.status in (doctor.WARN, doctor.FAIL)]
+    report = _run_cli(capsys, ["doctor", str(paths["auto"])])
+    assert "0 failed" in report
+
+
+def test_prime_rl_payload_files_missing_or_moved(tmp_path):
+    import shutil
+
+    import dumps_prime as dp
+
+    src, truth = dp.prime_batches_dump(tmp_path / "a" / "out", routes="payload", steps=1)
+    moved = tmp_path / "b" / "out"
+    shutil.copytree(src, moved)
+    shutil.rmtree(tmp_path / "a")  # the segments name files under a/ that are gone: their tails are under b/out
+    run = runs.load(import_prime_rl(moved, tmp_path / "run", config=QWEN))
+    r = run.routes(1, "engine")
+    assert all(np.array_equal(r.sequence(i).astype(np.int64), t["routes"]) for i, t in enumerate(truth[1]))
+    gone = sorted((moved / "payload").glob("*.bin"))[0]
+    gone.unlink()
+    with pytest.raises(ImportFormatError, match=f"payload file '.*{gone.name}'.* does not exist"):
+        import_prime_rl(moved, tmp_path / "run2", config=QWEN)
+    assert not (tmp_path / "run2").exists()  # all or nothing
+
+
+def test_prime_rl_payload_gap_and_invalid_rows_keep_tokens_not_routes(tmp_path):
+    import dumps_prime as dp
+
+    # payload: the first sample of every micro-batch (2 ranks x 2); v1: sample 0 of each rank's first micro-batch
+    for mode, kw, n_lost in (("payload", {"payload_gap": True}, 4), ("v1", {"invalid_row": True}, 2)):
+        src, truth = dp.prime_batches_dump(tmp_path / mode, routes=mode, **kw)
+        run = runs.load(import_prime_rl(src, tmp_path / f"run-{mode}", config=QWEN))
+        lost = [sum(not t["complete"] for t in truth[s]) for s in (1, 2)]
+        assert lost == [n_lost, n_lost] and run.summary["samples"] == 16
+        assert run.summary["samples_without_routes"] == sum(lost)
+        cap = run.config["capture"]["counts"]
+        assert cap["prefix_capture"] == sum(lost) and cap.get("ids_out_of_range", 0) == 0  # never read as ids
+        for s in (1, 2):
+            r = run.routes(s, "engine")
+            assert r.lengths.tolist() == [0 if not t["complete"] else len(t["tokens"]) - 1 for t in truth[s]]
+            for i, t in enumerate(truth[s]):
+                if t["complete"]:
+                    assert np.array_equal(r.sequence(i).astype(np.int64), t["routes"])
+        rep = doctor.diagnose(run.path)
+        assert rep.check("route rows").status == doctor.WARN  # deserved: R3 cannot replay those samples
+        assert rep.check("expert ids").status != doctor.FAIL
+
+
+def test_prime_rl_unknown_layouts_are_refused_by_name(tmp_path):
+    import dumps_prime as dp
+    import msgspec
+
+    from r3lab.errors import UnknownLayoutError
+
+    src, _ = dp.prime_batches_dump(tmp_path / "v", routes="v1-bad-version", steps=1)
+    with pytest.raises(UnknownLayoutError, match=r"format_version 2 .*routed-experts-v1"):
+        import_prime_rl(src, tmp_path / "r1", config=QWEN)
+    src, _ = dp.prime_batches_dump(tmp_path / "w", routes="inline", steps=1)
+    b = src / "batches" / "step_1" / "rank_0.bin"
+    mbs = msgspec.msgpack.decode(b.read_bytes())
+    b.write_bytes(msgspec.msgpack.encode([mb + [None] for mb in mbs]))  # a 21st field: a newer MicroBatch
+    with pytest.raises(UnknownLayoutError, match="MicroBatch array of 21 fields"):
+        import_prime_rl(src, tmp_path / "r2", config=QWEN)
+    src, _ = dp.prime_batches_dump(tmp_path / "x", routes=None, steps=1)
+    f = src / "token_exports" / "step_1" / "rank_1.jsonl"
+    lines = [json.loads(x) for x in f.read_text().splitlines()]
+    f.write_text("".join(json.dumps({**d, "schema_version": 2}) + "\n" for d in lines))
+    with pytest.raises(UnknownLayoutError, match=r"rank_1.jsonl line 1: a token export line of schema_version 2"):
+        import_prime_rl(src, tmp_path / "r3")
+    f.write_text("".join(json.dumps({**d, "export_step": 5}) + "\n" for d in lines))
+    with pytest.raises(ImportFormatError, match="export_step 5 in the folder of step 1"):
+        import_prime_rl(src, tmp_path / "r4")
+    assert not any((tmp_path / f"r{i}").exists() for i in range(1, 5))
+
+
+def test_prime_rl_weight_bits_and_widths_are_checked(tmp_path):
+    import dumps_prime as dp
+    import msgspec
+
+    src, _ = dp.prime_batches_dump(tmp_path / "t", routes="trr", steps=1)
+    b = src / "batches" / "step_1" / "rank_0.bin"
+    mbs = msgspec.msgpack.decode(b.read_bytes())
+    data, shape, dtype = mbs[0][10]
+    a = np.frombuffer(data, np.int32).reshape(shape).copy()
+    a[0, 0, 2] = np.array([np.nan], np.float32).view(np.int32)[0]  # not a weight
+    mbs[0][10] = [a.tobytes(), shape, dtype]
+    b.write_bytes(msgspec.msgpack.encode(mbs))
+    with pytest.raises(ImportFormatError, match="fp32 weight bits"):
+        import_prime_rl(src, tmp_path / "r1", config=QWEN)
+    with pytest.raises(ImportFormatError, match="4 wide, the model's top-k is 1"):  # a config of another top-k
+        cfg = json.loads(QWEN.read_text())
+        (tmp_path / "k1.json").write_text(json.dumps({**cfg, "num_experts_per_tok": 1}))
+        import_prime_rl(src, tmp_path / "r2", config=tmp_path / "k1.json")
+
+
+def test_prime_rl_old_layouts_are_named_and_per_run_parents_detected(tmp_path):
+    import dumps_prime as dp
+
+    from r3lab.importers.registry import detect_kind
+
+    old = md.prime_rl_dump(tmp_path / "old", routes_bin=True, qwen3=True)
+    run = runs.load(import_prime_rl(old, tmp_path / "r-old", config=QWEN))
+    assert run.config["source_layouts"] == ["export-v1", "microbatch-16"]
+    assert run.summary["source_layouts"] == ["export-v1", "microbatch-16"]
+    src, _ = dp.prime_batches_dump(tmp_path / "outputs", routes="inline", run_id="run-a", export="v1", trace=False)
+    assert detect_kind(tmp_path / "outputs")[0] == detect_kind(src)[0] == "prime-rl"  # the folder above a run
+    run = runs.load(import_prime_rl(tmp_path / "outputs", tmp_path / "r-new", config=QWEN))
+    assert run.config["source_layouts"] == ["export-v1", "microbatch-20"]  # 11 fields: told by its batches/ folder
+    dp.prime_batches_dump(tmp_path / "outputs", routes=None, run_id="run-b", steps=1)
+    with pytest.raises(ImportFormatError, match=r"2 runs \(\['run-a', 'run-b'\]\)"):
+        import_prime_rl(tmp_path / "outputs", tmp_path / "r-two")
+    assert nemo_rl.detect(src) is None and nemo_rl.detect(tmp_path / "outputs") is None
+
+
+def test_nemo_rl_layouts_are_recorded_and_the_table_lists_both_kinds(tmp_path, capsys):
+    src = md.nemo_rl_dump(tmp_path / "d", steps=1)
+    run = runs.load(import_nemo_rl(src, tmp_path / "r"))
+    assert run.config["source_layouts"] == ["train-data-batched"]
+    f = src / "train_data_step1.jsonl"
+    flat = [{k: (v if k == "idx" else v[0]) for k, v in json.loads(x).items()} for x in f.read_text().splitlines()]
+    f.write_text("".join(json.dumps(d) + "\n" for d in flat))
+    run = runs.load(import_nemo_rl(src, tmp_path / "r2"))
+    assert run.config["source_layouts"] == ["train-data-flat"] and run.summary["samples"] == 8
+    out = _run_cli(capsys, ["import", "--formats"])
+    for name in [lay.name for lay in prime_rl.LAYOUTS + nemo_rl.LAYOUTS]:
+        assert f"`{name}`" in out

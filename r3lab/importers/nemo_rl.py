@@ -31,6 +31,11 @@ every loss-masked token while its engine log-probs are not is the ``force_on_pol
 ``logp_train`` is left missing (no mismatch metric is computed from it) and it is counted
 (``samples_trainer_logprobs_placeholder`` per step and in the summary). Lines written flat (values not wrapped
 in length-1 lists) are read too.
+
+Layouts (:data:`LAYOUTS`, recorded in the run): NeMo-RL's newest commit in the mirror read is still ``7ea279ab``;
+its ``log_data`` carries no ``routed_experts``, so the ``-1`` "no route captured" rows of #3113/#3378
+(``ROUTED_EXPERTS_MISSING_ROUTE_SENTINEL``) never reach this dump. A line is recognised from its values: every one a
+length-1 list (``train-data-batched``, what the writer writes) or flat values (``train-data-flat``).
 """
 
 from __future__ import annotations
@@ -45,14 +50,26 @@ import numpy as np
 
 from r3lab.errors import ImportFormatError
 from r3lab.importers.common import LayerMap, Sample, jsonl_samples, layout_config, write_run
+from r3lab.importers.layouts import Layout, LayoutsSeen
 
-__all__ = ["import_nemo_rl", "step_files", "iter_samples", "detect", "FORMAT", "OPTIONS", "PLACEHOLDER_FLAG"]
+__all__ = ["import_nemo_rl", "step_files", "iter_samples", "detect", "FORMAT", "OPTIONS", "PLACEHOLDER_FLAG",
+           "LAYOUTS"]
 
 FORMAT = "nemo-rl"
 OPTIONS: dict[str, str] = {
     "config": "the model's config.json: recorded in the run (MoE layers, experts, top-k) for the doctor; "
               "NeMo-RL's train dump carries no routes"}
 PLACEHOLDER_FLAG = "trainer_logprobs_placeholder"
+_WRITER = ("NVIDIA-NeMo/RL@7ea279ab nemo_rl/algorithms/grpo.py (log_data), nemo_rl/utils/logger.py "
+           "(log_batched_dict_as_jsonl)")
+LAYOUTS: tuple[Layout, ...] = (
+    Layout("train-data-batched", _WRITER,
+           "train_data_step{N}.jsonl lines whose values are length-1 lists (make_microbatch_iterator(1)) plus idx",
+           "tokens, engine & trainer log-probs, advantages, rewards, loss masks (no routes)"),
+    Layout("train-data-flat", _WRITER + ", values unwrapped",
+           "train_data_step{N}.jsonl lines whose token_ids is one flat list",
+           "tokens, engine & trainer log-probs, advantages, rewards, loss masks (no routes)"),
+)
 _STEP = re.compile(r"^train_data_step(\d+)\.jsonl$")
 _GLOB = "train_data_step*.jsonl"
 REQUIRED = ("token_ids", "input_lengths", "token_loss_mask", "generation_logprobs", "prev_logprobs")
@@ -128,7 +145,10 @@ def _floats(v: Any, key: str, where: str) -> np.ndarray:
         raise ImportFormatError(f"{where}: {key} is not a list of numbers: {e}") from e
 
 
-def _parse(d: dict[str, Any], step: int, where: str) -> Sample:
+def _parse(d: dict[str, Any], step: int, where: str, seen: LayoutsSeen | None = None) -> Sample:
+    if seen is not None:
+        t = d["token_ids"]
+        seen.add("train-data-batched" if isinstance(t, list) and t and isinstance(t[0], list) else "train-data-flat")
     n = _unwrap(d["input_lengths"], "input_lengths", where)
     if not isinstance(n, int | float) or int(n) != n:
         raise ImportFormatError(f"{where}: input_lengths is {n!r}, not a token count")
@@ -169,9 +189,12 @@ def _parse(d: dict[str, Any], step: int, where: str) -> Sample:
                   index=int(idx) if isinstance(idx, int) else None, where=where, flags=flags)
 
 
-def iter_samples(files: Sequence[tuple[int, Path]]) -> Iterator[Sample]:
-    """Every sample, one line at a time (``files`` from :func:`step_files`)."""
-    return jsonl_samples(files, _parse, required=REQUIRED, what="a NeMo-RL train dump (train_data_step<N>.jsonl)")
+def iter_samples(files: Sequence[tuple[int, Path]], seen: LayoutsSeen | None = None) -> Iterator[Sample]:
+    """Every sample, one line at a time (``files`` from :func:`step_files`); ``seen`` collects the layouts met."""
+    def parse(d: dict[str, Any], step: int, where: str) -> Sample:
+        return _parse(d, step, where, seen)
+
+    return jsonl_samples(files, parse, required=REQUIRED, what="a NeMo-RL train dump (train_data_step<N>.jsonl)")
 
 
 def import_nemo_rl(src: str | os.PathLike, out: str | os.PathLike, *,
@@ -181,5 +204,6 @@ def import_nemo_rl(src: str | os.PathLike, out: str | os.PathLike, *,
     extra: dict[str, Any] = {"note": NOTE}
     if config is not None:
         extra["model"] = layout_config(LayerMap.from_config(config))
-    return write_run(iter_samples(files), out, source_format=FORMAT, files=[f for _, f in files], layer_map=None,
-                     extra=extra)
+    seen = LayoutsSeen(LAYOUTS)
+    return write_run(iter_samples(files, seen), out, source_format=FORMAT, files=[f for _, f in files],
+                     layer_map=None, extra=extra, layouts=seen)
