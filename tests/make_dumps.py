@@ -392,6 +392,117 @@ def _write_train(d: Path, framework: str, layout: str, rid: int, samples: list[d
                     torch.save(obj, d / f"{rid}_{rank}.pt")
 
 
+# ---- newer slime: training-recovery neighbours, sampler heads, weight versions --------------------------------------
+# THUDM/slime 13b347f8 slime/ray/training_recovery.py (TrainingRecovery.remember_converted, persist); d92cb5de
+# slime/observability/train_data_utils.py (_SAMPLER_HEAD_FIELDS in the v2 payload); slime/utils/types.py
+# (Sample.weight_versions: one SGLang meta_info["weight_version"] per engine call).
+TOPK_HEADS = 4  # the sampler's top-k width in the fixtures
+
+
+def _heads(rng, R: int) -> tuple:
+    """``rollout_topk_token_ids`` (int32) and ``rollout_topk_log_probs`` (float32), ``[R, TOPK_HEADS]``."""
+    import torch
+
+    ids = torch.from_numpy(np.argsort(rng.random((R, 64)), axis=1)[:, :TOPK_HEADS].astype(np.int32))
+    lp = torch.from_numpy(np.sort(-rng.exponential(1.0, (R, TOPK_HEADS)), axis=1)[:, ::-1].astype(np.float32).copy())
+    return ids, lp
+
+
+def _weight_versions(mode: str, rid: int, j: int, base: int) -> list[str]:
+    """A sample's ``weight_versions``: ``sync`` every sample at version base + rid (slime's train.py: one update per
+    rollout); ``fully_async`` a third one version behind and a third continued across the update (two versions);
+    ``none`` the default empty list; ``named`` SGLang's non-numeric default version."""
+    v = base + rid
+    if mode == "sync":
+        return [str(v)]
+    if mode == "fully_async":
+        if rid == 0 or j % 3 == 2:
+            return [str(v)]
+        return [str(v - 1)] if j % 3 == 0 else [str(v - 1), str(v)]
+    if mode == "named":
+        return ["default"]
+    return []
+
+
+def recovery_dump(folder: str | Path, *, versions: str = "sync", heads: bool = True, recovery: bool = True,
+                  seed: int = 0, base_version: int = 5, **kw) -> tuple[Path, dict]:
+    """A ``--dump-details`` folder as newer slime writes it: :func:`framework_dump` (train v2, eval rollouts), then
+    per sample ``weight_versions`` (:func:`_weight_versions`) and, with ``heads``, the sampler's top-k heads in the
+    rollout dump's samples and the v2 train dump's samples; with ``recovery``, ``{N}.pt.train-recovery.pt`` (the
+    converted global batch, ``torch.save`` of per-sample lists) for rollouts 1 and 2 (rollout 0's released after a
+    checkpoint), a leftover ``2.pt.train-recovery.pt.tmp``, and the journal ``.slime-recovery/<sha256>.pt``
+    (``RestorePlan`` / ``ReplayBatch`` dataclasses pickled under slime's module names: not loadable without running
+    code). Returns the folder and :func:`framework_dump`'s truth plus ``weight_versions``
+    ``{rollout_id: [per-sample list]}`` and ``recovery`` (the names written)."""
+    import hashlib
+    from dataclasses import dataclass, field
+
+    import torch
+    from dumps_skyrl_verl import _fake_modules
+
+    out, truth = framework_dump(folder, "slime", "v2", seed=seed, **kw)
+    rng = np.random.default_rng(seed + 100)
+    rd, td = out / "rollout_data", out / "train_data"
+    truth["weight_versions"], truth["recovery"] = {}, []
+    rids = sorted(k for k in truth if isinstance(k, int))
+    for rid in rids:
+        obj = torch.load(rd / f"{rid}.pt", weights_only=False)
+        truth["weight_versions"][rid] = []
+        for j, smp in enumerate(obj["samples"]):
+            smp["weight_versions"] = _weight_versions(versions, rid, j, base_version)
+            truth["weight_versions"][rid].append(list(smp["weight_versions"]))
+            if heads:
+                smp["rollout_topk_token_ids"], smp["rollout_topk_log_probs"] = _heads(rng, smp["response_length"])
+        torch.save(obj, rd / f"{rid}.pt")
+        if heads and (td / f"{rid}.pt").exists():
+            tr = torch.load(td / f"{rid}.pt", weights_only=False)
+            for row in tr["samples"]:
+                src = obj["samples"][row["rollout_position"]]
+                row["rollout_topk_token_ids"] = src["rollout_topk_token_ids"].clone()
+                row["rollout_topk_log_probs"] = src["rollout_topk_log_probs"].clone()
+            torch.save(tr, td / f"{rid}.pt")
+        if recovery and rid >= 1:  # remember_converted: the global batch before DP sharding
+            ss = obj["samples"]
+            raw = [x["reward"]["score"] if isinstance(x["reward"], dict) else x["reward"] for x in ss]
+            conv = {"tokens": [torch.tensor(x["tokens"]) for x in ss],
+                    "response_lengths": [x["response_length"] for x in ss],
+                    "rewards": [float(r) - float(np.mean(raw)) for r in raw], "raw_reward": raw,
+                    "truncated": [int(x["status"] == "truncated") for x in ss],
+                    "sample_indices": [x["index"] for x in ss],
+                    "loss_masks": [torch.tensor(x["loss_mask"], dtype=torch.int) for x in ss],
+                    "rollout_log_probs": [torch.tensor(x["rollout_log_probs"], dtype=torch.float32) for x in ss]}
+            name = f"{rid}.pt.train-recovery.pt"
+            torch.save(conv, rd / name)
+            truth["recovery"].append(name)
+    if recovery:
+        (rd / f"{rids[-1]}.pt.train-recovery.pt.tmp").write_bytes(b"")  # a crash between torch.save and replace
+        truth["recovery"].append(f"{rids[-1]}.pt.train-recovery.pt.tmp")
+
+        @dataclass
+        class RestorePlan:
+            source_state: dict = field(default_factory=dict)
+
+        @dataclass
+        class ReplayBatch:
+            raw: object
+            converted: object = None
+            batch_id: str | None = None
+
+        jd = rd / ".slime-recovery"
+        jd.mkdir()
+        session = hashlib.sha256(str(rd.resolve()).encode()).hexdigest()
+        with _fake_modules("slime.data.checkpoint", RestorePlan=RestorePlan), \
+                _fake_modules("slime.ray.training_recovery", ReplayBatch=ReplayBatch):
+            state = {"configuration": {"rollout_batch_size": 3}, "restore_plan": RestorePlan(),
+                     "role_configuration": {}, "resume_configuration": {"start_rollout_id": 0},
+                     "batches": {rid: ReplayBatch(str(rd / f"{rid}.pt"), str(rd / f"{rid}.pt.train-recovery.pt"),
+                                                  f"batch-{rid}") for rid in rids[1:]},
+                     "incarnation": "0" * 32, "loaded": True, "checkpoint_step": rids[0], "source_state": None}
+            torch.save(state, jd / f"{session}.pt")
+        truth["recovery"].append(f".slime-recovery/{session}.pt")
+    return out, truth
+
+
 QWEN_VOCAB = 388  # data/models/tiny-qwen3-moe: 8 decoder layers, all MoE, 16 experts, top-2
 
 
@@ -654,6 +765,7 @@ if __name__ == "__main__":
     framework_dump(out / "slime-dump-details-v2", "slime", "v2", cp=2)
     framework_dump(out / "slime-dump-details-v1", "slime", "v1", cp=2, tp=2)
     framework_dump(out / "miles-dump-details", "miles", "miles", cp=2, tp=2)
+    recovery_dump(out / "slime-dump-details-recovery", versions="fully_async", cp=2)
     print(f"wrote dumps under {out}")
 
 

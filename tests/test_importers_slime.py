@@ -237,3 +237,150 @@ def test_slime_v1_ranks_numbered_cp_fastest_are_still_reassembled(tmp_path):
         t = run.tokens([rid])
         for i, w in enumerate(truth[rid]):
             assert t[t["sample"] == i]["logp_train"].to_numpy().tobytes() == w["log_probs"].astype(np.float64).tobytes()
+
+
+# ---- newer slime: training-recovery neighbours, sampler heads, weight versions; named layouts ------------------------
+def _staleness(versions: dict) -> dict:
+    """slime's staleness (slime/utils/staleness.py) from the generator's weight_versions, current = the newest version
+    seen up to each rollout: ``{rollout_id: (max age, multi-version samples)}``."""
+    out, newest = {}, None
+    for rid in sorted(versions):
+        vs = [[int(x) for x in v] for v in versions[rid]]
+        newest = max([newest or 0, *(max(v) for v in vs)])
+        out[rid] = (max(newest - min(v) for v in vs), sum(len(set(v)) > 1 for v in vs))
+    return out
+
+
+@pytest.mark.parametrize("versions,want_lag", [("sync", 0), ("fully_async", 1)])
+def test_newer_slime_folder_imports_with_recovery_files_skipped_and_weight_versions_read(tmp_path, versions, want_lag):
+    from r3lab import doctor
+
+    src, truth = md.recovery_dump(tmp_path / "dump", versions=versions)
+    assert (src / "rollout_data" / "1.pt.train-recovery.pt").is_file()  # what slime writes beside the dumps
+    run = runs.load(import_run("slime", src, tmp_path / "run", config=md.TINY_QWEN3))
+    assert run.token_steps() == [0, 1, 2] == run.route_steps("engine") and run.summary["samples"] == 18
+    for rid in (0, 1, 2):
+        t, r = run.tokens([rid]), run.routes(rid, "engine")
+        assert len(sample_tokens(run.path, rid)) == len(r) == 6
+        for i, w in enumerate(truth[rid]):
+            ti = t[t["sample"] == i]
+            assert ti["logp_train"].to_numpy().tobytes() == w["log_probs"].astype(np.float64).tobytes()
+            assert ti["advantage"].to_numpy().tobytes() == w["advantages"].astype(np.float64).tobytes()
+            assert np.array_equal(r.sequence(i).astype(np.int64), w["routes"].astype(np.int64))
+    rec = run.config["recovery_files"]
+    assert rec["imported"] is False and rec["count"] == len(truth["recovery"]) == 4
+    assert rec["train_recovery"] == ["1.pt.train-recovery.pt", "2.pt.train-recovery.pt",
+                                     "2.pt.train-recovery.pt.tmp"]
+    assert rec["journal"] == [n for n in truth["recovery"] if n.startswith(".slime-recovery/")]
+    assert run.config["source_layouts"] == ["rollout", "recovery-files", "train-v2-topk"] == \
+        run.summary["source_layouts"]
+    wv, want = run.config["weight_versions"], _staleness(truth["weight_versions"])
+    for rid, (age, multi) in want.items():
+        got = wv["rollouts"][str(rid)]
+        assert (got["staleness_max"], got["multi_version"], got["unknown"]) == (age, multi, 0)
+        assert got["min"] == min(int(x) for v in truth["weight_versions"][rid] for x in v)
+    assert run.config["staleness"] == want_lag == max(a for a, _ in want.values())
+    assert run.config["old_logprobs"] == "current"
+    report = doctor.diagnose(run)
+    lag = report.check("policy lag")
+    assert lag.status == (doctor.OK if want_lag == 0 else doctor.WARN), lag.line()
+    assert f"staleness {want_lag}" in lag.line()
+    loud = [c.line() for c in report.checks if c.status in (doctor.WARN, doctor.FAIL) and c.name != "policy lag"]
+    assert not loud, loud
+
+
+def test_slime_and_auto_agree_on_the_newer_folder_through_the_cli(tmp_path, capsys):
+    from r3lab.cli import main
+    from r3lab.importers import detect_kind
+
+    src, _ = md.recovery_dump(tmp_path / "dump", versions="sync")
+    for p in (src, src / "rollout_data", src / "rollout_data" / "0.pt"):
+        assert detect_kind(p)[0] == "slime", p
+    assert miles_mod.detect(src / "rollout_data") is None and miles_mod.detect(src) is None
+    main(["import", "slime", str(src), "--out", str(tmp_path / "a"), "--config", str(md.TINY_QWEN3)])
+    main(["import", "auto", str(src), "--out", str(tmp_path / "b"), "--config", str(md.TINY_QWEN3)])
+    main(["doctor", str(tmp_path / "b")])
+    text = capsys.readouterr().out
+    assert " 0 failed" in text and "policy lag" in text
+    a, b = runs.load(tmp_path / "a"), runs.load(tmp_path / "b")
+    assert a.config["source"]["format"] == b.config["source"]["format"] == "slime"
+    for rid in (0, 1, 2):
+        assert a.tokens([rid]).equals(b.tokens([rid]))
+    assert a.config["source_layouts"] == b.config["source_layouts"]
+
+
+def test_a_recovery_file_alone_is_refused_and_its_journal_is_never_opened(tmp_path, monkeypatch):
+    src, _ = md.recovery_dump(tmp_path / "dump")
+    with pytest.raises(ImportFormatError, match="training-recovery file"):
+        import_run("slime", src / "rollout_data" / "1.pt.train-recovery.pt", tmp_path / "run", config=md.TINY_QWEN3)
+    opened = []
+    real = slime_mod.load_dump
+    monkeypatch.setattr(slime_mod, "load_dump", lambda f, **kw: opened.append(Path(f).name) or real(f, **kw))
+    import_run("slime", src / "rollout_data", tmp_path / "run2", config=md.TINY_QWEN3)
+    assert opened and not [n for n in opened if "recovery" in n or n not in ("0.pt", "1.pt", "2.pt", "eval_0.pt",
+                                                                             "eval_2.pt")]
+
+
+def test_weight_versions_unknown_or_stale_without_trainer_logprobs_leave_the_policy_lag_check_skipped(tmp_path):
+    from r3lab import doctor
+
+    src, _ = md.recovery_dump(tmp_path / "named", versions="named", recovery=False)
+    run = runs.load(import_run("slime", src, tmp_path / "run", config=md.TINY_QWEN3))
+    assert run.config["weight_versions"]["staleness_max"] is None and "staleness" not in run.config
+    assert run.config["weight_versions"]["rollouts"]["1"]["unknown"] == 6
+    assert "recovery_files" not in run.config and run.config["source_layouts"] == ["rollout", "train-v2-topk"]
+    assert doctor.diagnose(run).check("policy lag").status == doctor.SKIP
+    src, truth = md.recovery_dump(tmp_path / "async", versions="fully_async", heads=False)
+    run = runs.load(import_run("slime", src / "rollout_data", tmp_path / "run2", config=md.TINY_QWEN3))
+    assert run.config["weight_versions"]["staleness_max"] == 1 and "staleness" not in run.config  # no log-probs
+    assert "train-v2" not in run.config["source_layouts"] and "logp_train" not in run.tokens([1])
+    run = runs.load(import_run("slime", src, tmp_path / "run3", config=md.TINY_QWEN3))
+    assert run.config["source_layouts"] == ["rollout", "recovery-files", "train-v2"] and run.config["staleness"] == 1
+
+
+def _resave(path: Path, edit) -> None:
+    obj = torch.load(path, weights_only=False)
+    edit(obj)
+    torch.save(obj, path)
+
+
+def test_layouts_this_r3lab_does_not_read_are_refused_as_new_naming_what_was_seen(tmp_path):
+    from r3lab.errors import UnknownLayoutError
+
+    src, _ = md.recovery_dump(tmp_path / "a", recovery=False)
+    _resave(src / "rollout_data" / "1.pt", lambda o: o.update(spill_dir="1_r3_spill"))
+    with pytest.raises(UnknownLayoutError, match=r"1\.pt: a rollout dump holding the keys \['rollout_id', "
+                                                 r"'samples', 'spill_dir'\].*not an unsafe file.*rollout \("):
+        import_run("slime", src / "rollout_data", tmp_path / "run", config=md.TINY_QWEN3)
+    src, _ = md.recovery_dump(tmp_path / "b", recovery=False)
+    _resave(src / "train_data" / "2.pt", lambda o: o.update(format_version=3))
+    with pytest.raises(UnknownLayoutError, match="2.pt: a train dump holding the keys .*format_version 3"):
+        import_run("slime", src, tmp_path / "run", config=md.TINY_QWEN3)
+    m, _ = md.framework_dump(tmp_path / "m", "miles", None, steps=1, evals=())
+    with pytest.raises(UnknownLayoutError, match="import it as miles"):
+        import_run("slime", m / "rollout_data", tmp_path / "run", config=md.TINY_QWEN3)
+    s, _ = md.framework_dump(tmp_path / "s", "slime", "v2", steps=1, evals=())
+    with pytest.raises(UnknownLayoutError, match=r"the train-v2 layout.*miles dump layout"):
+        import_run("miles", s, tmp_path / "run", config=md.TINY_QWEN3)
+
+
+@pytest.mark.parametrize("fw,train,want", [("slime", "v1", ["rollout", "train-v1"]),
+                                           ("slime", "v2", ["rollout", "train-v2"]),
+                                           ("miles", "miles", ["rollout-metadata", "train-cp"]),
+                                           ("miles", None, ["rollout-metadata"])])
+def test_each_import_records_the_layouts_it_read(tmp_path, fw, train, want):
+    src, _ = md.framework_dump(tmp_path / "dump", fw, train, steps=2, evals=())
+    run = runs.load(import_run(fw, src, tmp_path / "run", config=md.TINY_QWEN3))
+    assert run.config["source_layouts"] == want == run.summary["source_layouts"]
+
+
+def test_older_miles_and_slime_layouts_are_declared_and_listed():
+    from r3lab.importers.layouts import formats_table
+
+    assert [lay.name for lay in slime_mod.LAYOUTS] == ["rollout", "train-v1", "train-v2", "train-v2-topk",
+                                                       "recovery-files"]
+    assert [lay.name for lay in miles_mod.LAYOUTS] == ["rollout", "rollout-metadata", "train-v1", "train-cp",
+                                                       "recovery-files"]
+    table = formats_table(kinds=["slime", "miles"])
+    assert "| slime | `recovery-files` |" in table and "| miles | `train-cp` |" in table
+    assert "13b347f8" in table and "d92cb5de" in table

@@ -21,6 +21,17 @@ Three layouts, each read in its writer's source:
   ``miles/dashboard/dump_reader.py`` joins on ``sample_indices`` (``Sample.index``) and reassembles CP slices with
   ``assemble_log_prob_from_cp`` (``miles/backends/training_utils/cp_utils.py``).
 
+* **slime v2 with sampler heads** (THUDM/slime ``d92cb5de``, ``slime/observability/train_data_utils.py``): the same
+  payload (``format_version`` still 2); each sample may also hold ``rollout_topk_token_ids`` and
+  ``rollout_topk_log_probs`` (``_SAMPLER_HEAD_FIELDS``: the sampler's top-k candidates per response token,
+  ``[response_length, k]``, CP-gathered by ``_gather_sampler_heads_with_cp``). They are token candidates, not
+  routes; r3lab has no column for them and reads past them by name (:data:`IGNORED`). Layout ``train-v2-topk``.
+
+Each file's layout is named from its bytes (:func:`train_layout`: ``train-v1``, ``train-v2``, ``train-v2-topk``,
+``train-cp``) and checked against the layouts the importing kind reads; a dict that is none of them (a
+``format_version`` other than 2, unknown keys) is refused as a layout this r3lab does not read
+(:func:`r3lab.importers.layouts.unknown_layout`).
+
 CP layout (both frameworks, ``get_logits_and_tokens_offset_with_cp``): a sequence of length ``L`` is cut into
 ``2 * cp_size`` chunks of ``ceil(L / (2 * cp_size))`` tokens; CP rank ``r`` holds chunks ``r`` and
 ``2 * cp_size - 1 - r`` (zigzag) and stores the log-probs of the response tokens those chunks predict, chunk
@@ -42,11 +53,16 @@ import numpy as np
 
 from r3lab.errors import ImportFormatError
 from r3lab.importers.common import safe_torch_load
+from r3lab.importers.layouts import Layout, unknown_layout
 
 __all__ = ["TrainRow", "TrainRollout", "TrainDumps", "cp_response_spans", "assemble_cp", "infer_cp_ranks",
-           "FIELDS", "load_dump", "to_numpy"]
+           "FIELDS", "IGNORED", "load_dump", "to_numpy", "train_layout"]
 
 FIELDS = {"log_probs": "logp_train", "advantages": "advantage"}  # train-dump column -> what r3lab keeps
+IGNORED = ("rollout_topk_token_ids", "rollout_topk_log_probs", "rollout_topk_valid_mask")
+"""Per-sample train-dump keys read past by name: the sampler's top-k heads (not routes; r3lab has no column)."""
+_V1_KEYS = frozenset({"rollout_id", "rank", "rollout_data"})
+_CP_KEYS = _V1_KEYS | {"cp_rank", "cp_size", "qkv_format"}
 _NAME = re.compile(r"(\d+)(?:_(\d+))?$")  # {rollout_id}.pt or {rollout_id}_{rank}.pt
 
 
@@ -70,6 +86,23 @@ def load_dump(path: str | Path, *, numpy_arrays: bool = True) -> Any:
         return safe_torch_load(path)
     with torch.serialization.safe_globals([_numpy_scalar()]):
         return safe_torch_load(path, numpy_arrays=True)
+
+
+def train_layout(obj: Any) -> str | None:
+    """The train-dump layout of a loaded file, from its keys (None: not one r3lab reads)."""
+    if not isinstance(obj, dict):
+        return None
+    keys = frozenset(obj)
+    if "samples" in keys and "rollout_id" in keys and obj.get("format_version") == 2:
+        samples = obj["samples"]
+        heads = isinstance(samples, list) and any(isinstance(x, dict) and any(k in x for k in IGNORED)
+                                                  for x in samples)
+        return "train-v2-topk" if heads else "train-v2"
+    if keys == _CP_KEYS:
+        return "train-cp"
+    if keys == _V1_KEYS:
+        return "train-v1"
+    return None
 
 
 def to_numpy(v: Any) -> np.ndarray:
@@ -102,6 +135,8 @@ class TrainRollout:
     by_index: dict[int, TrainRow] = field(default_factory=dict)
     cp_size: int = 1
     tp_copies: int = 1
+    layout_name: str = ""  # the named layout (train_layout) of its files
+    has_logprobs: bool = False  # whether any row has the trainer's log-probs
 
     def row(self, position: int, index: int | None, where: str) -> TrainRow:
         if self.layout == "slime v2":
@@ -187,7 +222,8 @@ def _per_sample(column: Any, n: int) -> bool:
 class TrainDumps:
     """The train-dump files of a run, indexed by rollout id from their names; one rollout is loaded at a time."""
 
-    def __init__(self, src: str | os.PathLike, *, numpy_arrays: bool = True):
+    def __init__(self, src: str | os.PathLike, *, numpy_arrays: bool = True, kind: str = "slime",
+                 layouts: Sequence[Layout] | None = None):
         p = Path(src)
         if p.is_file():
             files = [p]
@@ -198,6 +234,7 @@ class TrainDumps:
         else:
             raise ImportFormatError(f"train dump path {str(p)!r} does not exist (--train)")
         self.numpy_arrays = numpy_arrays
+        self.kind, self.layouts = kind, layouts
         self.files = files
         self.by_rollout: dict[int, list[Path]] = {}
         for f in files:
@@ -214,6 +251,13 @@ class TrainDumps:
             keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
             raise ImportFormatError(f"{str(f)!r} is not a slime/Miles train dump: expected {{'rollout_id', "
                                     f"'samples'}} (slime v2) or {{'rollout_id', 'rank', 'rollout_data'}}, got {keys}")
+        if self.layouts is not None:
+            name = train_layout(obj)
+            if name is None or name not in {lay.name for lay in self.layouts}:
+                fv = f", format_version {obj['format_version']!r}" if "format_version" in obj else ""
+                named = f" (the {name} layout)" if name else ""
+                raise unknown_layout(self.kind, str(f), f"a train dump holding the keys {sorted(obj)}{fv}{named}",
+                                     self.layouts)
         return obj
 
     def __contains__(self, rid: int) -> bool:
@@ -230,8 +274,17 @@ class TrainDumps:
             if len(objs) != 1:
                 raise ImportFormatError(f"rollout {rid} has {len(objs)} train dumps ({[f.name for f, _ in objs]}); "
                                         "slime v2 writes one file per rollout holding every DP shard")
-            return _read_v2(rid, *v2[0])
-        return _read_sharded(rid, objs, lengths)
+            out = _read_v2(rid, *v2[0])
+            out.layout_name = train_layout(v2[0][1]) or "train-v2"
+        else:
+            out = _read_sharded(rid, objs, lengths)
+            names = {train_layout(o) for _, o in objs}
+            if len(names) != 1:
+                raise ImportFormatError(f"rollout {rid}'s train dumps mix layouts {sorted(map(str, names))} "
+                                        f"({[f.name for f, _ in objs]}): files of two writers")
+            out.layout_name = names.pop() or "train-v1"
+        out.has_logprobs = any(r.logp_train is not None for r in (*out.by_position.values(), *out.by_index.values()))
+        return out
 
 
 def _read_v2(rid: int, f: Path, obj: dict[str, Any]) -> TrainRollout:
