@@ -17,6 +17,9 @@ One :class:`Report` with one :class:`Check` per line: what was checked, on how m
 * mismatch health (WARN): k3, F(2), the largest |Δlogp|, IS effective sample size and TIS clip fraction per
   step, steps where k3 jumps, per-layer load imbalance (verl's ``max_vio``), layers whose engine-vs-trainer
   disagreement stands out;
+* routing traces (Megatron's ``--moe-routing-trace-path``, imported as counts): dead or overloaded experts (WARN),
+  expert ids >= E or layers off the model's MoE layers (FAIL), an MTP router recorded under a decoder layer's number
+  (FAIL), calls the writer's top-k filter dropped (WARN);
 * policy lag (WARN): stale rollouts scored with the trainer's current weights, so the reported mismatch is policy
   lag plus engine-trainer mismatch and replay (which addresses only the second) looks useless by construction
   (verl's fully-async trainer and slime's ``--keep-old-actor`` score at the rollout's weights).
@@ -41,7 +44,7 @@ from r3lab.errors import R3LabError
 from r3lab.runs import Run, load
 
 __all__ = ["Check", "Report", "Thresholds", "diagnose", "health_series", "HEALTH_NAMES", "OK", "WARN", "FAIL",
-           "SKIP", "facts", "LOGP_TRAIN_COLUMNS"]
+           "SKIP", "facts", "LOGP_TRAIN_COLUMNS", "trace_load", "TraceLoad", "LayerLoad", "TRACE_LOAD_FILE"]
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
 LOGP_TRAIN_COLUMNS = ("logp_train", "logp_old", "logp_none")  # trainer log-prob column by run kind: imported, rl, drift
@@ -762,7 +765,7 @@ def _layer_outliers(f: _Facts, th: Thresholds) -> Check:
 def _policy_lag(f: _Facts) -> Check:
     name, what = "policy lag", "stale rollouts scored at the weights that sampled them"
     cfg = f.run.config
-    if f.run.kind != "rl" or "staleness" not in cfg:
+    if f.run.kind not in ("rl", "imported") or "staleness" not in cfg:  # imported: slime's weight_versions
         return Check(name, SKIP, what, detail="the run does not say how stale its rollouts were")
     stale, old = int(cfg["staleness"]), cfg.get("old_logprobs", "current")
     steps = [r for r in f.run.step_records if int(r.get("step", 0)) >= stale]
@@ -788,6 +791,242 @@ def _policy_lag(f: _Facts) -> Check:
                  "engine-trainer mismatch, and replay can cut only the second")
 
 
+# ---- Megatron routing traces (expert-load runs: counts per step, layer and rank, no tokens) -------------------------
+TRACE_LOAD_FILE = "expert_load.npz"  # r3lab.importers.megatron_trace writes it; trace_load reads it
+TRACE_BLOCKS = ("decoder", "mtp")  # the trace's "block", stored as its index
+TRACE_NOTE = ("Megatron routing trace: expert counts per step, block, layer and rank only. The trace has no token ids "
+              "and no sample boundaries, so per-sample replay comparison (engine vs trainer routes per token, "
+              "log-prob drift) needs samples the trace does not have. Padding rows are counted: the trace cannot "
+              "tell them apart.")
+_TRACE_ARRAYS = ("step", "block", "mtp_idx", "layer", "rank", "calls", "distinct_calls", "rows", "weighted_rows",
+                 "counts", "weight_sums", "global_layer")
+
+
+@dataclass(frozen=True)
+class LayerLoad:
+    """Expert picks per layer (``counts`` ``[layers, E]``) where a run has counts and no routes (a routing trace):
+    what the expert-load figures draw in place of routes."""
+
+    layer_ids: np.ndarray
+    counts: np.ndarray
+    top_k: int | None = None
+    label: str = ""
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.counts.shape[1])
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.counts.shape[0])
+
+    def load(self) -> np.ndarray:
+        """``[L, E]`` share of each layer's picks per expert (as :func:`r3lab.metrics.expert_load` of routes)."""
+        tot = self.counts.sum(axis=1, keepdims=True)
+        return self.counts / np.maximum(tot, 1)
+
+
+@dataclass(frozen=True)
+class TraceLoad:
+    """An imported routing trace's counts, one entry per ``(step, block, mtp_idx, layer, rank)`` (arrays of one
+    length; ``counts`` and ``weight_sums`` ``[entries, E]``, ``weight_sums`` NaN where the record had no logits)."""
+
+    arrays: Mapping[str, np.ndarray]
+    num_experts: int | None  # the model's (config), else None
+    top_k: int | None
+    moe_ids: list[int] | None = None  # the model's MoE layers (config), else None
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        return self.arrays[key]
+
+    @property
+    def steps(self) -> list[int]:
+        return sorted(set(self["step"].tolist()))
+
+    def per_layer(self, steps: list[int] | None = None, block: str = "decoder", mtp_idx: int | None = None
+                  ) -> LayerLoad:
+        """Picks per layer pooled over ranks (and ``steps``, default all): decoder layers by their global id, MTP
+        layers (``block="mtp"``) by ``mtp_idx`` and inner layer (``mtp_idx * 1000 + layer``)."""
+        m = self["block"] == TRACE_BLOCKS.index(block)
+        if steps is not None:
+            m &= np.isin(self["step"], steps)
+        if mtp_idx is not None:
+            m &= self["mtp_idx"] == mtp_idx
+        ids = self["global_layer"] if block == "decoder" else self["mtp_idx"] * 1000 + self["layer"]
+        lids = np.unique(ids[m])
+        counts = np.stack([self["counts"][m & (ids == g)].sum(axis=0) for g in lids]) if len(lids) else \
+            np.zeros((0, self["counts"].shape[1]), np.int64)
+        return LayerLoad(lids, counts, self.top_k, label=f"{block} trace")
+
+
+def trace_load(run: Run) -> TraceLoad | None:
+    """The routing-trace counts of an imported Megatron trace run, None for any other run."""
+    p = run.path / TRACE_LOAD_FILE
+    if not p.is_file():
+        return None
+    with np.load(p, allow_pickle=False) as z:
+        missing = [k for k in _TRACE_ARRAYS if k not in z.files]
+        if missing:
+            raise R3LabError(f"{str(p)!r} lacks {missing}: not an r3lab routing-trace table")
+        arrays = {k: z[k] for k in _TRACE_ARRAYS}
+    moe, E, K = _layout(run)
+    return TraceLoad(arrays, E, K, moe)
+
+
+def _trace_modal(t: TraceLoad, block: int) -> dict[tuple[int, int], int]:
+    """Per ``(step, rank)``: the most common number of distinct calls of a ``block`` layer (the microbatches)."""
+    out: dict[tuple[int, int], int] = {}
+    m = t["block"] == block
+    st, rk, dc = t["step"][m], t["rank"][m], t["distinct_calls"][m]
+    for s, r in set(zip(st.tolist(), rk.tolist(), strict=True)):
+        v = dc[(st == s) & (rk == r)]
+        vals, cnt = np.unique(v, return_counts=True)
+        out[(s, r)] = int(vals[np.argmax(cnt)])
+    return out
+
+
+def _trace_experts(t: TraceLoad, th: Thresholds) -> Check:
+    """Dead experts (never picked where chance says they would be) and overloaded ones (max_vio), per decoder layer
+    pooled over steps and ranks."""
+    name, what = "trace expert load", "dead or overloaded experts per layer (routing trace)"
+    ll = t.per_layer()
+    E = t.num_experts or ll.num_experts
+    K = t.top_k or None
+    if ll.num_layers == 0 or not ll.counts.sum():
+        return Check(name, SKIP, what, detail="the trace has no decoder router rows")
+    c = ll.counts[:, :E]
+    picks = c.sum(axis=1)
+    rows = int(picks.sum() // (K or 1))
+    k = K or max(1, int(round(picks.sum() / max(1, int(t["rows"][t["block"] == 0].sum())))))
+    problems, worst = [], ""
+    for i, g in enumerate(ll.layer_ids):
+        dead = np.flatnonzero(c[i] == 0)
+        n_rows = picks[i] / k
+        # an expert left out of all n top-k rows by uniform routing: (1 - k/E)^n; union over experts and layers
+        if len(dead) and E > k and n_rows * math.log1p(-k / E) + math.log(E * ll.num_layers) < math.log(ALPHA):
+            problems.append(f"layer {int(g)}: experts {dead.tolist()[:8]} never picked in {int(n_rows)} rows")
+            worst = worst or _where(layer=int(g), dead_experts=len(dead))
+    vio = metrics.max_violation(c / np.maximum(picks[:, None], 1))
+    limit = th.vio_share * (E / k - 1)
+    j = int(np.argmax(vio))
+    if vio[j] > limit:
+        problems.append(f"layer {int(ll.layer_ids[j])}: max_vio {vio[j]:.2f} (warns above {limit:.2f})")
+        worst = worst or _where(layer=int(ll.layer_ids[j]), max_vio=f"{vio[j]:.2f}")
+    return Check(name, WARN if problems else OK, what, rows, worst,
+                 "experts that never fire or take most of the load: check the router's load-balancing loss / bias "
+                 "update; padding rows are counted (the trace cannot tell them apart), so a long padded batch can "
+                 "pile onto a few experts", "; ".join(problems) or
+                 f"max_vio {vio.min():.2f} - {vio.max():.2f} over {ll.num_layers} layers (padding rows included)")
+
+
+def _trace_ids(t: TraceLoad) -> Check:
+    """Expert ids within the model's experts, and decoder layers on the model's MoE layers (ids shifted by one, a
+    1-based numbering read as 0-based, or the reverse)."""
+    name, what = "trace layer ids", "expert ids in [0, E) and layers on the model's MoE layers (routing trace)"
+    E, moe = t.num_experts, t.moe_ids
+    problems, worst = [], ""
+    dec = t["block"] == 0
+    rows = int(t["rows"].sum())
+    if E is not None:
+        over = t["counts"][:, E:].sum(axis=1) if t["counts"].shape[1] > E else np.zeros(len(dec), np.int64)
+        for blk in (0, 1):
+            m = (t["block"] == blk) & (over > 0)
+            if m.any():
+                lids = sorted(set((t["global_layer"] if blk == 0 else t["layer"])[m].tolist()))
+                never0 = bool((t["counts"][m][:, 0] == 0).all())
+                problems.append(f"{TRACE_BLOCKS[blk]} layers {lids[:8]}: expert ids up to {t['counts'].shape[1] - 1} "
+                                f">= the model's {E}" + (", and expert 0 never picked: ids look shifted by one"
+                                                        if never0 else ""))
+                worst = worst or _where(block=TRACE_BLOCKS[blk], layer=lids[0])
+    if moe is not None and dec.any():
+        g = sorted(set(t["global_layer"][dec].tolist()))
+        off = [x for x in g if x not in moe]
+        if off:
+            shifted = [x - 1 for x in g]
+            hint = " (one less fits: 1-based numbers read as 0-based)" if all(x in moe for x in shifted) else (
+                " (one more fits: 0-based numbers read as 1-based)" if all(x + 1 in moe for x in g) else "")
+            problems.append(f"decoder layers {off[:8]} are not the model's MoE layers {moe[:8]}...{hint}")
+            worst = worst or _where(layer=off[0])
+    if E is None and moe is None:
+        return Check(name, SKIP, what, rows, detail="no model config recorded (import with --config)")
+    return Check(name, FAIL if problems else OK, what, rows, worst,
+                 "re-import with the model's --config and the trace's numbering (--layer-numbering, "
+                 "--pipeline-parallel); ids >= E are physical slots or a shifted numbering in the writer",
+                 "; ".join(problems) or "ids below E, layers on MoE layers")
+
+
+def _trace_mtp(t: TraceLoad) -> Check:
+    """A decoder layer with more distinct calls per step and rank than the other layers: another router (an MTP
+    head, numbered like decoder layer k by ``record_indices``) written under its number."""
+    name, what = "trace MTP numbering", "no MTP router recorded under a decoder layer's number (routing trace)"
+    modal = _trace_modal(t, 0)
+    dec = t["block"] == 0
+    if not dec.any():
+        return Check(name, SKIP, what, detail="the trace has no decoder records")
+    extra = [(int(s), int(r), int(g), int(c)) for s, r, g, c in zip(
+        t["step"][dec], t["rank"][dec], t["layer"][dec], t["distinct_calls"][dec], strict=True)
+        if c > modal[(int(s), int(r))]]
+    n_mtp = int((t["block"] == 1).sum())
+    rows = int(t["rows"][dec].sum())
+    detail = f"{n_mtp} MTP entries kept apart (block mtp)" if n_mtp else "no MTP records"
+    if not extra:
+        return Check(name, OK, what, rows, detail=f"every decoder layer called alike per step and rank; {detail}")
+    s, r, g, c = extra[0]
+    layers = sorted({e[2] for e in extra})
+    return Check(name, FAIL, what, rows, _where(step=s, rank=r, layer=g, calls=c, others=modal[(s, r)]),
+                 "an MTP router wrote its records under a decoder layer's number (Megatron numbers MTP layers from 1; "
+                 "record_indices writes every layer as block \"decoder\"): trace with the forward hooks, which keep "
+                 "MTP apart (block \"mtp\", mtp_idx), or drop the MTP routers' RouterReplay instances from layer_ids",
+                 f"decoder layers {layers[:8]} have more distinct router calls than the other layers in "
+                 f"{len(extra)} (step, rank) entries")
+
+
+def _trace_dropped(t: TraceLoad) -> Check:
+    """Layers with fewer calls than the other layers of their step and rank, or missing from a step the rank traced
+    them in elsewhere: records the writer skipped (its top-k filter drops a call with rows of other than top-k
+    experts, e.g. under token dropping)."""
+    name, what = "trace dropped records", "every layer's router calls recorded (the writer's top-k filter)"
+    out, missing = [], []
+    for blk in (0, 1):
+        m = t["block"] == blk
+        if not m.any():
+            continue
+        modal = _trace_modal(t, blk)
+        st, rk, lay, mi, dc = (t["step"][m], t["rank"][m], t["layer"][m], t["mtp_idx"][m], t["distinct_calls"][m])
+        for s, r, g, c in zip(st.tolist(), rk.tolist(), lay.tolist(), dc.tolist(), strict=True):
+            if c < modal[(s, r)]:
+                out.append((s, r, TRACE_BLOCKS[blk], g, c, modal[(s, r)]))
+        for r in set(rk.tolist()):
+            have = {(int(a), int(b)) for a, b in zip(lay[rk == r], mi[rk == r], strict=True)}
+            for s in set(st[rk == r].tolist()):
+                sel = (rk == r) & (st == s)
+                got = {(int(a), int(b)) for a, b in zip(lay[sel], mi[sel], strict=True)}
+                for g, _ in sorted(have - got):
+                    missing.append((s, r, TRACE_BLOCKS[blk], g, 0, modal[(s, r)]))
+    rows = int(t["calls"].sum())
+    if not out and not missing:
+        return Check(name, OK, what, rows, detail="every layer has the same number of calls per step and rank")
+    first = (out + missing)[0]
+    parts = []
+    if out:
+        parts.append(f"{len(out)} layer entries with fewer calls than their step and rank's other layers")
+    if missing:
+        parts.append(f"{len(missing)} layers missing from a step their rank traced them in elsewhere")
+    return Check(name, WARN, what, rows, _where(step=first[0], rank=first[1], block=first[2], layer=first[3],
+                                                calls=first[4], others=first[5]),
+                 "Megatron's RouterTracer skips a call whose routing map has other than num_tokens x topk entries "
+                 "(token dropping by capacity factor, or a router changed to return fewer experts): those layers' "
+                 "load is undercounted; trace without token dropping to count every call", "; ".join(parts))
+
+
+def _trace_checks(f: _Facts, th: Thresholds) -> list[Check]:
+    """The checks a routing trace allows (none for other runs)."""
+    t = trace_load(f.run)
+    if t is None:
+        return []
+    return [_trace_experts(t, th), _trace_ids(t), _trace_mtp(t), _trace_dropped(t)]
+
+
 def diagnose(run: Run | str | os.PathLike, *, thresholds: Thresholds | None = None) -> Report:
     """Every check on one run (own or imported); read the result with ``report.ok`` / ``print(report)``."""
     r = run if isinstance(run, Run) else load(run)
@@ -796,7 +1035,7 @@ def diagnose(run: Run | str | os.PathLike, *, thresholds: Thresholds | None = No
     split, _ = _dummy_split(f)
     checks = [_constant(f), _ids(f), _row_count(f), _layers(f), _speculative(f), _route_prefix(f, split),
               _dummy_rows(f, split), _expert_numbering(f), _mtp_rows(f), _replay_effect(f), _replayed_routes(f),
-              *_health(f, th), _imbalance(f, th), _layer_outliers(f, th), _policy_lag(f)]
+              *_health(f, th), _imbalance(f, th), _layer_outliers(f, th), _policy_lag(f), *_trace_checks(f, th)]
     return Report(str(r.path), checks)
 
 

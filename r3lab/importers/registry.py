@@ -93,6 +93,9 @@ REGISTRY: dict[str, ImporterSpec] = {s.kind: s for s in (
     _entry("verl", "verl", "verl (verl-project/verl) RolloutSkip gen_batch.dp (numpy serialization): routes, "
            "engine log-probs, rewards",
            "RolloutSkip's dump_dir or any folder under it"),
+    ImporterSpec("megatron-trace", "r3lab.importers.megatron_trace", "import_megatron_trace",
+                 "Megatron-LM (NVIDIA/Megatron-LM) --moe-routing-trace-path: trainer-side expert load per step, layer "
+                 "and rank (no tokens or samples)", "the trace folder of router_trace_rank<R>.jsonl files"),
 )}
 """Every dump kind r3lab knows, by name (the CLI's ``r3lab import KIND`` choices, in this order)."""
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from r3lab.doctor import HEALTH_NAMES, LOGP_TRAIN_COLUMNS, facts, health_series
+from r3lab.doctor import HEALTH_NAMES, LOGP_TRAIN_COLUMNS, LayerLoad, facts, health_series, trace_load
 from r3lab.errors import R3LabError
 from r3lab.runs import IMPORT_KIND, Run, load, rl_token_logprobs
 from r3lab.runs.format import CAPTURE_KIND
@@ -83,6 +83,12 @@ def run_figures(run: Run | str | os.PathLike, *, step: int | None = None) -> dic
     out["expert_load"] = viz.expert_load_figure(nz, title=f"engine expert load, step {s_routes}") if nz else no_eng
     out["load_imbalance"] = (viz.load_imbalance_figure({"engine": nz, **({"trainer": tr} if tr is not None else {})})
                              if nz else no_eng)
+    trace = trace_load(r) if r.kind == IMPORT_KIND and nz is None else None
+    if trace is not None and trace.per_layer().num_layers:  # a routing trace: the trainer's counts, every step
+        ll = trace.per_layer()
+        out["expert_load"] = viz.expert_load_figure(ll, title="trainer expert load (routing trace, all steps; padding "
+                                                    "rows included)")
+        out["load_imbalance"] = viz.load_imbalance_figure({"trainer": ll})
     out["layer_disagreement"] = (viz.layer_disagreement_figure(eng, tr) if tr is not None
                                  else NotAvailable(no_tr.format("per-layer disagreement")))
     if has_logp:
@@ -146,6 +152,14 @@ _PARTIAL = {IMPORT_KIND: "imported run", CAPTURE_KIND: "engine-only capture run"
 def routes_or_note(run: Run, step: int, what: str) -> Any:
     """The run's ``what`` routes (``"engine"``, ``"trainer"``) at ``step``; for an imported or capture run without
     them, a :class:`NotAvailable` naming them (a drift or RL run that lacks them raises, as :meth:`Run.routes`)."""
+    trace = trace_load(run) if run.kind == IMPORT_KIND else None
+    if trace is not None:  # a routing trace: the trainer's expert counts per layer, no routes
+        if what != "trainer":
+            return NotAvailable(f"imported routing trace {run.name!r} has no {what} routes (only the trainer's "
+                                "expert counts per layer): the figures comparing routes need them")
+        if step not in trace.steps:
+            return NotAvailable(f"imported routing trace {run.name!r} has no step {step} (traced: {trace.steps})")
+        return trace.per_layer([step])
     if run.kind in _PARTIAL and step not in run.route_steps(what):
         return NotAvailable(f"{_PARTIAL[run.kind]} {run.name!r} has no {what} routes at step {step} (stored: "
                             f"{run.route_steps(what)}): the figures comparing {what} routes need them")
@@ -157,6 +171,9 @@ def expert_load(engine: Any, trainer: Any, *, title: str = "expert load") -> Any
     :class:`NotAvailable`: an imported or capture run), the engine's load alone (``viz.expert_load_figure``)."""
     from r3lab import viz
 
+    if isinstance(engine, NotAvailable) and isinstance(trainer, LayerLoad):  # a routing trace: the trainer only
+        return viz.expert_load_figure(trainer, title=f"{title} (trainer routing trace: expert counts, padding rows "
+                                      "included; no engine routes or samples)")
     if isinstance(engine, NotAvailable):
         return engine
     if isinstance(trainer, NotAvailable):

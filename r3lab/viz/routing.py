@@ -13,6 +13,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from r3lab import metrics
+from r3lab.doctor import LayerLoad
 from r3lab.errors import R3LabError
 from r3lab.routes import Routes
 from r3lab.viz.style import FLIP_COLOR, MODE_COLORS, ONE_COLUMN, SOURCE_COLORS, TWO_COLUMN, finish, plural
@@ -99,11 +100,20 @@ def response_differs(engine: Routes, trainer: Routes, response_lengths: Sequence
     return metrics.response_differs(engine.values, trainer.values, engine.cu_seqlens, np.asarray(response_lengths))
 
 
-def expert_load_figure(routes: Routes, *, title: str = "expert load", reference: Routes | None = None) -> go.Figure:
-    """Heatmap of each layer's expert load (share of routed slots); with ``reference``, the difference to it."""
-    load = metrics.expert_load(routes.values, routes.num_experts)
+def _load(r: Routes | LayerLoad) -> np.ndarray:
+    """``[L, E]`` expert load of routes, or of a routing trace's counts (:class:`r3lab.doctor.LayerLoad`)."""
+    return r.load() if isinstance(r, LayerLoad) else metrics.expert_load(r.values, r.num_experts)
+
+
+def expert_load_figure(routes: Routes | LayerLoad, *, title: str = "expert load",
+                       reference: Routes | None = None) -> go.Figure:
+    """Heatmap of each layer's expert load (share of routed slots); with ``reference``, the difference to it.
+    ``routes`` may be a routing trace's counts per layer (:class:`r3lab.doctor.LayerLoad`)."""
+    load = _load(routes)
     z, scale, mid = load, "Viridis", None
     if reference is not None:
+        if isinstance(routes, LayerLoad):
+            raise R3LabError("a reference load compares routes with routes, not a routing trace's counts")
         _same_layers(routes, reference)
         z, scale, mid = load - metrics.expert_load(reference.values, reference.num_experts), "RdBu", 0.0
     fig = go.Figure(go.Heatmap(z=z, x=list(range(routes.num_experts)), y=[f"layer {g}" for g in routes.layer_ids],
@@ -161,7 +171,8 @@ def layer_disagreement_figure(engine: Routes, trainer: Routes, *, title: str | N
                            f"{agree['token_disagreement']:.1%} differ in some layer")
 
 
-def load_imbalance_figure(routes: Mapping[str, Routes], *, title: str = "load imbalance per layer") -> go.Figure:
+def load_imbalance_figure(routes: Mapping[str, Routes | LayerLoad], *, title: str = "load imbalance per layer"
+                          ) -> go.Figure:
     """verl's ``max_vio`` per layer (max over mean expert load, minus 1) for each named set of routes (engine and
     trainer in :data:`SOURCE_COLORS`, a replay mode in its own colour)."""
     if not routes:
@@ -169,7 +180,7 @@ def load_imbalance_figure(routes: Mapping[str, Routes], *, title: str = "load im
     fig = go.Figure()
     vios = []
     for name, r in routes.items():
-        vio = metrics.max_violation(metrics.expert_load(r.values, r.num_experts))
+        vio = metrics.max_violation(_load(r))
         vios.append(vio)
         fig.add_scatter(x=[int(g) for g in r.layer_ids], y=vio, mode="lines+markers", name=name,
                         line={"color": SOURCE_COLORS.get(name) or MODE_COLORS.get(name, "#555555")})
