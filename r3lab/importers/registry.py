@@ -90,8 +90,8 @@ REGISTRY: dict[str, ImporterSpec] = {s.kind: s for s in (
     _entry("skyrl", "skyrl", "SkyRL (NovaSky-AI/SkyRL) dump_data_batch pickles: routes, both log-probs, "
            "advantages (no rewards)",
            "export_path or its dumped_data/"),
-    _entry("verl", "verl", "verl (verl-project/verl) RolloutSkip gen_batch.dp (numpy serialization): routes, "
-           "engine log-probs, rewards",
+    _entry("verl", "verl", "verl (verl-project/verl) RolloutSkip gen_batch.dp (numpy serialization), "
+           "skip.async_rollout folders and skip.rollout_tq tq_batch.pt: routes, engine log-probs, rewards",
            "RolloutSkip's dump_dir or any folder under it"),
     ImporterSpec("megatron-trace", "r3lab.importers.megatron_trace", "import_megatron_trace",
                  "Megatron-LM (NVIDIA/Megatron-LM) --moe-routing-trace-path: trainer-side expert load per step, layer "
