@@ -222,6 +222,49 @@ def _fail_on_rank_1(rank: int, world: int) -> int:
     return rank
 
 
+def _world_sum(rank: int, world: int) -> int:
+    import torch.distributed as dist
+
+    t = torch.tensor([rank + 1])
+    dist.all_reduce(t)  # the gloo world formed: every rank's number arrives
+    return int(t.item())
+
+
+def _grab_freed_ports(stop, grabbed) -> None:
+    """Another process that keeps taking ports the moment they are free (what broke a fresh-clone CI run once)."""
+    import socket
+    import time as _time
+
+    held = []
+    while not stop.is_set():
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))  # the OS hands out the port a free_port() caller would have been told
+        s.listen()
+        held.append(s)
+        grabbed.value += 1
+        if len(held) > 64:
+            held.pop(0).close()
+        _time.sleep(0.002)
+    for s in held:
+        s.close()
+
+
+def test_launch_never_loses_its_rendezvous_port_to_another_process():
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    stop, grabbed = ctx.Event(), ctx.Value("i", 0)
+    grabber = ctx.Process(target=_grab_freed_ports, args=(stop, grabbed), daemon=True)
+    grabber.start()
+    try:
+        for _ in range(6):
+            assert tm.launch(_world_sum, 2, timeout_s=120) == [3, 3]
+    finally:
+        stop.set()
+        grabber.join(10)
+    assert grabbed.value > 100  # the other process was grabbing all along
+
+
 def test_launch_is_bounded_and_all_or_none():
     import time
 

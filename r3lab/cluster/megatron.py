@@ -53,17 +53,23 @@ class RankHost:
             raise ClusterError(f"rank {self.rank}: called before start")
         return self._state
 
-    def where(self) -> dict[str, Any]:
-        """This actor's node, IP and pid; rank 0 also a free port on its node (the world's master port)."""
-        from r3lab._process import free_port
+    def where(self, timeout_s: float) -> dict[str, Any]:
+        """This actor's node, IP and pid; rank 0 also hosts the world's rendezvous store on its node, on a port it
+        holds from now on (``port``), so no other process can take it before the ranks join."""
+        here = node_here()
+        if self.rank != 0:
+            return {**here, "port": None}
+        from r3lab.trainers.megatron.launch import host_rendezvous
 
-        return {**node_here(), "port": free_port() if self.rank == 0 else None}
+        self._rendezvous = host_rendezvous(timeout_s, host=here["ip"])
+        return {**here, "port": int(self._rendezvous.port)}
 
     def start(self, master_addr: str, port: int, spec: dict) -> dict[str, Any]:
         from r3lab.staging import RayBackend
         from r3lab.trainers.megatron.worker import build_rank
 
-        self._state = s = build_rank(self.rank, self.world, master_addr, port, spec, RayBackend)
+        self._state = s = build_rank(self.rank, self.world, master_addr, port, spec, RayBackend,
+                                     store=getattr(self, "_rendezvous", None))
         return dict(rank=self.rank, dp=s.dp, pp=s.pp, tp=s.tp, pid=os.getpid())
 
     def call(self, cmd: str, kwargs: dict[str, Any]) -> Any:
@@ -166,11 +172,12 @@ class RayMegatronTrainer(MegatronTrainer):
                     scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=r),
                 ).remote(r, world)
                 self._members.append(Member(handle, name))
-            where = self._gather([m.handle.where.remote() for m in self._members], "placement", start_timeout_s)
+            spec = self._rank_spec(lr)
+            hold_s = float(spec["collective_timeout_s"])
+            where = self._gather([m.handle.where.remote(hold_s) for m in self._members], "placement", start_timeout_s)
             for m, w in zip(self._members, where, strict=True):
                 m.node_id, m.ip, m.pid = w["node_id"], w["ip"], w["pid"]
-            master, port = where[0]["ip"], where[0]["port"]  # the world's master: rank 0's node
-            spec = self._rank_spec(lr)
+            master, port = where[0]["ip"], where[0]["port"]  # the world's master: rank 0's node, its store's port
             self.ranks = self._gather([m.handle.start.remote(master, port, spec) for m in self._members], "start",
                                       start_timeout_s)
             self.master = f"{master}:{port}"

@@ -4,7 +4,8 @@
 ``torch.multiprocessing`` (spawn) and returns every rank's return value, or raises: when a rank raises
 (:class:`torch.multiprocessing.ProcessRaisedException` names it), when a rank dies, or when the whole
 run takes longer than ``timeout_s`` (:class:`LaunchTimeout`; every rank is then terminated). Collectives
-inside a rank wait at most ``collective_timeout_s`` (the gloo process group's timeout).
+inside a rank wait at most ``collective_timeout_s`` (the gloo process group's timeout). The ranks meet through
+a rendezvous store the launching process hosts on a port it holds (:func:`host_rendezvous`, :func:`join_world`).
 
 Why processes rather than Ray actors: Megatron's parallel state is one torch.distributed world per
 process, the same on GPU nodes (torchrun, NCCL); spawned ranks need nothing beyond torch, start in
@@ -23,10 +24,35 @@ from typing import Any
 
 import torch
 
-from r3lab._process import free_port
 from r3lab.errors import LaunchTimeout, R3LabError
 
-__all__ = ["launch"]
+__all__ = ["launch", "host_rendezvous", "join_world"]
+
+WORLD_PREFIX = "r3lab-world/"  # the gloo world's keys in a rendezvous store that may hold other keys (staging)
+
+
+def host_rendezvous(timeout_s: float, host: str = "127.0.0.1") -> Any:
+    """A ``TCPStore`` server on a port the OS picks (port 0) and this process keeps listening on: the ranks'
+    rendezvous. Nothing else can take the port between choosing it and using it (a port found free and let go
+    could be, and once was: "Gloo connectFullMesh failed ... Connection closed by peer" in a fresh-clone CI run).
+    Its ``port`` is what the ranks are told."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=float(timeout_s)))
+
+
+def join_world(rank: int, world_size: int, host: str, port: int, timeout_s: float, store: Any = None) -> None:
+    """Join the ranks' gloo world through the rendezvous store at ``host:port`` (``store``: the server itself, in
+    the process that hosts it); gloo's own sockets are then bound by each rank and exchanged through the store."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=float(timeout_s))
+    if store is None:
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+    os.environ.update(MASTER_ADDR=host, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    dist.init_process_group("gloo", store=dist.PrefixStore(WORLD_PREFIX, store), rank=rank, world_size=world_size,
+                            timeout=timeout)
 
 
 def _worker(rank: int, world_size: int, port: int, outdir: str, coll_s: float, fn: Callable, args: tuple) -> None:
@@ -34,10 +60,9 @@ def _worker(rank: int, world_size: int, port: int, outdir: str, coll_s: float, f
 
     from r3lab.trainers.megatron.cpu import patch_megatron_for_cpu
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     patch_megatron_for_cpu()
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=coll_s))
+    join_world(rank, world_size, "127.0.0.1", port, coll_s)
     try:
         result = fn(rank, world_size, *args)
         tmp = os.path.join(outdir, f"{rank}.pkl.tmp")
@@ -71,10 +96,11 @@ def launch(
 
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise R3LabError(f"world_size must be a positive int, got {world_size!r}")
+    rendezvous = host_rendezvous(collective_timeout_s)  # held until every rank is done
     with tempfile.TemporaryDirectory(prefix="r3lab_launch_") as outdir:
         ctx = mp.start_processes(
             _worker,
-            args=(world_size, free_port(), outdir, float(collective_timeout_s), fn, args),
+            args=(world_size, rendezvous.port, outdir, float(collective_timeout_s), fn, args),
             nprocs=world_size,
             join=False,
             start_method="spawn",

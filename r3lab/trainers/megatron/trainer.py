@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from r3lab._process import Closing, free_port
+from r3lab._process import Closing
 from r3lab.errors import ConfigError, MegatronTrainerError, R3LabError
 from r3lab.families import group_routing_mismatch
 from r3lab.moe_layout import MoELayout
@@ -102,24 +102,23 @@ class MegatronTrainer(Closing, Trainer):
 
     def _start_ranks(self, lr: float | None, start_timeout_s: float) -> None:
         """Spawn the ``tp * pp * dp`` rank processes and the key-value store routes are staged in; wait for all."""
-        import torch.distributed as dist
         import torch.multiprocessing as mp
 
+        from r3lab.trainers.megatron.launch import host_rendezvous
         from r3lab.trainers.megatron.store_backend import StoreBackend
 
         world = self.layout.world_size
-        self._store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
-                                    timeout=_td(max(self.timeout_s, 60.0)))
+        # the ranks' rendezvous and the store routes are staged in: on a port this process holds from the start
+        self._store = host_rendezvous(max(self.timeout_s, 60.0))
         self._backend: Any = StoreBackend(self._store)  # the Ray ranks' trainer puts a RayBackend here
         spec = self._rank_spec(lr)
         ctx = mp.get_context("spawn")
-        port = free_port()
         from r3lab.trainers.megatron.worker import rank_main
 
         try:
             for r in range(world):
                 parent, child = ctx.Pipe()
-                p = ctx.Process(target=rank_main, args=(r, world, port, self._store.port, child, spec), daemon=True,
+                p = ctx.Process(target=rank_main, args=(r, world, self._store.port, child, spec), daemon=True,
                                 name=f"r3lab-megatron-rank{r}")
                 p.start()
                 child.close()
@@ -454,12 +453,6 @@ class MegatronTrainer(Closing, Trainer):
             save_file({n: t.detach().to("cpu").contiguous().clone() for n, t in got.items()}, path)
             self._call("load", path=path)
         self.timings.setdefault("load", []).append(time.perf_counter() - t0)
-
-
-def _td(seconds: float):
-    import datetime
-
-    return datetime.timedelta(seconds=seconds)
 
 
 def load(path: str | os.PathLike, options: TrainerOptions) -> MegatronTrainer:

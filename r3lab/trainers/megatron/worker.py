@@ -340,29 +340,28 @@ class RankState:
 
 
 def build_rank(rank: int, world: int, master_addr: str, port: int, spec: dict,
-               make_backend: Callable[[], Any]) -> RankState:
-    """Join the ranks' gloo world at ``master_addr:port`` and build this rank's shard: its :class:`RankState`.
+               make_backend: Callable[[], Any], store: Any = None) -> RankState:
+    """Join the ranks' gloo world through the rendezvous store at ``master_addr:port`` (``store``: the server
+    itself, where this process hosts it) and build this rank's shard: its :class:`RankState`.
 
     ``make_backend()`` (called after the join) gives the staging backend routes arrive through. A spawned rank
     (:func:`rank_main`) and a Ray actor (:mod:`r3lab.cluster`) start the same way."""
-    import torch.distributed as dist
-
     from r3lab.slicing import ParallelLayout
     from r3lab.trainers.megatron.checkpoint import build_model
     from r3lab.trainers.megatron.cpu import patch_megatron_for_cpu
+    from r3lab.trainers.megatron.launch import join_world
 
-    os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     patch_megatron_for_cpu()
-    coll = datetime.timedelta(seconds=float(spec["collective_timeout_s"]))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=coll)
+    join_world(rank, world, master_addr, port, float(spec["collective_timeout_s"]), store=store)
     layout = ParallelLayout.from_dict(spec["layout"])
     model = build_model(spec["model_dir"], layout, dtype=spec["dtype"], group_routing="ignore")
     return RankState(model, layout, make_backend(), lr=spec["lr"], staging_timeout=float(spec["staging_timeout_s"]))
 
 
-def rank_main(rank: int, world: int, port: int, store_port: int, conn: Any, spec: dict) -> None:
-    """A trainer rank's whole life: join, build, serve commands until ``close`` (or the pipe closes)."""
+def rank_main(rank: int, world: int, store_port: int, conn: Any, spec: dict) -> None:
+    """A trainer rank's whole life: join (through the driver's store), build, serve commands until ``close`` (or
+    the pipe closes)."""
     import torch.distributed as dist
 
     from r3lab.trainers.megatron.cpu import destroy_parallel
@@ -370,7 +369,7 @@ def rank_main(rank: int, world: int, port: int, store_port: int, conn: Any, spec
 
     try:
         coll = datetime.timedelta(seconds=float(spec["collective_timeout_s"]))
-        state = build_rank(rank, world, "127.0.0.1", port, spec, lambda: StoreBackend(
+        state = build_rank(rank, world, "127.0.0.1", store_port, spec, lambda: StoreBackend(
             dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=coll)))
         conn.send(("ready", dict(rank=rank, dp=state.dp, pp=state.pp, tp=state.tp, pid=os.getpid())))
     except BaseException:  # noqa: BLE001 - the driver gets the reason, then ends every rank
