@@ -563,12 +563,12 @@ class _StepAccumulator:
             totals["samples_without_routes"] += sum(r is None for r in self.routes)
             routes = Routes.from_list(parts, num_experts=lm.layout.num_experts, layer_ids=lm.moe_ids)
             kept_w = [w for r, w in zip(self.routes, self.weights, strict=True) if r is not None]
-            if kept_w and all(w is not None for w in kept_w):
-                routes = routes.with_weights(np.concatenate(kept_w))
-                totals["samples_with_weights"] = totals.get("samples_with_weights", 0) + len(kept_w)
-            elif any(w is not None for w in kept_w):  # the container holds weights for every row or none
-                totals["samples_weights_dropped"] = (totals.get("samples_weights_dropped", 0)
-                                                     + sum(w is not None for w in kept_w))
+            have_w = [w for w in kept_w if w is not None]
+            if have_w and len(have_w) == len(kept_w):
+                routes = routes.with_weights(np.concatenate(have_w))
+                totals["samples_with_weights"] = totals.get("samples_with_weights", 0) + len(have_w)
+            elif have_w:  # the container holds weights for every row or none
+                totals["samples_weights_dropped"] = totals.get("samples_weights_dropped", 0) + len(have_w)
             writer.write_routes(self.step, "engine", routes)
         elif lm is not None:
             totals["samples_without_routes"] += self.n

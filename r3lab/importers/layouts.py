@@ -78,7 +78,9 @@ def _cell(text: str) -> str:
 def formats_table(registry: Mapping[str, Any] | None = None, kinds: Iterable[str] | None = None) -> str:
     """The Markdown table of dump kinds and their layouts (``r3lab import --formats``; the README's table)."""
     if registry is None:
-        from r3lab.importers.registry import REGISTRY as registry  # noqa: N811
+        from r3lab.importers.registry import REGISTRY
+
+        registry = REGISTRY
     want = None if kinds is None else set(kinds)
     lines = ["| kind | layout | what marks it | what an import gives | read from |", "|---|---|---|---|---|"]
     for kind, lay in formats_rows(registry):
