@@ -8,6 +8,12 @@ names while pickling (nothing of skyrl or verl is imported):
   device a real ``torch.device``; layout of ``skyrl/train/dataset/preprocess.py`` (left-padded sequences,
   right-aligned response tensors, routes from the first real position, ``router_padding_mask`` and ``[0..k-1]``
   rows after the captured prefix), ``pad_training_input_batch``'s DP pad rows at the end.
+* SkyRL's packed layout (#2235/#2236/#2238, merged 2026-09-18; read at the heads of #2080 c1e71a0b, #2081 0caad2f2
+  and #2083 ec57e6f4, which they reopen unchanged): every ``"format"`` a ``TensorFormat`` StrEnum member (a real
+  ``StrEnum`` registered under SkyRL's module name, so it pickles as ``REDUCE(TensorFormat, (value,))``);
+  ``rollout_expert_indices`` (and ``rollout_sample_support``) a ``packed_tensor`` with ``numpy_view`` values (the
+  array itself, in-band: protocol 4 or 5) and int32 ``cu_seqlens``; one segment of ``P_i + R_i`` rows per sample
+  (captured rows, then ``[0..K-1]``), one dummy segment as long as segment 0 per DP pad row.
 * verl (``verl/protocol.py`` at 1dda039b): ``pickle.dump(DataProto)`` = ``NEWOBJ`` + ``BUILD(__getstate__())`` with
   ``serialize_tensordict``'s triples (``VERL_DATAPROTO_SERIALIZATION_METHOD=numpy``) or torch.save bytes (default);
   layout of ``verl/experimental/agent_loop/agent_loop.py`` (left-padded prompts, right-padded responses, zero-filled
@@ -24,7 +30,9 @@ import json
 import pickle
 import sys
 import types
+from enum import StrEnum
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -164,6 +172,165 @@ def skyrl_dump(folder: str | Path, *, steps: int = 3, samples: int = 6, pad: int
     return Path(folder), truth
 
 
+# ---- SkyRL packed (#2235/#2236/#2238, merged 2026-09-18) -----------------------------------------------------------
+# training_batch.py at #2081's head 0caad2f2 (= #2236) and #2083's ec57e6f4 (= #2238): every "format" is a
+# TensorFormat member; a PackedTensor field is {"format": PACKED_TENSOR, "values": _serialize_tensor(values,
+# zero_copy), "cu_seqlens": _serialize_tensor(cu_seqlens)}; ZERO_COPY_KEYS fields serialize as {"format":
+# NUMPY_VIEW, "data": the array}. preprocess.py _collate_rollout_expert_indices: segment i = P_i + R_i rows, the
+# captured rows then replay_padding_row ([0..K-1]); make_router_padding_mask from the captured lengths;
+# pad_training_input_batch: one dummy segment per pad row, as long as segment 0.
+class TensorFormat(StrEnum):
+    """SkyRL's ``TensorFormat`` (pickled as ``REDUCE(TensorFormat, (value,))`` under its module's name)."""
+
+    NUMPY = "numpy"
+    NUMPY_VIEW = "numpy_view"
+    TORCH = "torch"
+    TENSOR_LIST = "tensor_list"
+    PACKED_TENSOR = "packed_tensor"
+
+
+def _serialize_tf(arr: np.ndarray, zero_copy: bool = False, tf: Any = TensorFormat) -> dict:
+    """``_serialize_tensor`` since #2235/#2236."""
+    arr = np.ascontiguousarray(arr)
+    if zero_copy:
+        return {"format": tf.NUMPY_VIEW, "data": arr}
+    return {"format": tf.NUMPY, "data": arr.tobytes(), "shape": arr.shape, "dtype": str(arr.dtype)}
+
+
+def _cu_seqlens(lengths: list[int]) -> np.ndarray:
+    cu = np.zeros(len(lengths) + 1, np.int32)  # cu_seqlens_from_lengths: int32
+    cu[1:] = np.cumsum(lengths)
+    return cu
+
+
+def skyrl_packed_batch(rng: np.random.Generator, samples: int, *, pad: int = 0, route_dtype=np.uint8,
+                       case: str = "clean", with_routes: bool = True, sample_support: bool = False,
+                       pmax: int = 6, least: int = 2, zero_copy: bool = True) -> tuple[dict, list[dict]]:
+    """One step's packed-layout TrainingInputBatch state and each real sample's truth.
+
+    ``case``: ``clean`` (the batched generator: vLLM's P + R - 1 rows, the mask marks them), ``agent_loop``
+    (RoutedExpertTrace.finalize pads the trace to P + R rows with dummy rows and the mask marks all of them
+    captured; sample 2 ends in a 2-token observation the engine never evaluated), ``short_capture`` (sample 2 has
+    P + R - 2 rows, the mask marks them)."""
+    shapes = _shape(rng, samples, pmax=pmax, least=least)
+    S, Rmax = max(p + r for p, r in shapes), max(r for _, r in shapes)
+    B = samples + pad
+    seq = np.zeros((B, S), np.int64)
+    am = np.zeros((B, S), np.int64)
+    rm = np.zeros((B, Rmax), np.int64)
+    lm = np.zeros((B, Rmax), np.float32)
+    lp_inf, lp_tr, adv = (np.zeros((B, Rmax), np.float32) for _ in range(3))
+    dummy = np.arange(K, dtype=route_dtype)  # replay_padding_row
+    segs, support, truth, mask_len = [], [], [], []
+    for i, (P, R) in enumerate(shapes):
+        tok = rng.integers(4, 388, P + R)
+        left = S - P - R
+        seq[i, left:] = tok
+        am[i, left:] = 1
+        rm[i, Rmax - R:] = 1
+        mask = np.ones(R, np.float32)
+        if i % 3 == 1 and R >= 4:
+            mask[1:3] = 0
+        if case == "agent_loop" and i == 2:
+            mask[-2:] = 0  # the trailing observation: loss-masked, never evaluated by the engine
+        lm[i, Rmax - R:] = mask
+        li = -rng.random(R).astype(np.float32)
+        lt = (li + 1e-3 * rng.standard_normal(R)).astype(np.float32)
+        lp_inf[i, Rmax - R:], lp_tr[i, Rmax - R:] = li, lt
+        a = rng.standard_normal(R).astype(np.float32)
+        adv[i, Rmax - R:] = a
+        captured = P + R - 1
+        if case in ("short_capture", "agent_loop") and i == 2:
+            captured = P + R - 1 - (1 if case == "short_capture" else 2)
+        r = routes(rng, captured)
+        seg = np.empty((P + R, LAYERS, K), route_dtype)
+        seg[:] = dummy
+        seg[:captured] = r.astype(route_dtype)
+        segs.append(seg)
+        mask_len.append(P + R if case == "agent_loop" else captured)  # what make_router_padding_mask is given
+        sup = np.full((R, 4), -1, np.int32)
+        for j in range(R):
+            n = int(rng.integers(1, 5))
+            sup[j, :n] = rng.choice(388, n, replace=False)
+        support.append(sup)
+        truth.append({"tokens": tok, "P": P, "R": R, "loss_mask": mask, "logp_infer": li, "logp_train": lt,
+                      "advantage": a, "routes": r, "captured": captured})
+    for j in range(samples, B):  # pad_training_input_batch
+        for arr in (seq, am, rm, lp_inf, lp_tr, adv):
+            arr[j] = arr[0]
+        segs.append(np.broadcast_to(dummy, (len(segs[0]), LAYERS, K)).copy())
+        support.append(np.full((len(support[0]), 4), -1, np.int32))
+    start = S - am.sum(axis=1)
+    cap_len = np.array(mask_len + [0] * pad)
+    pos = np.arange(S)[None, :]
+    rpm = ~((pos >= start[:, None]) & (pos < (start + cap_len)[:, None]))
+    rpm[samples:] = True
+    fields: dict[str, Any] = {"sequences": seq, "attention_mask": am, "response_mask": rm, "loss_mask": lm,
+                              "rollout_logprobs": lp_inf, "rollout_expert_indices": None, "router_padding_mask": None}
+    if with_routes:
+        fields["rollout_expert_indices"] = ("packed", np.concatenate(segs), _cu_seqlens([len(s) for s in segs]))
+        fields["router_padding_mask"] = rpm
+    if sample_support:
+        fields["rollout_sample_support"] = ("packed", np.concatenate(support),
+                                            _cu_seqlens([len(s) for s in support]))
+    fields.update({"pixel_values": None, "image_grid_thw": None, "action_log_probs": lp_tr,
+                   "base_action_log_probs": lp_tr.copy(), "values": None, "returns": adv.copy(), "advantages": adv,
+                   "kl": np.zeros_like(adv)})
+    zc = {"rollout_expert_indices", "rollout_sample_support"} if zero_copy else set()  # ZERO_COPY_KEYS
+    bd: dict[str, Any] = {}
+    for k, v in fields.items():
+        if v is None:
+            bd[k] = None
+        elif isinstance(v, tuple):
+            bd[k] = {"format": TensorFormat.PACKED_TENSOR, "values": _serialize_tf(v[1], k in zc),
+                     "cu_seqlens": _serialize_tf(v[2])}
+        else:
+            bd[k] = _serialize_tf(v, k in zc)
+    import torch
+
+    state = {"batch_dict": bd, "batch_size": B, "device": torch.device("cpu"),
+             "metadata": {"uids": [f"p{i // 2}" for i in range(samples)] + [f"pad{i}" for i in range(pad)],
+                          "policy_mini_batch_boundaries": [(0, samples)], "response_length": Rmax,
+                          "avg_response_length": float(np.mean([r for _, r in shapes])), "pad_size": pad}}
+    return state, truth
+
+
+def skyrl_packed_pickle(state: dict, protocol: int = 4, tensor_format: Any = TensorFormat) -> bytes:
+    """``TensorBatch.save`` of a packed-layout batch: protocol 4 (Python 3.11-3.13's default) or 5 (3.14's)."""
+    with _fake_modules(SKYRL_MODULE, _rebuild_tensor_batch=_rebuild_tensor_batch,
+                       TrainingInputBatch=TrainingInputBatch, TensorFormat=tensor_format):
+        return pickle.dumps(TrainingInputBatch(state), protocol=protocol)
+
+
+def skyrl_packed_dump(folder: str | Path, *, steps: int = 3, samples: int = 6, pad: int = 2, seed: int = 0,
+                      protocol: int = 4, **kw) -> tuple[Path, dict[int, list[dict]]]:
+    """``{folder}/dumped_data/global_step_N_training_input.pkl`` in the packed layout (uint8, int16, int32 routes);
+    step 2 has no DP pad rows."""
+    rng = np.random.default_rng(seed)
+    d = Path(folder) / "dumped_data"
+    d.mkdir(parents=True, exist_ok=True)
+    truth = {}
+    for n in range(1, steps + 1):
+        dt = (np.uint8, np.int16, np.int32)[(n - 1) % 3]
+        state, truth[n] = skyrl_packed_batch(rng, samples, pad=pad if n != 2 else 0, route_dtype=dt, **kw)
+        (d / f"global_step_{n}_training_input.pkl").write_bytes(skyrl_packed_pickle(state, protocol))
+    return Path(folder), truth
+
+
+class TensorBatchPre1379(dict):
+    """SkyRL's TensorBatch before #1379: a dict subclass pickled by default (NEWOBJ, torch tensors as items)."""
+
+
+def skyrl_pre1379_pickle(rng: np.random.Generator, samples: int = 3) -> bytes:
+    import torch
+
+    state, _ = skyrl_batch(rng, samples)
+    items = {k: torch.from_numpy(np.frombuffer(v["data"], v["dtype"]).reshape(v["shape"]).copy())
+             for k, v in state["batch_dict"].items() if v is not None}
+    with _fake_modules(SKYRL_MODULE, TrainingInputBatch=TensorBatchPre1379):
+        return pickle.dumps(TensorBatchPre1379(items))
+
+
 # ---- verl ----------------------------------------------------------------------------------------------------------
 class DataProto:
     """Pickles as verl's DataProto dataclass does: ``NEWOBJ(DataProto)`` + ``BUILD(__getstate__())``."""
@@ -264,11 +431,16 @@ def large(kind: str, folder: str | Path, *, samples: int, steps: int = 8, seed: 
     rng = np.random.default_rng(seed)
     per = samples // steps
     for n in range(1, steps + 1):
-        if kind == "skyrl":
-            state, _ = skyrl_batch(rng, per, pad=0, least=4)
+        if kind in ("skyrl", "skyrl-packed"):
             d = Path(folder) / "dumped_data"
             d.mkdir(parents=True, exist_ok=True)
-            (d / f"global_step_{n}_training_input.pkl").write_bytes(skyrl_pickle(state))
+            if kind == "skyrl":
+                state, _ = skyrl_batch(rng, per, pad=0, least=4)
+                data = skyrl_pickle(state)
+            else:
+                state, _ = skyrl_packed_batch(rng, per, pad=0, least=4)
+                data = skyrl_packed_pickle(state)
+            (d / f"global_step_{n}_training_input.pkl").write_bytes(data)
         else:
             state, _ = verl_batch(rng, per, least=4)
             d = Path(folder) / "exp_proj" / "GBS1_N1_in8_out8" / str(n)

@@ -8,6 +8,7 @@ import pickle
 import pickletools
 import subprocess
 import sys
+from enum import StrEnum
 from pathlib import Path
 
 import dumps_skyrl_verl as g
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 
 from r3lab import doctor, runs
-from r3lab.errors import ImportFormatError, UnsafeFileError
+from r3lab.errors import ImportFormatError, UnknownLayoutError, UnsafeFileError
 from r3lab.importers import sample_tokens
 from r3lab.importers import skyrl as sk
 from r3lab.importers import verl as vl
@@ -80,7 +81,10 @@ def test_skyrl_pickle_names_exactly_the_writers_globals(tmp_path):
     data = (src / "dumped_data" / "global_step_1_training_input.pkl").read_bytes()
     assert _globals(data) == {"skyrl.backends.skyrl_train.training_batch._rebuild_tensor_batch",
                               "skyrl.backends.skyrl_train.training_batch.TrainingInputBatch", "torch.device"}
-    assert set(sk._allowed("x")) == {sk.REBUILD, sk.BATCH_CLASS, ("torch", "device")}
+    allowed = set(sk._allowed("x"))
+    assert {sk.REBUILD, sk.BATCH_CLASS, sk.TENSOR_FORMAT, ("torch", "device")} <= allowed
+    assert {m.split(".")[0] for m, _ in allowed} == {"skyrl", "torch", "numpy"}  # nothing else is ever loadable
+    assert {f"{m}.{n}" for m, n in allowed if m == "torch"} == {"torch.device"}
 
 
 @pytest.mark.parametrize("case", ["clean", "pre1908"])
@@ -168,6 +172,276 @@ def test_skyrl_src_forms(tmp_path):
     assert sk.detect(tmp_path) is None and sk.detect(tmp_path / "export" / "nothing") is None
     with pytest.raises(ImportFormatError, match="global_step_<N>_training_input.pkl"):
         sk.import_skyrl(tmp_path, tmp_path / "run-none")
+
+
+# ---- SkyRL's packed layout (#2235/#2236/#2238) -----------------------------------------------------------------------
+PACKED_GLOBALS = {"skyrl.backends.skyrl_train.training_batch._rebuild_tensor_batch",
+                  "skyrl.backends.skyrl_train.training_batch.TrainingInputBatch",
+                  "skyrl.backends.skyrl_train.training_batch.TensorFormat", "torch.device", "numpy.dtype"}
+
+
+def _packed_file(tmp_path: Path, state: dict, protocol: int = 4, **kw) -> Path:
+    f = tmp_path / "export" / "dumped_data" / "global_step_1_training_input.pkl"
+    f.parent.mkdir(parents=True, exist_ok=True)
+    f.write_bytes(g.skyrl_packed_pickle(state, protocol, **kw))
+    return f
+
+
+def _no_alarm(run: Path, *, warn: set[str] = frozenset()) -> None:
+    """The doctor: no FAIL, and a WARN only from the checks named (what the data deserves)."""
+    report = doctor.diagnose(run)
+    assert report.ok and {c.name for c in report.warned} == set(warn), report.text()
+
+
+@pytest.mark.parametrize("protocol", [4, 5])
+def test_skyrl_packed_pickle_names_the_writers_globals(tmp_path, protocol):
+    """Enum members pickle as REDUCE(TensorFormat, (value,)); numpy_view arrays in-band (_reconstruct + BUILD under
+    protocol 4, _frombuffer under 5): every global is one r3lab maps to a stand-in."""
+    src, _ = g.skyrl_packed_dump(tmp_path / "export", steps=1, protocol=protocol, sample_support=True)
+    data = (src / "dumped_data" / "global_step_1_training_input.pkl").read_bytes()
+    arrays = ({"numpy._core.multiarray._reconstruct", "numpy.ndarray"} if protocol == 4
+              else {"numpy._core.numeric._frombuffer"})
+    assert _globals(data) == PACKED_GLOBALS | arrays
+    assert {f"{m}.{n}" for m, n in sk._allowed("x")} >= _globals(data)
+    ops = [(op.name, arg) for op, arg, _ in pickletools.genops(data) if op.name != "MEMOIZE"]
+    i = ops.index(("SHORT_BINUNICODE", "TensorFormat"))  # the first member: REDUCE(TensorFormat, (value,))
+    assert [n for n, _ in ops[i + 1:i + 5]] == ["STACK_GLOBAL", "SHORT_BINUNICODE", "TUPLE1", "REDUCE"]
+    assert ops[i + 2][1] in {"numpy", "numpy_view", "packed_tensor"}
+
+
+@pytest.mark.parametrize("protocol", [4, 5])
+def test_skyrl_packed_round_trip(tmp_path, protocol):
+    """Each segment's captured prefix (P + R - 1 rows) becomes the sample's routes, DP pad segments dropped,
+    uint8/int16/int32 routes, rollout_sample_support ignored; the run names the layout."""
+    src, truth = g.skyrl_packed_dump(tmp_path / "export", protocol=protocol, sample_support=True)
+    arrays, meta = sk.load_batch(src / "dumped_data" / "global_step_1_training_input.pkl")
+    p = arrays["rollout_expert_indices"]
+    assert isinstance(p, sk.Packed) and len(p) == 8 and meta["pad_size"] == 2 and p.values.dtype == np.uint8
+    assert "rollout_sample_support" not in arrays  # ignored by name
+    run = sk.import_skyrl(src, tmp_path / "run", config=g.CONFIG)
+    _check(run, truth, logp_train=True, reward=False, advantage=True)
+    loaded = runs.load(run)
+    assert loaded.config["source_layouts"] == ["packed-2026-09"] == loaded.summary["source_layouts"]
+    assert loaded.summary["samples"] == 18 and loaded.summary["samples_without_routes"] == 0
+    _no_alarm(run)
+    assert doctor.diagnose(run).check("route rows").status == "ok"
+
+
+def test_skyrl_packed_cli_kind_and_auto_agree(tmp_path, capsys):
+    """r3lab import skyrl and r3lab import auto on the same dump: auto picks skyrl, the runs hold the same data."""
+    from r3lab.cli import main
+
+    src, truth = g.skyrl_packed_dump(tmp_path / "export", pmax=14)
+    for kind in ("skyrl", "auto"):
+        main(["import", kind, str(src), "--out", str(tmp_path / kind), "--config", str(g.CONFIG)])
+    assert "r3lab import auto: skyrl dump" in capsys.readouterr().err
+    a, b = runs.load(tmp_path / "skyrl"), runs.load(tmp_path / "auto")
+    assert a.token_steps() == b.token_steps() == [1, 2, 3] and a.summary == b.summary
+    for step in (1, 2, 3):
+        assert a.tokens([step]).equals(b.tokens([step]))
+        assert np.array_equal(a.routes(step, "engine").sequence(5), b.routes(step, "engine").sequence(5))
+    _check(tmp_path / "auto", truth, logp_train=True, reward=False, advantage=True)
+    main(["doctor", str(tmp_path / "auto")])
+    assert "0 failed, 0 warnings" in capsys.readouterr().out
+
+
+def test_skyrl_packed_without_routes(tmp_path):
+    """A packed-layout dump of a run without R3 (no routes, no mask): tokens and log-probs, no false alarm."""
+    src, truth = g.skyrl_packed_dump(tmp_path / "export", with_routes=False)
+    run = sk.import_skyrl(src, tmp_path / "run", config=g.CONFIG)
+    loaded = runs.load(run)
+    assert loaded.route_steps("engine") == [] and loaded.summary["samples"] == 18
+    assert loaded.config["source_layouts"] == ["packed-2026-09"]  # told apart by the TensorFormat members alone
+    for t in truth.values():
+        for s in t:
+            s["captured"] = 0
+    _check(run, truth, logp_train=True, reward=False, advantage=True)
+    _no_alarm(run)
+
+
+@pytest.mark.parametrize("case", ["short_capture", "agent_loop"])
+def test_skyrl_packed_short_captures_get_no_routes(tmp_path, case):
+    """A capture the mask marks short, and the agent loop's trace padded with dummy rows that the mask counts as
+    captured (a trailing observation the engine never ran): tokens kept, routes left out, the doctor warns once."""
+    src, truth = g.skyrl_packed_dump(tmp_path / "export", case=case)
+    assert all(truth[n][2]["captured"] < truth[n][2]["P"] + truth[n][2]["R"] - 1 for n in truth)
+    run = sk.import_skyrl(src, tmp_path / "run", config=g.CONFIG)
+    _check(run, truth, logp_train=True, reward=False, advantage=True)
+    counts = runs.load(run).config["capture"]["counts"]
+    assert counts["prefix_capture"] == 3 and counts.get("row_count", 0) == 0
+    _no_alarm(run, warn={"route rows"})
+    assert "3 samples whose capture" in doctor.diagnose(run).check("route rows").detail
+
+
+def test_skyrl_packed_mixed_prompt_lengths_and_byte_values(tmp_path):
+    """Prompts of 2 to 16 tokens over 8 samples, and #2235 before #2236 (packed values as numpy bytes)."""
+    src, truth = g.skyrl_packed_dump(tmp_path / "export", samples=8, pmax=16, zero_copy=False, seed=3)
+    assert len({s["P"] for s in truth[1]}) >= 4
+    run = sk.import_skyrl(src, tmp_path / "run", config=g.CONFIG)
+    _check(run, truth, logp_train=True, reward=False, advantage=True)
+    assert runs.load(run).config["source_layouts"] == ["packed-2026-09"]
+    _no_alarm(run)
+
+
+def test_skyrl_each_file_names_its_layout(tmp_path):
+    """The older layouts are named too; a folder of mixed layouts records each, in the order met."""
+    for case, name in (("pre1908", "tensorbatch-2026-03"), ("clean", "tensorbatch-2026-07")):
+        src, _ = g.skyrl_dump(tmp_path / case, steps=1, case=case)
+        run = sk.import_skyrl(src, tmp_path / f"run-{case}", config=g.CONFIG)
+        assert runs.load(run).config["source_layouts"] == [name]
+    src, _ = g.skyrl_dump(tmp_path / "mixed", steps=1)
+    state, _ = g.skyrl_packed_batch(np.random.default_rng(5), 4)
+    (src / "dumped_data" / "global_step_2_training_input.pkl").write_bytes(g.skyrl_packed_pickle(state))
+    run = runs.load(sk.import_skyrl(src, tmp_path / "run-mixed", config=g.CONFIG))
+    assert run.config["source_layouts"] == ["tensorbatch-2026-07", "packed-2026-09"]
+    assert [lay.name for lay in sk.LAYOUTS] == ["dict-pickle", "tensorbatch-2026-03", "tensorbatch-2026-07",
+                                                "packed-2026-09"]
+
+
+def test_skyrl_before_1379_is_refused_by_name(tmp_path):
+    f = tmp_path / "dumped_data" / "global_step_1_training_input.pkl"
+    f.parent.mkdir()
+    data = g.skyrl_pre1379_pickle(np.random.default_rng(0))
+    assert "torch._utils._rebuild_tensor_v2" in _globals(data)
+    with pytest.raises(UnsafeFileError, match=r"before #1379 .*'dict-pickle'.*not an attack"):
+        f.write_bytes(data)
+        sk.import_skyrl(tmp_path, tmp_path / "run", config=g.CONFIG)
+    assert not (tmp_path / "run").exists()
+    with g._fake_modules("skyrl_train.training_batch", TrainingInputBatch=g.TensorBatchPre1379):
+        f.write_bytes(pickle.dumps(g.TensorBatchPre1379(x=1)))  # the skyrl_train package's module name (< #1148)
+    with pytest.raises(UnsafeFileError, match=r"before #1379 .*skyrl_train\.training_batch\.TrainingInputBatch"):
+        sk.load_batch(f)
+
+
+def _set_packed(state: dict, key: str, values: np.ndarray, cu: np.ndarray, zero_copy: bool = True) -> None:
+    state["batch_dict"][key] = {"format": g.TensorFormat.PACKED_TENSOR, "values": g._serialize_tf(values, zero_copy),
+                                "cu_seqlens": g._serialize_tf(cu)}
+
+
+def _routes_of(state: dict) -> tuple[np.ndarray, np.ndarray]:
+    v = state["batch_dict"]["rollout_expert_indices"]
+    c = v["cu_seqlens"]
+    return v["values"]["data"], np.frombuffer(c["data"], c["dtype"]).reshape(c["shape"]).copy()
+
+
+def _bad_cu(kind: str, cu: np.ndarray, rows: int) -> np.ndarray:
+    cu = cu.copy()
+    if kind == "not monotone":
+        cu[2], cu[3] = cu[3], cu[2]
+    elif kind == "short end":
+        cu[-1] = rows - 1
+    elif kind == "late start":
+        cu[0] = 1
+    elif kind == "segments":
+        cu = np.delete(cu, 3)
+    elif kind == "segment length":
+        cu[3] += 1
+    return cu
+
+
+@pytest.mark.parametrize("kind,message", [
+    ("not monotone", "cu_seqlens is not monotone"),
+    ("short end", r"cu_seqlens runs from 0 to \d+, not from 0 to the \d+ packed rows"),
+    ("late start", "cu_seqlens runs from 1"),
+    ("segments", "7 packed segments for a batch of 8"),
+    ("segment length", "sample 2: its packed route segment holds"),
+])
+def test_skyrl_malformed_cu_seqlens_are_refused(tmp_path, kind, message):
+    state, _ = g.skyrl_packed_batch(np.random.default_rng(0), 6, pad=2)
+    values, cu = _routes_of(state)
+    _set_packed(state, "rollout_expert_indices", values, _bad_cu(kind, cu, len(values)))
+    f = _packed_file(tmp_path, state)
+    with pytest.raises(ImportFormatError, match=message) as e:
+        sk.import_skyrl(f, tmp_path / "run", config=g.CONFIG)
+    assert "global_step_1_training_input.pkl" in str(e.value) and not isinstance(e.value, UnknownLayoutError)
+    assert not (tmp_path / "run").exists()  # all or nothing
+
+
+class _Reduce:
+    """An object that pickles as ``fn(*args)`` (+ BUILD ``state``): how a writer's numpy array would pickle."""
+
+    def __init__(self, fn, args, state=None):
+        self.fn, self.args, self.state = fn, args, state
+
+    def __reduce__(self):
+        return (self.fn, self.args) if self.state is None else (self.fn, self.args, self.state)
+
+
+@pytest.mark.parametrize("how", ["numpy bytes", "protocol 4 view", "protocol 5 view"])
+def test_skyrl_packed_wrong_byte_counts_are_refused(tmp_path, how):
+    from numpy._core.multiarray import _reconstruct
+    from numpy._core.numeric import _frombuffer
+
+    state, _ = g.skyrl_packed_batch(np.random.default_rng(0), 4)
+    v = state["batch_dict"]["rollout_expert_indices"]["values"]
+    arr = v["data"]
+    short = arr.tobytes()[:-3]
+    if how == "numpy bytes":
+        v.update(format=g.TensorFormat.NUMPY, data=short, shape=arr.shape, dtype=str(arr.dtype))
+        message = "bytes are no whole number|values for shape"
+    elif how == "protocol 4 view":
+        v["data"] = _Reduce(_reconstruct, (np.ndarray, (0,), b"b"), (1, arr.shape, arr.dtype, False, short))
+        message = "items for shape"
+    else:
+        v["data"] = _Reduce(_frombuffer, (short, arr.dtype, arr.shape, "C"))
+        message = r"bytes for shape .* expected"
+    f = _packed_file(tmp_path, state, protocol=4 if how != "protocol 5 view" else 5)
+    with pytest.raises(ImportFormatError, match=message):
+        sk.load_batch(f)
+
+
+def test_skyrl_unknown_format_names_and_skyrl_globals_are_a_newer_layout_not_an_attack(tmp_path):
+    class TensorFormat(StrEnum):  # a newer SkyRL's enum, with a member this r3lab does not know
+        NUMPY = "numpy"
+        NUMPY_VIEW = "numpy_view"
+        PACKED_TENSOR = "packed_tensor"
+        PACKED_RAGGED = "packed_ragged"
+
+    state, _ = g.skyrl_packed_batch(np.random.default_rng(0), 3)
+    for v in state["batch_dict"].values():  # every field's format a member of the newer enum
+        for d in (v, *(v or {}).values()):
+            if isinstance(d, dict) and "format" in d:
+                d["format"] = TensorFormat(str(d["format"]))
+    state["batch_dict"]["rollout_expert_indices"]["format"] = TensorFormat.PACKED_RAGGED
+    f = _packed_file(tmp_path, state, tensor_format=TensorFormat)
+    with pytest.raises(UnknownLayoutError, match=r"TensorFormat\('packed_ragged'\).*not an unsafe file") as e:
+        sk.load_batch(f)
+    assert "packed-2026-09" in str(e.value) and "global_step_1" in str(e.value)
+
+    state, _ = g.skyrl_packed_batch(np.random.default_rng(0), 3)
+    state["batch_dict"]["loss_mask"]["format"] = "arrow"  # a plain-string format name r3lab does not know
+    with pytest.raises(UnknownLayoutError, match="key 'loss_mask' has the tensor format 'arrow'"):
+        sk.load_batch(_packed_file(tmp_path, state))
+
+    state, _ = g.skyrl_packed_batch(np.random.default_rng(0), 3)
+    # a field r3lab reads dense, packed
+    _set_packed(state, "rollout_logprobs", np.zeros((1, 1), np.float32), np.array([0, 1, 1, 1], np.int32))
+    with pytest.raises(UnknownLayoutError, match="key 'rollout_logprobs' is a packed_tensor"):
+        sk.load_batch(_packed_file(tmp_path, state))
+
+    class PackedTensor:  # a global under SkyRL's own module that this r3lab does not know
+        def __reduce__(self):
+            return (PackedTensor, ())
+
+    state, _ = g.skyrl_packed_batch(np.random.default_rng(0), 3)
+    state["metadata"]["extra"] = PackedTensor()
+    f = tmp_path / "newer" / "global_step_1_training_input.pkl"
+    f.parent.mkdir()
+    with g._fake_modules("skyrl.backends.skyrl_train.utils.packed_tensor", PackedTensor=PackedTensor):
+        f.write_bytes(g.skyrl_packed_pickle(state))
+    with pytest.raises(UnknownLayoutError, match=r"skyrl\.backends\.skyrl_train\.utils\.packed_tensor\.PackedTensor"):
+        sk.load_batch(f)
+
+
+def test_skyrl_packed_routes_of_another_shape_or_dtype_are_refused(tmp_path):
+    state, _ = g.skyrl_packed_batch(np.random.default_rng(0), 3)
+    values, cu = _routes_of(state)
+    _set_packed(state, "rollout_expert_indices", values.astype(np.float32), cu)
+    with pytest.raises(ImportFormatError, match="integer"):
+        sk.import_skyrl(_packed_file(tmp_path, state), tmp_path / "run", config=g.CONFIG)
+    _set_packed(state, "rollout_expert_indices", values.reshape(len(values), -1), cu)
+    with pytest.raises(ImportFormatError, match=r"integer \[rows, layers, top_k\]"):
+        sk.import_skyrl(_packed_file(tmp_path, state), tmp_path / "run", config=g.CONFIG)
 
 
 # ---- verl ----------------------------------------------------------------------------------------------------------
@@ -364,7 +638,7 @@ def test_broken_files_name_the_file(tmp_path):
 
 
 # ---- memory ---------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["skyrl", "verl"])
+@pytest.mark.parametrize("kind", ["skyrl", "skyrl-packed", "verl"])
 def test_import_is_streaming_and_bounded_in_memory(tmp_path, kind):
     """100k samples in 8 step files (with routes) import with an RSS rise under a third of the dump's size: one
     step's pickle and its routes are held at a time (the same measure as test_importers' NeMo-RL test). Measured
@@ -373,8 +647,9 @@ def test_import_is_streaming_and_bounded_in_memory(tmp_path, kind):
     small = g.large(kind, tmp_path / "small", samples=800)
     big = g.large(kind, tmp_path / "big", samples=100_000)
     size = sum(f.stat().st_size for f in big.rglob("*") if f.is_file())
-    fn = "import_skyrl" if kind == "skyrl" else "import_verl"
-    probe = (f"import resource, sys\nfrom r3lab.importers.{kind} import {fn} as imp\n"
+    mod = kind.split("-")[0]
+    fn = f"import_{mod}"
+    probe = (f"import resource, sys\nfrom r3lab.importers.{mod} import {fn} as imp\n"
              "imp(sys.argv[1], sys.argv[3] + '-warm', config=sys.argv[4])\n"
              "a = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
              "imp(sys.argv[2], sys.argv[3], config=sys.argv[4])\n"

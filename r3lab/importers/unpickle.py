@@ -210,3 +210,34 @@ def restricted_load(path: Path, allowed: Mapping[tuple[str, str], Any], what: st
         except (pickle.UnpicklingError, EOFError, TypeError, AttributeError, ValueError, IndexError, KeyError,
                 MemoryError, RecursionError) as e:
             raise ImportFormatError(f"{str(p)!r} is not a readable {what} pickle: {type(e).__name__}: {e}") from e
+
+
+def _np_frombuffer(path: str) -> Rebuilder:
+    def check(where: str, args: tuple[Any, ...]) -> np.ndarray:
+        if len(args) != 4:
+            raise UnsafeFileError(f"{where} called with {len(args)} arguments (numpy passes buffer, dtype, shape, "
+                                  "order)")
+        buf, dtype, shape, order = args
+        if not isinstance(buf, bytes | bytearray):
+            raise UnsafeFileError(f"{where}: the buffer is {type(buf).__name__}, not in-band bytes (an out-of-band "
+                                  "buffer is never in a file)")
+        if not isinstance(dtype, DTypeStandIn) or dtype.kind != "numeric":
+            raise UnsafeFileError(f"{where}: a dtype r3lab did not build as numeric ({type(dtype).__name__})")
+        if not (isinstance(shape, tuple) and all(isinstance(n, int) and n >= 0 for n in shape)):
+            raise ImportFormatError(f"{where}: shape {shape!r}")
+        if order not in ("C", "F"):
+            raise UnsafeFileError(f"{where}: order {order!r}")
+        n = int(np.prod(shape)) if shape else 1
+        if len(buf) != n * dtype.dtype.itemsize:
+            raise ImportFormatError(f"{where}: {len(buf)} bytes for shape {shape} of {dtype.dtype} "
+                                    f"({n * dtype.dtype.itemsize} expected)")
+        return np.frombuffer(buf, dtype=dtype.dtype).reshape(shape, order=order)
+
+    return Rebuilder("numpy._core.numeric._frombuffer", path, check)
+
+
+def NUMPY_PROTOCOL5_GLOBALS(path: str) -> dict[tuple[str, str], Any]:  # noqa: N802 (a table, built per file)
+    """numpy's pickle-protocol-5 array global (``ndarray.__reduce_ex__(5)``: ``_frombuffer(PickleBuffer, dtype,
+    shape, order)``, the buffer in-band in a file) for the file ``path``; use beside :func:`NUMPY_GLOBALS`."""
+    fb = _np_frombuffer(path)
+    return {(mod, "_frombuffer"): fb for mod in ("numpy._core.numeric", "numpy.core.numeric")}
