@@ -41,7 +41,7 @@ def _break_sample(src: Path, step: int, sample: int) -> None:
 # ---- the registry ---------------------------------------------------------------------------------------------------
 def test_every_importer_module_is_one_registry_entry_and_declares_its_options():
     mods = {p.stem for p in (ROOT / "r3lab" / "importers").glob("*.py")} - {"__init__", "common", "registry",
-                                                                              "unpickle", "train_dumps"}
+                                                                              "unpickle", "train_dumps", "layouts"}
     named = {s.module.rsplit(".", 1)[1] for s in KINDS.values()}
     assert mods <= named, sorted(mods - named)  # a module without an entry would be unreachable
     for kind, spec in KINDS.items():
@@ -49,6 +49,10 @@ def test_every_importer_module_is_one_registry_entry_and_declares_its_options():
         if spec.available:
             assert callable(spec.import_function)
             assert all(isinstance(k, str) and isinstance(v, str) and v for k, v in spec.options.items()), kind
+            # every importer names the layouts it reads (recorded in runs, listed by r3lab import --formats)
+            names = [lay.name for lay in spec.layouts]
+            assert names and len(set(names)) == len(names), (kind, names)
+            assert all(lay.writer and lay.marks and lay.gives for lay in spec.layouts), kind
     assert {"skyrl", "verl"} <= set(KINDS)
 
 
