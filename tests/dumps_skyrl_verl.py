@@ -464,3 +464,38 @@ if __name__ == "__main__":
     skyrl_dump(out / "skyrl")
     verl_dump(out / "verl")
     print(out)
+
+
+def check_imported(run_path: Path, truth: dict[int, list[dict]], *, logp_train: bool, reward: bool,
+                   advantage: bool) -> None:
+    """An imported run holds what the generator wrote (``truth``: per step, each real sample's fields): steps, samples
+    per step (DP pad rows dropped), tokens, engine log-probs, loss masks, and as asked trainer log-probs, rewards and
+    advantages; routes where the capture covers ``P + R - 1`` rows, none where it is short."""
+    from r3lab import runs
+    from r3lab.importers import sample_tokens
+
+    run = runs.load(run_path)
+    assert run.finished and run.token_steps() == sorted(truth)
+    for step, samples in truth.items():
+        toks, full = run.tokens([step]), sample_tokens(run.path, step)
+        assert len(full) == len(samples)  # DP pad rows dropped
+        r = run.routes(step, "engine") if step in run.route_steps("engine") else None
+        for i, s in enumerate(samples):
+            t = toks[toks["sample"] == i]
+            assert full[i].tolist() == s["tokens"].tolist()
+            assert t["prompt_length"].iloc[0] == s["P"] and len(t) == s["R"]
+            assert t["logp_infer"].to_numpy().tobytes() == s["logp_infer"].astype(np.float64).tobytes()
+            assert t["loss_mask"].tolist() == s["loss_mask"].astype(int).tolist()
+            if logp_train:
+                assert t["logp_train"].to_numpy().tobytes() == s["logp_train"].astype(np.float64).tobytes()
+            else:
+                assert "logp_train" not in t
+            if advantage:
+                assert t["advantage"].to_numpy().tobytes() == s["advantage"].astype(np.float64).tobytes()
+            if reward:
+                assert t["reward"].iloc[0] == s["reward"]
+            want = s["P"] + s["R"] - 1
+            if s["captured"] >= want:
+                assert r is not None and r.sequence(i).astype(np.int64).tolist() == s["routes"][:want].tolist()
+            else:
+                assert r is None or r.lengths[i] == 0  # a short capture: routes left out, never padded rows

@@ -17,7 +17,6 @@ import pytest
 
 from r3lab import doctor, runs
 from r3lab.errors import ImportFormatError, UnknownLayoutError, UnsafeFileError
-from r3lab.importers import sample_tokens
 from r3lab.importers import skyrl as sk
 from r3lab.importers import verl as vl
 
@@ -47,34 +46,6 @@ def _globals(data: bytes) -> set[str]:
     return out
 
 
-def _check(run_path: Path, truth: dict[int, list[dict]], *, logp_train: bool, reward: bool, advantage: bool) -> None:
-    run = runs.load(run_path)
-    assert run.finished and run.token_steps() == sorted(truth)
-    for step, samples in truth.items():
-        toks, full = run.tokens([step]), sample_tokens(run.path, step)
-        assert len(full) == len(samples)  # DP pad rows dropped
-        r = run.routes(step, "engine") if step in run.route_steps("engine") else None
-        for i, s in enumerate(samples):
-            t = toks[toks["sample"] == i]
-            assert full[i].tolist() == s["tokens"].tolist()
-            assert t["prompt_length"].iloc[0] == s["P"] and len(t) == s["R"]
-            assert t["logp_infer"].to_numpy().tobytes() == s["logp_infer"].astype(np.float64).tobytes()
-            assert t["loss_mask"].tolist() == s["loss_mask"].astype(int).tolist()
-            if logp_train:
-                assert t["logp_train"].to_numpy().tobytes() == s["logp_train"].astype(np.float64).tobytes()
-            else:
-                assert "logp_train" not in t
-            if advantage:
-                assert t["advantage"].to_numpy().tobytes() == s["advantage"].astype(np.float64).tobytes()
-            if reward:
-                assert t["reward"].iloc[0] == s["reward"]
-            want = s["P"] + s["R"] - 1
-            if s["captured"] >= want:
-                assert r is not None and r.sequence(i).astype(np.int64).tolist() == s["routes"][:want].tolist()
-            else:
-                assert r is None or r.lengths[i] == 0  # a short capture: routes left out, never padded rows
-
-
 # ---- SkyRL ---------------------------------------------------------------------------------------------------------
 def test_skyrl_pickle_names_exactly_the_writers_globals(tmp_path):
     src, _ = g.skyrl_dump(tmp_path / "export", steps=1)
@@ -96,7 +67,7 @@ def test_skyrl_round_trip(tmp_path, case):
     assert meta["pad_size"] == 2 and arrays["sequences"].shape[0] == 8
     assert {arrays["rollout_expert_indices"].dtype for _ in [0]} == {np.dtype(np.uint8)}
     run = sk.import_skyrl(src, tmp_path / "run", config=g.CONFIG)
-    _check(run, truth, logp_train=True, reward=False, advantage=True)
+    g.check_imported(run, truth, logp_train=True, reward=False, advantage=True)
     loaded = runs.load(run)
     assert loaded.config["source"]["format"] == "skyrl" and loaded.summary["samples"] == 18
     assert loaded.summary["samples_without_routes"] == 0
@@ -116,7 +87,7 @@ def test_skyrl_multi_turn_mask_is_kept(tmp_path):
 def test_skyrl_short_capture_leaves_the_sample_without_routes_and_doctor_says_so(tmp_path):
     src, truth = g.skyrl_dump(tmp_path / "export", case="short_capture")
     run = sk.import_skyrl(src, tmp_path / "run", config=g.CONFIG)
-    _check(run, truth, logp_train=True, reward=False, advantage=True)
+    g.check_imported(run, truth, logp_train=True, reward=False, advantage=True)
     loaded = runs.load(run)
     counts = loaded.config["capture"]["counts"]
     assert counts["prefix_capture"] == 3 and counts["row_count"] == 0  # sample 2 of each of the 3 steps, marked
@@ -219,7 +190,7 @@ def test_skyrl_packed_round_trip(tmp_path, protocol):
     assert isinstance(p, sk.Packed) and len(p) == 8 and meta["pad_size"] == 2 and p.values.dtype == np.uint8
     assert "rollout_sample_support" not in arrays  # ignored by name
     run = sk.import_skyrl(src, tmp_path / "run", config=g.CONFIG)
-    _check(run, truth, logp_train=True, reward=False, advantage=True)
+    g.check_imported(run, truth, logp_train=True, reward=False, advantage=True)
     loaded = runs.load(run)
     assert loaded.config["source_layouts"] == ["packed-2026-09"] == loaded.summary["source_layouts"]
     assert loaded.summary["samples"] == 18 and loaded.summary["samples_without_routes"] == 0
@@ -240,7 +211,7 @@ def test_skyrl_packed_cli_kind_and_auto_agree(tmp_path, capsys):
     for step in (1, 2, 3):
         assert a.tokens([step]).equals(b.tokens([step]))
         assert np.array_equal(a.routes(step, "engine").sequence(5), b.routes(step, "engine").sequence(5))
-    _check(tmp_path / "auto", truth, logp_train=True, reward=False, advantage=True)
+    g.check_imported(tmp_path / "auto", truth, logp_train=True, reward=False, advantage=True)
     main(["doctor", str(tmp_path / "auto")])
     assert "0 failed, 0 warnings" in capsys.readouterr().out
 
@@ -255,7 +226,7 @@ def test_skyrl_packed_without_routes(tmp_path):
     for t in truth.values():
         for s in t:
             s["captured"] = 0
-    _check(run, truth, logp_train=True, reward=False, advantage=True)
+    g.check_imported(run, truth, logp_train=True, reward=False, advantage=True)
     _no_alarm(run)
 
 
@@ -266,7 +237,7 @@ def test_skyrl_packed_short_captures_get_no_routes(tmp_path, case):
     src, truth = g.skyrl_packed_dump(tmp_path / "export", case=case)
     assert all(truth[n][2]["captured"] < truth[n][2]["P"] + truth[n][2]["R"] - 1 for n in truth)
     run = sk.import_skyrl(src, tmp_path / "run", config=g.CONFIG)
-    _check(run, truth, logp_train=True, reward=False, advantage=True)
+    g.check_imported(run, truth, logp_train=True, reward=False, advantage=True)
     counts = runs.load(run).config["capture"]["counts"]
     assert counts["prefix_capture"] == 3 and counts.get("row_count", 0) == 0
     _no_alarm(run, warn={"route rows"})
@@ -278,7 +249,7 @@ def test_skyrl_packed_mixed_prompt_lengths_and_byte_values(tmp_path):
     src, truth = g.skyrl_packed_dump(tmp_path / "export", samples=8, pmax=16, zero_copy=False, seed=3)
     assert len({s["P"] for s in truth[1]}) >= 4
     run = sk.import_skyrl(src, tmp_path / "run", config=g.CONFIG)
-    _check(run, truth, logp_train=True, reward=False, advantage=True)
+    g.check_imported(run, truth, logp_train=True, reward=False, advantage=True)
     assert runs.load(run).config["source_layouts"] == ["packed-2026-09"]
     _no_alarm(run)
 
@@ -459,7 +430,7 @@ def test_verl_round_trip(tmp_path):
     routed_experts read over the captured rows only."""
     src, truth = g.verl_dump(tmp_path / "dump")
     run = vl.import_verl(src, tmp_path / "run", config=g.CONFIG)
-    _check(run, truth, logp_train=False, reward=True, advantage=False)
+    g.check_imported(run, truth, logp_train=False, reward=True, advantage=False)
     loaded = runs.load(run)
     assert loaded.summary["samples"] == 18 and loaded.step_records[0]["reward_mean"] == 0.5
     t = loaded.tokens([1])
@@ -484,7 +455,7 @@ def test_verl_source_files_are_hashed_by_step_folder(tmp_path):
 def test_verl_short_capture(tmp_path):
     src, truth = g.verl_dump(tmp_path / "dump", case="short_capture")
     run = vl.import_verl(src, tmp_path / "run", config=g.CONFIG)
-    _check(run, truth, logp_train=False, reward=True, advantage=False)
+    g.check_imported(run, truth, logp_train=False, reward=True, advantage=False)
     assert runs.load(run).config["capture"]["counts"]["prefix_capture"] == 3
     assert doctor.diagnose(run).ok
 

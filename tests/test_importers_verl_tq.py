@@ -18,32 +18,8 @@ from r3lab import doctor, runs
 from r3lab.cli import main
 from r3lab.errors import ImportFormatError, UnknownLayoutError, UnsafeFileError
 from r3lab.importers import verl as vl
-from r3lab.importers.common import sample_tokens
 from r3lab.importers.layouts import formats_table
 from r3lab.importers.registry import detect_kind
-
-
-def _check(run_path: Path, truth: dict[int, list[dict]]) -> None:
-    """Steps, samples per step, tokens, engine log-probs, masks, rewards and routes as the generator wrote them."""
-    run = runs.load(run_path)
-    assert run.finished and run.token_steps() == sorted(truth)
-    for step, samples in truth.items():
-        toks, full = run.tokens([step]), sample_tokens(run.path, step)
-        assert len(full) == len(samples)
-        r = run.routes(step, "engine") if step in run.route_steps("engine") else None
-        for i, s in enumerate(samples):
-            t = toks[toks["sample"] == i]
-            assert full[i].tolist() == s["tokens"].tolist()
-            assert t["prompt_length"].iloc[0] == s["P"] and len(t) == s["R"]
-            assert t["logp_infer"].to_numpy().tobytes() == s["logp_infer"].astype(np.float64).tobytes()
-            assert t["loss_mask"].tolist() == s["loss_mask"].astype(int).tolist()
-            assert "logp_train" not in t  # the dumps are written before the trainer's log-probs
-            assert t["reward"].iloc[0] == s["reward"]
-            want = s["P"] + s["R"] - 1
-            if s["captured"] >= want:
-                assert r is not None and r.sequence(i).astype(np.int64).tolist() == s["routes"][:want].tolist()
-            else:
-                assert r is None or r.lengths[i] == 0
 
 
 def _no_alarm(run: Path, *, warn: set[str] = frozenset()) -> None:
@@ -105,7 +81,7 @@ def test_tq_round_trip_with_inner_minibatches(tmp_path, dense):
     src, truth = q.tq_dump(tmp_path / "dump", steps=2, inner=2, dense=dense)
     assert all(len(v) == 8 for v in truth.values())
     run = vl.import_verl(src, tmp_path / "run", config=q.CONFIG)
-    _check(run, truth)
+    g.check_imported(run, truth, logp_train=False, reward=True, advantage=False)
     loaded = runs.load(run)
     assert loaded.config["source_layouts"] == ["tq-batch"] and loaded.summary["samples"] == 16
     t = loaded.tokens([1])
@@ -117,7 +93,7 @@ def test_tq_round_trip_with_inner_minibatches(tmp_path, dense):
 def test_tq_short_capture_keeps_tokens_and_doctor_warns_once(tmp_path):
     src, truth = q.tq_dump(tmp_path / "dump", steps=1, case="short_capture")
     run = vl.import_verl(src, tmp_path / "run", config=q.CONFIG)
-    _check(run, truth)
+    g.check_imported(run, truth, logp_train=False, reward=True, advantage=False)
     _no_alarm(run, warn={"route rows"})
 
 
@@ -131,7 +107,7 @@ def test_tq_cli_kind_and_auto_agree_from_every_folder(tmp_path, capsys):
                 main(["import", kind, str(s), "--out", str(tmp_path / f"{kind}{i}"), "--config", str(q.CONFIG)])
             a, b = runs.load(tmp_path / f"verl{i}"), runs.load(tmp_path / f"auto{i}")
             assert a.summary["samples"] == b.summary["samples"] == 8
-            _check(b.path, truth)
+            g.check_imported(b.path, truth, logp_train=False, reward=True, advantage=False)
             main(["doctor", str(b.path)])
     assert "r3lab import auto: verl dump" in capsys.readouterr().err
     one = runs.load(vl.import_verl(gbs / "2" / "0" / "tq_batch.pt", tmp_path / "one", config=q.CONFIG))
@@ -222,7 +198,7 @@ def test_async_round_trip_feed_index_steps(tmp_path):
     """One prompt's n samples per feed-index folder (starting at 0): a step per folder, layout named by the uid."""
     src, truth = q.async_dump(tmp_path / "dump", feeds=3, n=2)
     run = vl.import_verl(src, tmp_path / "run", config=q.CONFIG)
-    _check(run, truth)
+    g.check_imported(run, truth, logp_train=False, reward=True, advantage=False)
     loaded = runs.load(run)
     assert loaded.token_steps() == [0, 1, 2] and loaded.config["source_layouts"] == ["async-gen-batch-numpy"]
     _no_alarm(run)
@@ -232,7 +208,7 @@ def test_async_without_uid_reads_as_gen_batch(tmp_path):
     """Without reward-loop-free uid copying the bytes are a plain gen_batch: same import, that layout recorded."""
     src, truth = q.async_dump(tmp_path / "dump", feeds=2, n=2, uid=False)
     run = vl.import_verl(src, tmp_path / "run", config=q.CONFIG)
-    _check(run, truth)
+    g.check_imported(run, truth, logp_train=False, reward=True, advantage=False)
     assert runs.load(run).config["source_layouts"] == ["gen-batch-numpy"]
 
 
@@ -241,7 +217,7 @@ def test_async_cli_kind_and_auto_agree(tmp_path, capsys):
     for kind in ("verl", "auto"):
         main(["import", kind, str(src), "--out", str(tmp_path / kind), "--config", str(q.CONFIG)])
     assert "r3lab import auto: verl dump" in capsys.readouterr().err
-    _check(tmp_path / "auto", truth)
+    g.check_imported(tmp_path / "auto", truth, logp_train=False, reward=True, advantage=False)
     assert runs.load(tmp_path / "verl").summary["samples"] == runs.load(tmp_path / "auto").summary["samples"] == 6
     main(["doctor", str(tmp_path / "auto")])
 
