@@ -204,6 +204,7 @@ class Sample:
     status: str | None = None
     speculative: bool = False
     prefix_capture: bool = False  # the dump itself marks rows past len(routes) as not captured (SkyRL, verl)
+    routes_absent: bool = False  # the dump has no routes field at all (R3 was off): no capture to check, no failure
     where: str = ""  # file and sample number, for messages
     flags: tuple[str, ...] = ()  # what the importer noticed on this sample; counted per step and in the summary
 
@@ -243,6 +244,8 @@ def _check_routes(s: Sample, sample_no: int, lmap: LayerMap, log: CaptureLog
     not all captured keeps its tokens and log-probs, its routes are left out (``prefix_capture``), as with a dump
     that marks its captured prefix itself."""
     where = {"step": s.step, "sample": sample_no}
+    if s.routes is None and s.routes_absent:
+        return None
     if s.routes is None:
         log.add("missing_routes", 1, 1, **where)
         return None

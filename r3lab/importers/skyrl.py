@@ -76,7 +76,7 @@ from typing import Any
 import numpy as np
 
 from r3lab.errors import ImportFormatError, UnsafeFileError
-from r3lab.importers.common import LayerMap, Sample, layout_config, write_run
+from r3lab.importers.common import LayerMap, Sample, write_run
 from r3lab.importers.layouts import Layout, LayoutsSeen, unknown_layout
 from r3lab.importers.unpickle import (
     NUMPY_GLOBALS,
@@ -390,10 +390,11 @@ def _response(arrays: dict[str, Any], key: str, i: int, resp: np.ndarray, dtype:
 
 
 def iter_samples(files: Sequence[tuple[int, Path]], stats: dict[str, Any] | None = None,
-                 seen: LayoutsSeen | None = None, with_routes: bool | None = None) -> Iterator[Sample]:
-    """Every real (not DP-pad) sample of the dumps, one file in memory at a time (``with_routes``: whether every
-    file must have routes, or none; None: either)."""
+                 seen: LayoutsSeen | None = None) -> Iterator[Sample]:
+    """Every real (not DP-pad) sample of the dumps, one file in memory at a time. Every file has routes, or none
+    does (a run without R3: ``enable_return_routed_experts`` off); its samples are then marked ``routes_absent``."""
     stats = {} if stats is None else stats
+    with_routes: bool | None = None  # what the first file had
     for step, f in files:
         a, meta, layout = _load(f)
         if seen is not None:
@@ -410,7 +411,9 @@ def iter_samples(files: Sequence[tuple[int, Path]], stats: dict[str, Any] | None
             raise ImportFormatError(f"{f.name}: metadata pad_size {pad} for a batch of {B}")
         stats["pad_rows_dropped"] = stats.get("pad_rows_dropped", 0) + pad
         routes, rpm = a.get("rollout_expert_indices"), a.get("router_padding_mask")
-        if with_routes is not None and (routes is not None) != with_routes:
+        if with_routes is None:
+            with_routes = routes is not None
+        elif (routes is not None) != with_routes:
             raise ImportFormatError(f"{f.name} {'has' if routes is not None else 'has no'} rollout_expert_indices "
                                     f"where {files[0][1].name} {'has none' if routes is not None else 'has them'}; "
                                     "SkyRL writes routes for every step or none (import the steps apart)")
@@ -453,21 +456,18 @@ def iter_samples(files: Sequence[tuple[int, Path]], stats: dict[str, Any] | None
                          logp_train=_response(a, "action_log_probs", i, resp, np.float64),
                          loss_mask=_response(a, "loss_mask", i, resp, np.int8),
                          advantage=_response(a, "advantages", i, resp, np.float64),
-                         routes=r, prefix_capture=rpm is not None or isinstance(routes, Packed), where=where)
+                         routes=r, prefix_capture=rpm is not None or isinstance(routes, Packed),
+                         routes_absent=routes is None, where=where)
         del a
 
 
 def import_skyrl(src: str | os.PathLike, out: str | os.PathLike, *, config: str | os.PathLike | None = None) -> Path:
     """Import SkyRL ``dump_data_batch`` pickles (``export_path``, ``dumped_data/`` or one file) into ``out``.
 
-    A run without R3 (no ``rollout_expert_indices``: ``enable_return_routed_experts`` off, which holds for every
-    step) is told from the first file; with ``config`` its model is recorded without routes."""
+    A run without R3 (no ``rollout_expert_indices`` in any step) imports without routes; with ``config`` its model
+    is recorded all the same."""
     files = step_files(src)
     lmap = LayerMap.from_config(config) if config is not None else None
-    with_routes = _load(files[0][1])[0].get("rollout_expert_indices") is not None
-    extra: dict[str, Any] = {"config_json": None if config is None else str(config)}
-    if lmap is not None and not with_routes:
-        extra["model"] = layout_config(lmap)
     seen = LayoutsSeen(LAYOUTS)
-    return write_run(iter_samples(files, seen=seen, with_routes=with_routes), out, source_format=FORMAT,
-                     files=[f for _, f in files], layer_map=lmap if with_routes else None, extra=extra, layouts=seen)
+    return write_run(iter_samples(files, seen=seen), out, source_format=FORMAT, files=[f for _, f in files],
+                     layer_map=lmap, extra={"config_json": None if config is None else str(config)}, layouts=seen)
