@@ -14,9 +14,10 @@ import pytest
 from r3lab import runs
 from r3lab.doctor import diagnose
 from r3lab.errors import ImportFormatError, UnknownLayoutError, UnsafeFileError
-from r3lab.importers.common import SENTINEL, LayerMap, Sample, write_run
+from r3lab.importers.common import LayerMap, Sample, write_run
 from r3lab.importers.layouts import Layout, LayoutsSeen, formats_table, unknown_layout
 from r3lab.importers.registry import REGISTRY
+from r3lab.routes import SENTINEL
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "data" / "models" / "tiny-qwen3-moe" / "config.json"  # 8 layers, all MoE, 16 experts, top-2

@@ -29,7 +29,6 @@ from r3lab.compaction import (
     vllm_turn_start,
 )
 from r3lab.errors import RolloutError, RouteFormatError
-from r3lab.importers import common
 from r3lab.moe_layout import MoELayout
 from r3lab.rollout import RolloutResult, assemble_turns, parse_completion
 from r3lab.rollout.attach import CompletionsClient
@@ -76,7 +75,7 @@ def test_the_shipped_model_is_what_the_tests_assume():
 
 
 def test_sentinel_is_the_importers_sentinel():
-    assert SENTINEL == common.SENTINEL == -1
+    assert SENTINEL == -1
 
 
 # ---- vLLM .npy: uint8 / uint16 kept as sent, -1 rows kept signed ----------------------------------------------------

@@ -39,8 +39,7 @@ from r3lab.runs import IMPORT_KIND, RunWriter
 
 __all__ = ["NUMPY_ALLOWLIST", "safe_torch_load", "refuse_pickles",
            "read_jsonl", "file_sha256", "file_hashes", "LayerMap", "Sample", "CaptureLog", "write_run",
-           "sample_tokens", "mtp_layer_count", "MTP_CONFIG_KEYS", "jsonl_samples", "layout_config", "FLOAT_COLUMNS",
-           "SENTINEL"]
+           "sample_tokens", "mtp_layer_count", "MTP_CONFIG_KEYS", "jsonl_samples", "layout_config", "FLOAT_COLUMNS"]
 
 REFUSED_SUFFIXES = {".pkl": "a Python pickle", ".pickle": "a Python pickle", ".dill": "a dill pickle",
                     ".joblib": "a joblib pickle"}

@@ -54,7 +54,7 @@ Routes (filesystem transport only) come from the micro-batches the trainer read,
   micro-batch positions ``[pos, pos + rows)``, a C-contiguous ``[rows, *shape]`` array at byte ``offset`` of
   ``file`` (written by the inference server under a shared payload root); ``routed_experts`` is then None in the
   ``.bin``. r3lab reads the ``routed_experts`` segments' rows from their files, one sequence at a time
-  (``os.pread``, as ``read_field``); rows no segment covers are uncaptured (:data:`r3lab.importers.common.SENTINEL`).
+  (``os.pread``, as ``read_field``); rows no segment covers are uncaptured (:data:`r3lab.routes.SENTINEL`).
   ``file`` is the writer's path: where it does not exist, the same path's tail is looked for under the output
   folder (a dump copied elsewhere); a payload file found nowhere is an error naming it.
 * #3523 (open, "Add Total Router Recall for MoE training", description of 2026-09-10; its code is not in any
@@ -101,8 +101,9 @@ from typing import Any
 import numpy as np
 
 from r3lab.errors import ImportFormatError
-from r3lab.importers.common import SENTINEL, LayerMap, Sample, jsonl_samples, layout_config, write_run
+from r3lab.importers.common import LayerMap, Sample, jsonl_samples, layout_config, write_run
 from r3lab.importers.layouts import Layout, LayoutsSeen, unknown_layout
+from r3lab.routes import SENTINEL
 
 __all__ = ["import_prime_rl", "export_files", "iter_samples", "read_micro_batches", "detect", "FORMAT", "OPTIONS",
            "LAYOUTS"]
