@@ -33,6 +33,7 @@ __all__ = [
     "AttachError",
     "SlicingError",
     "ReplayError",
+    "MegatronCoreAPIError",
     "StagingError",
     "BatchError",
     "ImportFormatError",
@@ -42,6 +43,7 @@ __all__ = [
     "MegatronLoadError",
     "MegatronTrainerError",
     "MbridgeAPIError",
+    "MegatronBridgeAPIError",
     "LaunchTimeout",
     "ClusterError",
     "cli_flag",
@@ -127,6 +129,11 @@ class ReplayError(R3LabError, ValueError):
     """Replay cannot be set up or would be wrong: bad ids, wrong layer/token count, unsupported config."""
 
 
+class MegatronCoreAPIError(ReplayError):
+    """The installed megatron-core is outside the releases r3lab was checked against, or changed an internal r3lab
+    reaches (a renamed attribute, a new argument): :mod:`r3lab.replay.mcore_api` names which."""
+
+
 class StagingError(R3LabError, ValueError):
     """Staging failed: a rank could not get its chunk in time, got a corrupt or wrong one, or never reported.
 
@@ -162,6 +169,11 @@ class ImporterMissingError(ImportFormatError):
 class MbridgeAPIError(R3LabError, ValueError):
     """The installed mbridge lacks (or changed) a private name r3lab relies on: install the pinned version
     (:mod:`r3lab.trainers.megatron.mbridge_api`)."""
+
+
+class MegatronBridgeAPIError(R3LabError, ValueError):
+    """The installed NVIDIA Megatron-Bridge is missing, too old, or changed something r3lab relies on to build a
+    model on CPU ranks (:mod:`r3lab.trainers.megatron.megatron_bridge_api`); the message names it."""
 
 
 class MegatronLoadError(R3LabError, ValueError):

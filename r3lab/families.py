@@ -79,8 +79,11 @@ class ModelFamily:
     router_classes: tuple[str, ...] = ()  # transformers router class names (replay and recording hook them)
     router_rule: str | None = None  # a name in ROUTER_RULE_NAMES
     group_routing: bool = False  # routes by expert groups (n_group / topk_group): see group_routing_mismatch
-    megatron_overrides: Callable[[Config], dict[str, Any]] | None = None  # corrections of mbridge's config
+    megatron_overrides: Callable[[Config], dict[str, Any]] | None = None  # corrections of the bridges' config
     megatron_bridge: str | None = None  # "module:Class" of r3lab's own Megatron mapping (mbridge has none)
+    # "module:function" editing Megatron's local CPU block spec (block_spec -> block_spec) under Megatron-Bridge: the
+    # family's own modules (e.g. OLMoE's full-width q/k norms); None: the local spec as it is
+    megatron_spec_hook: str | None = None
     config_class: str | None = None  # the transformers config class of the tiny model
     architecture: str | None = None  # the transformers causal-LM class (config.architectures)
     tiny_config: Callable[[TinyShape], dict[str, Any]] | None = None  # keyword arguments of config_class
@@ -92,6 +95,9 @@ class ModelFamily:
         if self.megatron_bridge is not None and ":" not in self.megatron_bridge:
             raise R3LabError(f"family {self.model_type!r}: megatron_bridge must be 'module:Class', got "
                              f"{self.megatron_bridge!r}")
+        if self.megatron_spec_hook is not None and ":" not in self.megatron_spec_hook:
+            raise R3LabError(f"family {self.model_type!r}: megatron_spec_hook must be 'module:function', got "
+                             f"{self.megatron_spec_hook!r}")
         if (self.tiny_config is None) != (self.config_class is None):
             raise R3LabError(f"family {self.model_type!r}: a tiny config needs both config_class and tiny_config")
 
@@ -184,6 +190,15 @@ def megatron_overrides(cfg: Config) -> dict[str, Any]:
 
 def _qwen3_megatron(cfg: Config) -> dict[str, Any]:
     return {"add_qkv_bias": False}  # Qwen3 has no q/k/v bias (mbridge's qwen3_moe reads qkv_bias)
+
+
+def _olmoe_megatron(cfg: Config) -> dict[str, Any]:
+    """OLMoE's router: softmax then top-k, renormalized only if ``norm_topk_prob`` (``pre_softmax`` is the
+    unrenormalized rule; Megatron-Bridge's ``OlMoEBridge`` sets it True whatever the checkpoint says). ``clip_qkv``
+    has no Megatron counterpart and is refused."""
+    if cfg.get("clip_qkv") is not None:
+        raise ModelConfigError(f"OLMoE clip_qkv={cfg['clip_qkv']}: Megatron-core has no q/k/v clamp")
+    return {"moe_router_pre_softmax": not bool(cfg.get("norm_topk_prob", False))}
 
 
 def _deepseek_megatron(cfg: Config) -> dict[str, Any]:
@@ -281,7 +296,9 @@ def _tiny_glm4(s: TinyShape) -> dict[str, Any]:
 
 
 # ---- the table -----------------------------------------------------------------------------------------------
-# Router classes and rules checked against transformers 5.24 source; layer rules against each family's modeling file.
+# Router classes and rules checked against transformers 5.12.1 and 5.25.0 source (r3lab.replay.hf_api.CHECKED: at 5.12.1
+# the GLM-4-MoE and DeepSeek-V3 routers return logits only and their MoE block selects); layer rules against each
+# family's modeling file.
 _QWEN_EXPERTS = ("num_experts", "num_local_experts")
 register_family(ModelFamily(
     "qwen3_moe", _QWEN_EXPERTS, _sparse_step_layers, router_classes=("Qwen3MoeTopKRouter",), router_rule="softmax",
@@ -294,8 +311,10 @@ register_family(ModelFamily("qwen3_next", _QWEN_EXPERTS, _sparse_step_layers))
 register_family(ModelFamily("qwen3_vl_moe_text", _QWEN_EXPERTS, _sparse_step_layers))
 register_family(ModelFamily(
     "olmoe", ("num_experts",), _every_layer, strict_experts=True, router_classes=("OlmoeTopKRouter",),
-    router_rule="softmax", megatron_bridge="r3lab.trainers.megatron.bridges.olmoe:OlmoeBridge",
-    config_class="OlmoeConfig", architecture="OlmoeForCausalLM", tiny_config=_tiny_olmoe))
+    router_rule="softmax", megatron_overrides=_olmoe_megatron,
+    megatron_bridge="r3lab.trainers.megatron.bridges.olmoe:OlmoeBridge",
+    megatron_spec_hook="r3lab.trainers.megatron.olmoe_qk_norm:olmoe_spec", config_class="OlmoeConfig",
+    architecture="OlmoeForCausalLM", tiny_config=_tiny_olmoe))
 register_family(ModelFamily(
     "mixtral", ("num_local_experts",), _every_layer, strict_experts=True, router_classes=("MixtralTopKRouter",),
     router_rule="softmax_renormalized", config_class="MixtralConfig", architecture="MixtralForCausalLM",

@@ -18,7 +18,7 @@ import torch
 
 from r3lab.errors import ReplayError
 from r3lab.paths import model_dir
-from r3lab.replay import megatron_replay, megatron_router_map
+from r3lab.replay import mcore_api, megatron_replay, megatron_router_map
 from r3lab.slicing import ParallelLayout
 from r3lab.testing import megatron as mc
 
@@ -26,6 +26,9 @@ CFG = json.loads((model_dir("tiny-qwen3-moe") / "config.json").read_text())
 L, E, K, H = CFG["num_hidden_layers"], CFG["num_experts"], CFG["num_experts_per_tok"], CFG["hidden_size"]
 B, S = 2, 10
 TOK = torch.randint(0, CFG["vocab_size"], (B, S), generator=torch.Generator().manual_seed(5))
+MCORE = mcore_api.mcore_version()
+#: the MTP router's layer_number for MTP depth 1, as read in each release: num_layers + 1 at 0.16.1, 1 at 0.19.2
+MTP_NUMBER = {"0.16.1": L + 1, "0.19.2": 1}[MCORE]
 
 
 def _spec(pp: int = 1, **extra) -> mc.TinyGPTSpec:
@@ -104,12 +107,17 @@ def test_router_replay_registers_decoder_then_mtp(model):
     rm = megatron_router_map(model)
     dec = [layer.mlp.router for layer in model.decoder.layers]
     mtp_layer = model.mtp.layers[0]
+    inner = getattr(mtp_layer, {"0.16.1": "transformer_layer", "0.19.2": "mtp_model_layer"}[MCORE])
+    assert mcore_api.mtp_inner_layer(mtp_layer) is inner
     assert len(reg) == L + 1 == len(rm.decoder) + len(rm.mtp)  # nine: 8 decoder MoE layers + 1 MTP MoE layer
-    assert [id(rr) for rr in reg] == [id(r.router_replay) for r in [*dec, mtp_layer.transformer_layer.mlp.router]]
+    assert [id(rr) for rr in reg] == [id(r.router_replay) for r in [*dec, inner.mlp.router]]
     assert [r.layer_number for r in dec] == list(range(1, L + 1))
-    # megatron-core 0.16.1: the MTP layer is numbered from 1, its inner layer (and router) num_layers + 1
-    assert mtp_layer.layer_number == 1 and mtp_layer.transformer_layer.mlp.router.layer_number == L + 1
-    assert all(rm.decoder[g] is dec[g] for g in range(L)) and rm.mtp[0] is mtp_layer.transformer_layer.mlp.router
+    # the MTP layer is numbered from 1; its inner layer (and router) num_layers + 1 at 0.16.1, 1 at 0.19.2
+    assert mtp_layer.layer_number == 1 and inner.mlp.router.layer_number == MTP_NUMBER
+    assert all(rm.decoder[g] is dec[g] for g in range(L)) and rm.mtp[0] is inner.mlp.router
+    # the test weights key the MTP layer num_layers + 1 in every release, never as decoder layer 0 (same number)
+    qkv = [lay.self_attention.linear_qkv.weight for lay in (inner, model.decoder.layers[0])]
+    assert qkv[0].shape == qkv[1].shape and not torch.equal(*qkv)
     assert rm.dense == () and rm.mtp_layers == 1
     # Megatron's own positional API wants one tensor per registered instance: the engine's 8 decoder layers fail
     with pytest.raises(ValueError, match="does not match instances"):
@@ -173,16 +181,17 @@ def test_mtp_record_then_replay_reproduces_the_live_forward(model):
 
 # ---- the field's ways of feeding routers, and what r3lab does instead ------------------------------------------
 def test_feeding_by_layer_number_gives_the_mtp_router_decoder_routes(model):
-    """Megatron-LM main (f2f0f7b, NeMo-RL #4057 review) numbers MTP inner layers from 1: an MTP router shares
-    ``layer_number`` 1 with decoder layer 0. A replay keyed on ``layer_number`` (NeMo-RL's legacy
-    ``NRL_ROUTER_REPLAY_EXCLUDE_MTP=0`` path) then feeds it decoder layer 0's routes."""
+    """megatron-core 0.19.2 (as Megatron-LM main at f2f0f7b, NeMo-RL #4057 review) numbers MTP inner layers from 1:
+    an MTP router shares ``layer_number`` 1 with decoder layer 0 (at 0.16.1 the test renumbers it so). A replay keyed
+    on ``layer_number`` (NeMo-RL's legacy ``NRL_ROUTER_REPLAY_EXCLUDE_MTP=0`` path) then feeds it decoder layer 0's
+    routes."""
     from megatron.core.transformer.moe.router import TopKRouter
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
     engine = _routes(4)
-    inner = model.mtp.layers[0].transformer_layer
+    inner = mcore_api.mtp_inner_layer(model.mtp.layers[0])
     saved = inner.layer_number
-    inner.layer_number = inner.mlp.router.layer_number = 1  # Megatron main's numbering
+    inner.layer_number = inner.mlp.router.layer_number = 1  # 0.19.2's numbering (already so there)
     seen, hooks = _spy(model)
     try:
         for m in model.modules():  # the naive replay: every router gets routes[layer_number - 1]
@@ -251,7 +260,7 @@ def test_a_global_action_on_a_live_mtp_router_fails_loudly(model):
 # ---- the count of registered routers against the config ----------------------------------------------------------
 def test_router_count_must_match_decoder_moe_plus_mtp_moe(model):
     cfg = model.config
-    router0, mtp_router = model.decoder.layers[0].mlp.router, model.mtp.layers[0].transformer_layer.mlp.router
+    router0, mtp_router = model.decoder.layers[0].mlp.router, mcore_api.mtp_inner_layer(model.mtp.layers[0]).mlp.router
     cases = [
         ("moe_layer_freq", [1] * (L - 1) + [0], "moe_layer_freq routes layers"),
         ("mtp_num_layers", 2, "MTP block has 1 layers, config.mtp_num_layers=2"),
@@ -327,6 +336,7 @@ def test_two_pipeline_stages_mtp_on_the_last_replays_decoder_routes_only():
     first, last = mc.launch(_pp2_worker, 2, engine)
     assert first == dict(decoder=[0, 1, 2, 3], mtp=[], registry=4, in_order=True, numbers=[1, 2, 3, 4],
                          decoder_replayed=True)
-    # the last stage: its 4 decoder routers, then the MTP router, numbered num_layers + 1 (0.16.1) on this stage too
-    assert last == dict(decoder=[4, 5, 6, 7], mtp=[0], registry=5, in_order=True, numbers=[5, 6, 7, 8, 9],
+    # the last stage: its 4 decoder routers, then the MTP router, numbered as on one stage (num_layers + 1 at 0.16.1,
+    # 1 at 0.19.2)
+    assert last == dict(decoder=[4, 5, 6, 7], mtp=[0], registry=5, in_order=True, numbers=[5, 6, 7, 8, MTP_NUMBER],
                         decoder_replayed=True, mtp_own=True, mtp_is_any_decoder=False)

@@ -11,7 +11,7 @@ import torch
 import transformers  # noqa: E402  (a test requirement: the cpu extra)
 
 from r3lab.compaction import decode, encode
-from r3lab.errors import ReplayError
+from r3lab.errors import MegatronCoreAPIError, ReplayError
 from r3lab.moe_layout import MoELayout
 from r3lab.paths import MODELS, model_dir
 from r3lab.replay import (
@@ -21,10 +21,12 @@ from r3lab.replay import (
     count_router_cast_hooks,
     find_hf_routers,
     find_orphaned_router_replays,
+    hf_api,
     hf_replay,
     hf_token_logprobs,
     keep_routers_fp32,
     load_hf_model,
+    mcore_api,
     megatron_replay,
     megatron_routers,
     recompute_routes,
@@ -62,7 +64,7 @@ def hf_model(request):
     model.eval()
     model.zero_grad(set_to_none=True)
     yield model
-    if model.is_activation_checkpointing:
+    if any(getattr(m, "gradient_checkpointing", False) for m in model.modules()):  # transformers 5.12 and 5.25
         model.gradient_checkpointing_disable()
     model.eval()
     model.zero_grad(set_to_none=True)
@@ -99,6 +101,30 @@ def _router_name(model, router):
 def test_hf_finds_moe_layers_by_global_id(hf_model, request):
     family = request.node.callspec.params["hf_model"]
     assert list(find_hf_routers(hf_model)) == MOE_LAYERS[family]
+
+
+@per_family
+def test_hf_router_layout_is_the_one_read_for_this_transformers(hf_model):
+    """Each router returns what r3lab.replay.hf_api says for the installed release: the (logits, weights, ids)
+    triple (fused) or the logits alone while its MoE block selects (split: GLM-4-MoE, DeepSeek-V3 at 5.12.1)."""
+    v = hf_api.check_transformers_version()
+    assert v in hf_api.CHECKED  # this suite runs on the checked releases only
+    for name, router in ((n, m) for n, m in hf_model.named_modules() if m in find_hf_routers(hf_model).values()):
+        block = hf_model.get_submodule(name.rpartition(".")[0])
+        layout = hf_api.router_layout(router, block)
+        assert layout == hf_api.CHECKED[v][type(router).__name__]
+        with torch.no_grad():
+            out = router(torch.randn(5, hf_model.config.hidden_size))
+        if layout == "fused":
+            assert isinstance(out, tuple) and len(out) == 3 and out[2].shape == (5, K)
+        else:
+            assert torch.is_tensor(out) and out.shape == (5, E)
+            ids, w = getattr(block, hf_api.SPLIT_METHOD)(out)
+            assert ids.shape == w.shape == (5, K)
+    for outside in ("5.11.0", "5.12.0", "5.26.0", "6.0.0"):
+        with pytest.raises(ReplayError, match=f"transformers {outside}: r3lab's router replay was checked"):
+            hf_api.check_transformers_version(outside)
+    assert hf_api.check_transformers_version("5.20.1") == "5.20.1"
 
 
 @per_family
@@ -546,6 +572,56 @@ def test_megatron_refuses_fused_and_sinkhorn_routing(megatron_world):
 
         RouterReplay.clear_global_router_replay_instances()
         MegatronReplay(_gpt(moe_router_load_balancing_type="sinkhorn", moe_router_topk=1))
+
+
+_MCORE = tuple(int(x) for x in mcore_api.mcore_version().split(".")[:2])
+
+
+@pytest.mark.skipif(_MCORE < (0, 19), reason="quantile_balancing routing is new in megatron-core 0.19")
+def test_megatron_quantile_balancing_ignores_router_replay_and_r3lab_refuses_it(megatron_world):
+    """megatron-core 0.19's quantile-balancing routing selects its own experts even under REPLAY_FORWARD (shown with
+    Megatron's own API), so r3lab refuses it as it refuses sinkhorn."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    model = _gpt(moe_router_load_balancing_type="quantile_balancing", moe_aux_loss_coeff=0.0)
+    with pytest.raises(ReplayError, match="quantile_balancing routing .* without RouterReplay"):
+        MegatronReplay(model)
+    routers = list(model.decoder.layers[g].mlp.router for g in (1, 2))
+    want = _random_routes(20, [1, 2], seed=9)
+    seen: dict = {}
+    hooks = [r.register_forward_hook(lambda m, a, o, g=g: seen.update({g: o[1].clone()}))
+             for g, r in zip((1, 2), routers, strict=True)]
+    try:
+        RouterReplay.set_replay_data([want[1], want[2]])
+        RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        with torch.no_grad():
+            mc.forward_tokens(model, MTOK)
+    finally:
+        for h in hooks:
+            h.remove()
+        RouterReplay.clear_global_router_replay_action()
+        RouterReplay.clear_global_indices()
+    assert not any(torch.equal(seen[g], _as_map(want[g])) for g in (1, 2))  # the replayed ids were ignored
+
+
+def test_mcore_api_holds_for_the_installed_release():
+    """The internals r3lab reaches are where r3lab.replay.mcore_api says, and every routing type that
+    ``TopKRouter.routing`` special-cases (so never hands RouterReplay to the top-k) is one replay refuses."""
+    import inspect
+    import re
+
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    v = mcore_api.check_mcore_api()
+    assert v in mcore_api.CHECKED  # this suite runs on the checked releases only
+    src = inspect.getsource(TopKRouter.routing)
+    special = set(re.findall(r"self\.routing_type == [\"']([a-z_]+)[\"']", src))
+    assert special and special <= set(mcore_api.REPLAY_BYPASSING_ROUTING), special
+    assert "router_replay=self.router_replay" in src  # the default branch still consults RouterReplay
+    for outside in ("0.15.0", "0.16.0", "0.20.0", "1.0.0"):
+        with pytest.raises(MegatronCoreAPIError, match=f"megatron-core {outside}: r3lab was checked against"):
+            mcore_api.check_mcore_version(outside)
+    assert mcore_api.check_mcore_version("0.19.5rc1") == "0.19.5rc1"
 
 
 def test_megatron_detects_orphaned_router_replays(megatron_world):

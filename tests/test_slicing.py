@@ -1,4 +1,4 @@
-"""r3lab.slicing against the real trainer: megatron-core 0.16.1 ranks on CPU (gloo, loopback).
+"""r3lab.slicing against the real trainer: megatron-core ranks (0.16.1 or 0.19.2) on CPU (gloo, loopback).
 
 Oracle: the routes a TP=PP=CP=1 model records sequence by sequence are the global truth. For every
 layout below, every rank RECORDs what its routers saw and must equal ``shard(truth)`` on real tokens
@@ -8,7 +8,8 @@ random valid routes and each router's routing map must be exactly those ids, pad
 Not run on ranks, and why: context parallelism. Megatron's local ``DotProductAttention`` asserts
 ``context_parallel_size == 1`` ("only supported by TEDotProductAttention") and Transformer Engine
 needs CUDA. CP slicing is checked instead against Megatron's own partition code on real CP/TP groups:
-``megatron.core.utils.get_batch_on_this_cp_rank`` (BSHD), ``_get_thd_freqs_on_this_cp_rank`` (the
+``megatron.core.utils.get_batch_on_this_cp_rank`` (BSHD, through ``r3lab.replay.mcore_api.cp_rank_batch``, which
+calls it as each release wants), ``_get_thd_freqs_on_this_cp_rank`` (the
 THD per-sequence CP split; ``get_thd_batch_on_this_cp_rank`` itself calls TE's
 ``thd_get_partitioned_indices``), and ``tensor_parallel.scatter_to_sequence_parallel_region`` (SP).
 Layer offsets are checked against ``get_transformer_layer_offset`` / ``get_num_layers_to_build``.
@@ -395,8 +396,8 @@ def _cp_worker(rank: int, world: int, layouts: list[ParallelLayout]) -> list[dic
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
     from megatron.core.models.common.embeddings.rope_utils import _get_thd_freqs_on_this_cp_rank
-    from megatron.core.utils import get_batch_on_this_cp_rank
 
+    from r3lab.replay import mcore_api
     from r3lab.testing import megatron as mc
 
     out = []
@@ -413,7 +414,7 @@ def _cp_worker(rank: int, world: int, layouts: list[ParallelLayout]) -> list[dic
                 parts.append(_get_thd_freqs_on_this_cp_rank(cp_rank, layout.cp, x, freqs)[:, 0])
             local = inp[:, torch.cat(parts)]
         else:
-            local = get_batch_on_this_cp_rank({"tokens": inp})["tokens"]
+            local = mcore_api.cp_rank_batch({"tokens": inp})["tokens"]  # Megatron's get_batch_on_this_cp_rank
         hidden = local.T.contiguous()[:, :, None].double()  # [S_cp, B, 1] as Megatron's hidden states
         if layout.sequence_parallel:
             hidden = tensor_parallel.scatter_to_sequence_parallel_region(hidden)

@@ -1,8 +1,10 @@
 """Routing replay for transformers MoE models: forward hooks on each router (the CPU / FSDP-style trainer).
 
-Each supported router returns ``(router_logits, topk_weights, topk_indices)``. In REPLAY mode a forward
-hook keeps the router's own logits (so the router keeps its gradient), replaces ``topk_indices`` with the
-replayed ids and recomputes ``topk_weights`` from those logits by the family's own rule:
+Each supported router returns ``(router_logits, topk_weights, topk_indices)``, or, for the two routers that
+transformers 5.12 splits (GLM-4-MoE, DeepSeek-V3), returns the logits while its MoE block selects
+(:mod:`r3lab.replay.hf_api` tells the two apart and wraps the block's selection method instead of hooking the
+router). In REPLAY mode the hook keeps the router's own logits (so the router keeps its gradient), replaces
+``topk_indices`` with the replayed ids and recomputes ``topk_weights`` from those logits by the family's own rule:
 
 ==========================================  =====================================================================
 family (router class)                       gate weights at the replayed ids ``r``
@@ -50,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from r3lab.families import FAMILIES
+from r3lab.replay import hf_api
 from r3lab.replay.common import ReplayError, check_route_tensor
 from r3lab.routes import Routes
 
@@ -72,7 +75,7 @@ Rule = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 def _softmax_rule(router: torch.nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Qwen3-MoE / Qwen2-MoE / OLMoE: fp32 softmax gathered, renormalized when norm_topk_prob."""
     w = F.softmax(logits, dtype=torch.float, dim=-1).gather(1, ids)
-    if router.norm_topk_prob:
+    if hf_api.router_setting(router, "norm_topk_prob"):
         w = w / w.sum(dim=-1, keepdim=True)
     return w.to(logits.dtype)
 
@@ -92,9 +95,9 @@ def _gpt_oss_rule(router: torch.nn.Module, logits: torch.Tensor, ids: torch.Tens
 def _sigmoid_rule(router: torch.nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """DeepSeek-V3 / GLM-4-MoE: unbiased sigmoid gathered, normalized if norm_topk_prob, scaled."""
     w = logits.sigmoid().gather(1, ids)
-    if router.norm_topk_prob:
+    if hf_api.router_setting(router, "norm_topk_prob"):
         w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-    return w * router.routed_scaling_factor
+    return w * hf_api.router_setting(router, "routed_scaling_factor")
 
 
 #: The gate-weight rules by name (r3lab.families.ROUTER_RULE_NAMES): the torch side of each family's router_rule.
@@ -102,7 +105,8 @@ _RULES: dict[str, Rule] = {"softmax": _softmax_rule, "softmax_renormalized": _mi
                            "softmax_of_topk": _gpt_oss_rule, "sigmoid": _sigmoid_rule}
 
 #: Router class name -> gate-weight rule, from the family table (r3lab.families: router_classes, router_rule).
-#: Every entry was checked against transformers 5.24 source.
+#: Every entry was checked against transformers 5.12.1 and 5.25.0 source (r3lab.replay.hf_api.CHECKED); the rule's
+#: settings come from r3lab.replay.hf_api.router_setting (the router's attribute, else its config's).
 ROUTER_RULES: dict[str, Rule] = {cls: _RULES[f.router_rule] for f in FAMILIES.values() if f.router_rule is not None
                                  for cls in f.router_classes}
 
@@ -133,20 +137,28 @@ def find_hf_routers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
 
 
 def count_replay_hooks(model: torch.nn.Module) -> int:
-    """Number of hooks r3lab has installed on ``model`` (0 outside every :func:`hf_replay` context)."""
-    return sum(1 for m in model.modules() for h in m._forward_hooks.values() if getattr(h, "_r3lab_replay", False))
+    """Number of hooks r3lab has installed on ``model`` (0 outside every :func:`hf_replay` context): forward hooks
+    on fused routers and selection-method wrappers on the MoE blocks of split ones (:mod:`r3lab.replay.hf_api`)."""
+    hooks = sum(1 for m in model.modules() for h in m._forward_hooks.values() if getattr(h, "_r3lab_replay", False))
+    wrapped = sum(getattr(m.__dict__.get(hf_api.SPLIT_METHOD), "_r3lab_depth", 0) for m in model.modules())
+    return hooks + wrapped
+
+
+def _router_blocks(model: torch.nn.Module, routers: Mapping[int, torch.nn.Module]) -> dict[int, torch.nn.Module]:
+    """The MoE block (parent module) of each router."""
+    names = {id(m): n for n, m in model.named_modules()}
+    return {g: model.get_submodule(names[id(r)].rpartition(".")[0]) for g, r in routers.items()}
 
 
 class HFReplay:
     """State of one :func:`hf_replay` context: the routers, the replay ids, and what was recorded.
 
-    Attributes:
-        mode: ``"replay"`` or ``"record"``.
-        routers: ``{global_layer_id: router_module}`` of the model's MoE layers.
-        recorded: RECORD mode: ``{layer_id: [indices of call 0, call 1, ...]}``, int64 ``[tokens, top_k]``
-            (a recomputation under activation checkpointing is a further call); REPLAY mode with
-            ``record_replayed``: the ids each router call was handed (what its experts used).
-        calls: ``{layer_id: number of router calls seen}`` in either mode.
+    :ivar mode: ``"replay"`` or ``"record"``.
+    :ivar routers: ``{global_layer_id: router_module}`` of the model's MoE layers.
+    :ivar recorded: RECORD mode: ``{layer_id: [indices of call 0, call 1, ...]}``, int64 ``[tokens, top_k]``
+        (a recomputation under activation checkpointing is a further call); REPLAY mode with
+        ``record_replayed``: the ids each router call was handed (what its experts used).
+    :ivar calls: ``{layer_id: number of router calls seen}`` in either mode.
     """
 
     def __init__(self, model: torch.nn.Module, mode: str, *, record_replayed: bool = False,
@@ -167,6 +179,8 @@ class HFReplay:
         self.record_replayed = bool(record_replayed)
         self.routers = find_hf_routers(model)
         self.layer_ids = list(self.routers)
+        self._blocks = _router_blocks(model, self.routers)
+        self._layouts = {g: hf_api.router_layout(r, self._blocks[g]) for g, r in self.routers.items()}
         self.recorded: dict[int, list[torch.Tensor]] = {g: [] for g in self.layer_ids}
         # RECORD mode: the router's own top-k weights of each call, float32 [tokens, top_k] (beside `recorded`)
         self.recorded_weights: dict[int, list[torch.Tensor]] = {g: [] for g in self.layer_ids}
@@ -192,7 +206,8 @@ class HFReplay:
         checked: dict[int, torch.Tensor] = {}
         n_tokens = None
         for g, router in self.routers.items():
-            t = check_route_tensor(per_layer[g], top_k=router.top_k, num_experts=router.num_experts, what=f"layer {g}")
+            t = check_route_tensor(per_layer[g], top_k=hf_api.router_setting(router, "top_k"),
+                                   num_experts=hf_api.router_setting(router, "num_experts"), what=f"layer {g}")
             if n_tokens is not None and t.shape[0] != n_tokens:
                 raise ReplayError(f"layer {g} has {t.shape[0]} token rows but layer {self.layer_ids[0]} has {n_tokens}")
             n_tokens = t.shape[0]
@@ -217,9 +232,9 @@ class HFReplay:
                     f"routes lack MoE layers {missing}: routes have layer_ids {routes.layer_ids.tolist()}, "
                     f"the model's MoE layers are {self.layer_ids} (global decoder-layer ids, dense layers absent)"
                 )
-            first = self.routers[self.layer_ids[0]]
-            if routes.num_experts != first.num_experts:
-                raise ReplayError(f"routes are for {routes.num_experts} experts, the model has {first.num_experts}")
+            n_exp = hf_api.router_setting(self.routers[self.layer_ids[0]], "num_experts")
+            if routes.num_experts != n_exp:
+                raise ReplayError(f"routes are for {routes.num_experts} experts, the model has {n_exp}")
             vals = routes.values
             if attention_mask is not None:
                 vals = _scatter_padded(routes, attention_mask)
@@ -266,7 +281,7 @@ class HFReplay:
             if self.mode != "record":
                 raise ReplayError("to_routes(weights=True) returns the routers' own weights: mode='record' only")
             w = np.stack([self.recorded_weights[g][call].cpu().numpy() for g in self.layer_ids], axis=1)
-        first = self.routers[self.layer_ids[0]]
+        n_exp = hf_api.router_setting(self.routers[self.layer_ids[0]], "num_experts")
         if attention_mask is not None:
             mask = torch.as_tensor(attention_mask).bool().cpu().numpy()
             if mask.size != vals.shape[0]:
@@ -276,14 +291,17 @@ class HFReplay:
             w = None if w is None else w[mask.reshape(-1)]
         else:
             cu = [0, vals.shape[0]] if cu_seqlens is None else cu_seqlens
-        return Routes(vals, cu, first.num_experts, self.layer_ids, weights=w)
+        return Routes(vals, cu, n_exp, self.layer_ids, weights=w)
 
     # ---- hooks ---------------------------------------------------------------------------------
     def _install(self) -> None:
         for g, router in self.routers.items():
             hook = self._make_hook(g, ROUTER_RULES[type(router).__name__])
             hook._r3lab_replay = True  # type: ignore[attr-defined]
-            self._handles.append(router.register_forward_hook(hook))
+            if self._layouts[g] == "split":  # the block selects: wrap its selection method (r3lab.replay.hf_api)
+                self._handles.append(hf_api.MethodHook(self._blocks[g], router, hook))
+            else:
+                self._handles.append(router.register_forward_hook(hook))
 
     def _remove(self) -> None:
         while self._handles:
@@ -352,8 +370,8 @@ def hf_replay(
         raise ReplayError("mode='record' takes no routes")
     if routes is not None:
         state.set_routes(routes, attention_mask=attention_mask)
-    state._install()
     try:
+        state._install()
         yield state
     finally:
         state._remove()

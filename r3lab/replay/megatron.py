@@ -1,4 +1,4 @@
-"""Routing replay for Megatron-core (>= 0.16, ``moe_enable_routing_replay=True``).
+"""Routing replay for Megatron-core (0.16.1 to 0.19.x, ``moe_enable_routing_replay=True``).
 
 :func:`megatron_replay` / :class:`MegatronReplay` drive
 ``megatron.core.transformer.moe.router_replay.RouterReplay`` around a training step, one micro-batch at
@@ -17,18 +17,15 @@ or drive it by hand: ``rep.begin_microbatch()`` before each micro-batch forward,
 right after it (switches to REPLAY_BACKWARD so a recomputation in backward pops the same ids).
 megatron-core is imported when a replay is built, not when this module is imported.
 
-Multi-token prediction (``mtp_num_layers``): what ``RouterReplay`` registers at megatron-core 0.16.1, measured by
-``tests/test_mtp.py`` on the tiny Qwen3-MoE shape (8 MoE decoder layers, ``mtp_num_layers=1``): **nine**
-instances, one per ``TopKRouter`` in construction order (``router.py`` l.205-207 creates one per router and
-``router_replay.py`` l.87 appends it to the class-level list l.26): decoder layers 0..7 first, then the MTP
-router (``gpt_model.py`` l.209 builds the decoder, l.219 the MTP block after it). Their ``layer_number``: decoder
-layer ``i`` is ``i + 1``; the MTP layer itself (``MultiTokenPredictionLayer``) is numbered from 1
-(``multi_token_prediction.py`` l.1072 ``build_layer(layer_spec, i + 1)``, l.620), while its inner
-``TransformerLayer`` and so its router get ``num_layers + k`` at this version (l.670 adds
-``num_layers - offset``, ``transformer_layer.py`` l.280 adds the offset back and l.371-372 hands it to the
-router): 9 here. At Megatron-LM main f2f0f7b the inner layers are numbered from 1 as well, so an MTP router shares
-``layer_number`` ``k`` with decoder layer ``k`` (NeMo-RL #4057 review), and NeMo-RL skips MTP routers by default
-(#3903). Either way ``layer_number`` and list position are version-dependent ways to find a router, so this
+Multi-token prediction (``mtp_num_layers``): what ``RouterReplay`` registers, measured by ``tests/test_mtp.py`` on
+the tiny Qwen3-MoE shape (8 MoE decoder layers, ``mtp_num_layers=1``): **nine** instances, one per ``TopKRouter`` in
+construction order (``TopKRouter.__init__`` creates one per router, ``RouterReplay.__init__`` appends it to the
+class-level list): decoder layers 0..7 first, then the MTP router (``GPTModel.__init__`` builds the decoder, then the
+MTP block). Their ``layer_number``: decoder layer ``i`` is ``i + 1``; the MTP layer (``MultiTokenPredictionLayer``)
+is numbered from 1; its router is ``num_layers + k`` at megatron-core 0.16.1 (9 here) and ``k`` at 0.19.2 (1 here,
+the number of decoder layer 0; :mod:`r3lab.replay.mcore_api` lists this and the other changes between releases).
+NeMo-RL met the second numbering on Megatron-LM main (#4057 review) and skips MTP routers by default
+(#3903). ``layer_number`` and list position are release-dependent ways to find a router, so this
 module finds routers by *where they are*: :func:`megatron_router_map` takes the decoder's routers from its
 ``TransformerBlock.layers`` (layer id from the decoder layer) and the MTP routers from the
 ``MultiTokenPredictionBlock``, refuses any other router, and checks the count against the config
@@ -48,6 +45,7 @@ from typing import Any
 
 import torch
 
+from r3lab.replay import mcore_api
 from r3lab.replay.common import ReplayError, check_route_tensor
 
 __all__ = [
@@ -62,11 +60,10 @@ __all__ = [
 
 
 def _megatron_classes() -> tuple[Any, Any, Any]:
-    try:
-        from megatron.core.transformer.moe.router import TopKRouter
-        from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
-    except ImportError as e:  # pragma: no cover - megatron-core is a dependency of the trainer side
-        raise ReplayError("the Megatron backend needs megatron-core >= 0.16 (RouterReplay)") from e
+    mcore_api.check_mcore_api()  # a release outside the checked ones, or a changed internal, fails here
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
     return TopKRouter, RouterReplay, RouterReplayAction
 
 
@@ -104,27 +101,26 @@ def find_orphaned_router_replays(model: Any) -> list[Any]:
 class MegatronReplay:
     """Routing replay (or recording) for a Megatron-core model during one training step.
 
-    Args:
-        model: the model, a list of its VPP chunks, or ``None`` to drive the global registry blindly
-            (then no config, orphan or per-layer checks are possible, ``num_experts`` is required, and every
-            instance in the registry is set and, on exit, cleared).
-        per_microbatch_routes: for ``mode="replay"``, one entry per micro-batch, each a list of int
-            ``[tokens, top_k]`` arrays (one per decoder router on this rank, increasing global layer
-            order, i.e. ``r3lab.slicing.shard()`` output) or a mapping ``{layer_id: array}``. May be
-            omitted and passed to :meth:`begin_microbatch` instead.
-        mode: ``"replay"`` (REPLAY_FORWARD, then REPLAY_BACKWARD after each forward) or ``"record"``.
-        num_experts: checked against the model's config when both are known.
-        orphans: what to do with RouterReplay instances in the global registry that belong to no router of
-            ``model`` (earlier model builds): ``"raise"`` (default), ``"prune"`` (drop them from the registry)
-            or ``"ignore"`` (a second live model, e.g. a reference model, legitimately owns them; this class
-            sets and clears ids per router, so they never receive this model's ids and keep their own state).
-        mtp: what the MTP routers (``mtp_num_layers``) do, one of :data:`MTP_MODES`: ``"live"`` (default: they
-            route on their own, as NeMo-RL does by default (#3903), and a guard raises if anything sets a replay
-            action on them), ``"replay"`` (mode replay: from ``mtp_routes``) or ``"record"`` (mode record: their
-            own routes, in :attr:`recorded_mtp`). Decoder routes never reach an MTP router in any mode.
-        mtp_routes: for ``mtp="replay"``, the MTP routers' own route source, one entry per micro-batch, each a
-            list of int ``[tokens, top_k]`` arrays (one per MTP router, depth order) or ``{depth: array}``: e.g.
-            the MTP layers' rows an importer set apart, or the trainer's own recorded with ``mtp="record"``.
+    :param model: the model, a list of its VPP chunks, or ``None`` to drive the global registry blindly
+        (then no config, orphan or per-layer checks are possible, ``num_experts`` is required, and every
+        instance in the registry is set and, on exit, cleared).
+    :param per_microbatch_routes: for ``mode="replay"``, one entry per micro-batch, each a list of int
+        ``[tokens, top_k]`` arrays (one per decoder router on this rank, increasing global layer
+        order, i.e. ``r3lab.slicing.shard()`` output) or a mapping ``{layer_id: array}``. May be
+        omitted and passed to :meth:`begin_microbatch` instead.
+    :param mode: ``"replay"`` (REPLAY_FORWARD, then REPLAY_BACKWARD after each forward) or ``"record"``.
+    :param num_experts: checked against the model's config when both are known.
+    :param orphans: what to do with RouterReplay instances in the global registry that belong to no router of
+        ``model`` (earlier model builds): ``"raise"`` (default), ``"prune"`` (drop them from the registry)
+        or ``"ignore"`` (a second live model, e.g. a reference model, legitimately owns them; this class
+        sets and clears ids per router, so they never receive this model's ids and keep their own state).
+    :param mtp: what the MTP routers (``mtp_num_layers``) do, one of :data:`MTP_MODES`: ``"live"`` (default: they
+        route on their own, as NeMo-RL does by default (#3903), and a guard raises if anything sets a replay
+        action on them), ``"replay"`` (mode replay: from ``mtp_routes``) or ``"record"`` (mode record: their
+        own routes, in :attr:`recorded_mtp`). Decoder routes never reach an MTP router in any mode.
+    :param mtp_routes: for ``mtp="replay"``, the MTP routers' own route source, one entry per micro-batch, each a
+        list of int ``[tokens, top_k]`` arrays (one per MTP router, depth order) or ``{depth: array}``: e.g.
+        the MTP layers' rows an importer set apart, or the trainer's own recorded with ``mtp="record"``.
     """
 
     def __init__(
@@ -181,10 +177,9 @@ class MegatronReplay:
             cfg = r.config
             if r.router_replay is None:
                 raise ReplayError(f"{where}: no RouterReplay; build the model with moe_enable_routing_replay=True")
-            if cfg.moe_router_fusion:
-                raise ReplayError(f"{where}: moe_router_fusion=True uses the fused top-k, which ignores RouterReplay")
-            if r.routing_type == "sinkhorn":
-                raise ReplayError(f"{where}: sinkhorn routing bypasses RouterReplay; replay would be silently ignored")
+            bypass = mcore_api.replay_bypass(r)
+            if bypass is not None:
+                raise ReplayError(f"{where}: {bypass}")
             if num_experts is not None and int(cfg.num_moe_experts) != int(num_experts):
                 raise ReplayError(f"{where}: model has {cfg.num_moe_experts} experts, num_experts={num_experts}")
         registry = self._RR.global_router_replay_instances
@@ -408,7 +403,7 @@ def _layer_router(layer: Any, TopKRouter: Any, where: str) -> Any:
         return None
     if not isinstance(r, TopKRouter):
         raise ReplayError(f"{where}: router is a {type(r).__name__}, not a TopKRouter (RouterReplay needs TopKRouter)")
-    if r.layer_number != layer.layer_number:  # transformer_layer.py l.371-372 hands the layer's number down
+    if r.layer_number != layer.layer_number:  # TransformerLayer.__init__ hands its number to the MLP
         raise ReplayError(
             f"{where}: router layer_number {r.layer_number} differs from its layer's {layer.layer_number} "
             "(megatron-core changed how routers are numbered?)"
@@ -417,7 +412,7 @@ def _layer_router(layer: Any, TopKRouter: Any, where: str) -> Any:
 
 
 def _moe_pattern(config: Any) -> list[int]:
-    """Megatron's ``moe_layer_freq`` as one 0/1 per decoder layer (as ``gpt_layer_specs.py`` l.579-596 reads it)."""
+    """Megatron's ``moe_layer_freq`` as one 0/1 per decoder layer (as ``get_gpt_decoder_block_spec`` reads it)."""
     f, n = config.moe_layer_freq, int(config.num_layers)
     if isinstance(f, int):
         return [1 if i % f == 0 else 0 for i in range(n)]
@@ -431,7 +426,8 @@ def megatron_router_map(model: Any) -> MegatronRouterMap:
 
     Decoder routers are taken from each ``TransformerBlock``'s ``layers`` (so a router is matched to *its*
     decoder layer, whatever its ``layer_number`` or its place in RouterReplay's global list), MTP routers from
-    each ``MultiTokenPredictionBlock``'s layers (``.transformer_layer.mlp.router``). Raises :class:`ReplayError`
+    each ``MultiTokenPredictionBlock``'s layers (the inner layer's ``mlp.router``, :func:`mcore_api.mtp_inner_layer`:
+    ``transformer_layer`` or ``mtp_model_layer`` by release). Raises :class:`ReplayError`
     when a ``TopKRouter`` sits anywhere else, two routers claim one layer, the decoder's routed layers differ from
     ``moe_layer_freq``, the MTP block has other than ``mtp_num_layers`` layers or MTP routers, or two routers share
     one ``RouterReplay``: then the registered routers are not decoder MoE layers + MTP MoE layers.
@@ -465,7 +461,7 @@ def megatron_router_map(model: Any) -> MegatronRouterMap:
                 for j, layer in enumerate(mod.layers):
                     mtp_layers += 1
                     d = int(layer.layer_number) - 1
-                    r = _layer_router(layer.transformer_layer, TopKRouter, f"{name}.layers.{j}.transformer_layer")
+                    r = _layer_router(mcore_api.mtp_inner_layer(layer), TopKRouter, f"{name}.layers.{j} (inner layer)")
                     if r is None:
                         continue
                     if d in mtp:
@@ -498,7 +494,7 @@ def _check_router_count(rmap: MegatronRouterMap, config: Any) -> None:
     if rmap.mtp_layers:
         if rmap.mtp_layers != n_mtp:
             raise ReplayError(f"the MTP block has {rmap.mtp_layers} layers, config.mtp_num_layers={n_mtp}")
-        want_mtp = n_mtp if pattern[-1] else 0  # each MTP layer wraps the last decoder layer's spec (l.700)
+        want_mtp = n_mtp if pattern[-1] else 0  # MTP layers wrap the last decoder layer (get_gpt_mtp_block_spec)
         if len(rmap.mtp) != want_mtp:
             raise ReplayError(
                 f"{len(rmap.mtp)} MTP routers for {n_mtp} MTP layers (the last decoder layer is "

@@ -1,4 +1,4 @@
-"""Run megatron-core 0.16.1 on CPU ranks (gloo, loopback): tiny MoE GPT models for tests and benches.
+"""Run megatron-core (0.16.1 or 0.19.2) on CPU ranks (gloo, loopback): tiny MoE GPT models for tests and benches.
 
 A test harness on randomly initialised models. The CPU support itself is product code in
 :mod:`r3lab.trainers.megatron` (the process-wide patches, the local spec with a plain RMSNorm, the forward
@@ -210,18 +210,27 @@ _LOCAL_EXPERT = re.compile(r"local_experts\.(\d+)\.")
 def init_weights_deterministic(model: torch.nn.Module, seed: int = 0) -> None:
     """Set every parameter from a generator seeded by its global name, then take this rank's TP/EP shard.
 
-    Global name: the decoder layer's index becomes its global layer number, a local expert index its
-    global expert index. Norm weights are ones, other 1-D parameters zeros, matrices N(0, 1/fan_in),
-    embeddings N(0, 1). Tensor-parallel parameters are generated unsharded and chunked along
-    ``partition_dim`` (stride 1), so every TP/PP/VPP/EP split computes the same function.
+    Global name: the decoder layer's index becomes its global layer number (an MTP layer's inner layer
+    ``num_layers + k``, whatever the release numbers it), a local expert index its global expert index. Norm
+    weights are ones, other 1-D parameters zeros, matrices N(0, 1/fan_in), embeddings N(0, 1). Tensor-parallel
+    parameters are generated unsharded and chunked along ``partition_dim`` (stride 1), so every TP/PP/VPP/EP split
+    computes the same function.
     """
     from megatron.core import parallel_state as ps
+    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    layer_prefix = {}
+    from r3lab.replay import mcore_api
+
+    layer_prefix, mtp_prefix = {}, {}
+    names = {id(m): n for n, m in model.named_modules()}
     for name, mod in model.named_modules():
         if isinstance(mod, TransformerLayer):
             layer_prefix[name + "."] = f"layer{mod.layer_number}."
+        elif isinstance(mod, MultiTokenPredictionLayer):  # keyed num_layers + k in every release (0.16.1's number)
+            inner = mcore_api.mtp_inner_layer(mod)
+            mtp_prefix[names[id(inner)] + "."] = f"layer{int(mod.config.num_layers) + int(mod.layer_number)}."
+    layer_prefix.update(mtp_prefix)
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     etp, etp_rank = ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
     ep_rank = ps.get_expert_model_parallel_rank()

@@ -1,4 +1,4 @@
-"""Megatron-core 0.16.1 on CPU ranks: the few CUDA / Transformer Engine assumptions, bypassed explicitly.
+"""Megatron-core on CPU ranks (0.16.1 and 0.19.2): the few CUDA / Transformer Engine assumptions, bypassed explicitly.
 
 Megatron assumes CUDA and Transformer Engine in four places that a CPU forward and backward reach:
 ``torch.cuda.current_device`` (called while building layers), the CUDA RNG tracker's ``add``/``fork``
@@ -6,7 +6,9 @@ Megatron assumes CUDA and Transformer Engine in four places that a CPU forward a
 recomputation, and ``moe_utils.te_general_gemm`` (a NameError without TE). :func:`patch_megatron_for_cpu`
 replaces exactly those, once per process; :func:`cpu_patches_applied` says whether it ran. The patches are
 process-wide because Megatron reads them as module globals: call it in each trainer rank before building.
-On a machine with CUDA only the TE and RNG-tracker patches apply.
+On a machine with CUDA only the TE and RNG-tracker patches apply. The names it replaces are checked against the
+installed release first (:func:`r3lab.replay.mcore_api.check_mcore_api`, ``CPU_PATCH_NAMES``); 0.19.2 reaches the
+same four places (its quantile-balancing router also builds its buffers on ``torch.cuda.current_device()``).
 
 The layer spec is Megatron's local (non-TE) spec with every norm a plain :class:`CPURMSNorm`
 (the local spec's ``WrappedTorchNorm`` refuses sequence parallelism); :func:`local_block_spec` builds it.
@@ -27,6 +29,7 @@ import torch
 
 from r3lab._process import free_port
 from r3lab.errors import R3LabError
+from r3lab.replay import mcore_api
 
 __all__ = [
     "patch_megatron_for_cpu",
@@ -64,10 +67,12 @@ def cpu_patches_applied() -> bool:
 
 
 def patch_megatron_for_cpu() -> None:
-    """Bypass the CUDA / Transformer Engine assumptions of megatron-core 0.16.1 in this process (idempotent)."""
+    """Bypass the CUDA / Transformer Engine assumptions of megatron-core in this process (idempotent); a release
+    outside the checked ones raises :class:`~r3lab.errors.MegatronCoreAPIError` first."""
     global _PATCHED
     if _PATCHED:
         return
+    mcore_api.check_mcore_api()
     warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
     warnings.filterwarnings("ignore", message=".*Apex.*")
     from megatron.core.tensor_parallel import random as tp_random
@@ -145,9 +150,9 @@ def local_block_spec(config, vp_stage: int | None = None, spec_hook: Callable[[A
 def local_mtp_block_spec(config, vp_stage: int | None = None, spec_hook: Callable[[Any], Any] | None = None):
     """The multi-token-prediction block spec for this rank's stage on the local spec, or None (no MTP here).
 
-    Megatron's own :func:`get_gpt_mtp_block_spec` (megatron-core 0.16.1, ``gpt_layer_specs.py`` l.653-723: the MTP
-    layer wraps the *last* decoder layer's spec, l.700, and is built on the last pipeline stage only) with its
-    norms made :class:`CPURMSNorm` like the decoder's. ``None`` unless ``config.mtp_num_layers`` is set.
+    Megatron's own :func:`get_gpt_mtp_block_spec` (the MTP layer wraps the *last* decoder layer's spec and is built
+    on the last pipeline stage only, at 0.16.1 and 0.19.2) with its norms made :class:`CPURMSNorm` like the
+    decoder's. ``None`` unless ``config.mtp_num_layers`` is set.
     """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
