@@ -20,7 +20,51 @@ from typing import Any
 from r3lab.errors import ConfigError
 
 __all__ = ["TrainerSpec", "TrainerOptions", "TRAINER_REGISTRY", "register_trainer", "trainer_spec", "load_trainer",
-           "megatron_dp"]
+           "megatron_dp", "MEGATRON_LOADERS", "default_megatron_loader", "megatron_loader", "megatron_loader_facts"]
+
+#: The Megatron trainer's checkpoint loaders, by name -> (the package it is, what it is). ``megatron-bridge``:
+#: NVIDIA Megatron-Bridge's ``AutoBridge`` and its mappings (r3lab.trainers.megatron.megatron_bridge_loader; Python
+#: 3.12); ``mbridge``: verl's bridge with r3lab's own OLMoE mapping (r3lab.trainers.megatron.checkpoint).
+MEGATRON_LOADERS: dict[str, tuple[str, str]] = {
+    "megatron-bridge": ("megatron-bridge", "NVIDIA Megatron-Bridge (AutoBridge -> a provider on CPU ranks)"),
+    "mbridge": ("mbridge", "mbridge, verl's bridge (its mappings, r3lab's own for OLMoE)"),
+}
+
+
+def _installed(package: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def default_megatron_loader() -> str:
+    """``megatron-bridge`` where it is installed, else ``mbridge`` (read from the packages' metadata)."""
+    return "megatron-bridge" if _installed(MEGATRON_LOADERS["megatron-bridge"][0]) else "mbridge"
+
+
+def megatron_loader(name: str | None) -> str:
+    """Loader ``name`` checked (None: :func:`default_megatron_loader`); an unknown name or a loader whose package is
+    not installed is a :class:`~r3lab.errors.ConfigError` that says so."""
+    if name is None:
+        return default_megatron_loader()
+    if name not in MEGATRON_LOADERS:
+        raise ConfigError(f"no Megatron loader {name!r}; known loaders: {sorted(MEGATRON_LOADERS)}",
+                          field="megatron_loader")
+    package = MEGATRON_LOADERS[name][0]
+    if _installed(package) is None:
+        hint = " (Python 3.12 only)" if name == "megatron-bridge" else ""
+        raise ConfigError(f"the {name} Megatron loader needs the {package} package, which is not installed{hint}",
+                          field="megatron_loader")
+    return name
+
+
+def megatron_loader_facts(name: str | None) -> dict[str, str | None]:
+    """What a run records about its Megatron loader: the name (None resolved) and its package's version."""
+    resolved = megatron_loader(name)
+    return {"megatron_loader": resolved, "megatron_loader_version": _installed(MEGATRON_LOADERS[resolved][0])}
 
 
 def megatron_dp(tp: int, ep: int) -> int:
@@ -33,7 +77,8 @@ def megatron_dp(tp: int, ep: int) -> int:
 class TrainerOptions:
     """What a loader gets besides the checkpoint path: dtypes, the layout (layout trainers) and the learning rate.
 
-    ``router_dtype`` None: the trainer's default (fp32 routers); ``lr`` None: a scorer, no optimizer.
+    ``router_dtype`` None: the trainer's default (fp32 routers); ``lr`` None: a scorer, no optimizer;
+    ``megatron_loader``: the Megatron trainer's checkpoint loader (:data:`MEGATRON_LOADERS`; None: the default).
     """
 
     dtype: str = "float32"
@@ -42,6 +87,7 @@ class TrainerOptions:
     pp: int = 1
     ep: int = 1
     lr: float | None = None
+    megatron_loader: str | None = None
 
     @property
     def dp(self) -> int:

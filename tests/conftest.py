@@ -43,6 +43,7 @@ TIERS: dict[str, tuple[str, ...]] = {
     "test_megatron_sync.py": ("engine", "megatron"),
     "test_trainer_megatron.py": ("engine", "megatron"),
     "test_megatron_load.py": ("megatron",),
+    "test_megatron_bridge_loader.py": ("megatron",),  # Megatron-Bridge's ranks (Python 3.12; skipped elsewhere)
     "test_mtp.py": ("megatron",),
     "test_olmoe.py": ("engine", "megatron"),
     "test_slicing.py": ("megatron",),

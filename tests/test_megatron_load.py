@@ -135,16 +135,26 @@ def test_native_routing_agreement(results, lay):
 # ---- the group-limited routing claim, against both implementations' own code ----------------------
 def _glm_router_and_logits(n: int = 4096):
     from transformers import AutoConfig
-    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE
 
     cfg = AutoConfig.from_pretrained(str(model_dir("tiny-glm4-moe")))
-    router = Glm4MoeTopkRouter(cfg)
+    block = Glm4MoeMoE(cfg)
+    router = block.gate
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         router.weight.copy_(torch.randn(router.weight.shape, generator=g))
-        router.e_score_correction_bias.copy_(torch.randn(router.num_experts, generator=g) * 0.1)
+        router.e_score_correction_bias.copy_(torch.randn(cfg.n_routed_experts, generator=g) * 0.1)
     x = torch.randn(n, cfg.hidden_size, generator=g) / cfg.hidden_size**0.5
-    return cfg, router, x
+    return cfg, block, x
+
+
+def _hf_select(block, x):
+    """transformers' own GLM-4-MoE selection: (logits, ids) from the router (5.25) or from its MoE block (5.12)."""
+    out = block.gate(x)
+    if isinstance(out, tuple):  # the router selects
+        return out[0], out[2]
+    ids, _ = block.route_tokens_to_experts(out)  # the router returns logits, the block selects
+    return out, ids
 
 
 def _megatron_topk(cfg, router, logits, num_groups, group_topk):
@@ -165,9 +175,10 @@ def _megatron_topk(cfg, router, logits, num_groups, group_topk):
 
 
 def test_megatron_group_routing_differs_from_transformers_by_construction():
-    cfg, router, x = _glm_router_and_logits()
+    cfg, block, x = _glm_router_and_logits()
+    router = block.gate
     with torch.no_grad():
-        logits, _, hf_idx = router(x)
+        logits, hf_idx = _hf_select(block, x)
         hf_map = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, hf_idx, True)
         mg_map = _megatron_topk(cfg, router, logits, cfg.n_group, cfg.topk_group)
         mg_plain = _megatron_topk(cfg, router, logits, None, None)

@@ -73,7 +73,7 @@ def test_full_width_qk_norm_equals_transformers_norm_at_tp1():
     from transformers.models.olmoe.modeling_olmoe import OlmoeRMSNorm
 
     from r3lab.testing import megatron as mc
-    from r3lab.trainers.megatron.bridges.olmoe import OlmoeKNorm, OlmoeQNorm
+    from r3lab.trainers.megatron.olmoe_qk_norm import OlmoeKNorm, OlmoeQNorm
 
     mc.init_cpu_parallel()
     try:
@@ -162,7 +162,7 @@ def _inputs():
 def _rank(rank: int, world: int, tokens: torch.Tensor, packed: tuple) -> list[dict]:
     from r3lab.testing import megatron as mc
     from r3lab.trainers import megatron as tm
-    from r3lab.trainers.megatron.bridges.olmoe import OlmoeKNorm, OlmoeQNorm
+    from r3lab.trainers.megatron.olmoe_qk_norm import OlmoeKNorm, OlmoeQNorm
 
     routes = Routes(*packed)
     out = []

@@ -10,7 +10,7 @@ losses), with the ranks hosted by Ray instead of ``torch.multiprocessing``:
   builds its shard with the same :func:`~r3lab.trainers.megatron.worker.build_rank` as a spawned rank.
 * **Routes**: staged with :class:`~r3lab.staging.RayBackend`, one object per (DP rank, mini-batch); each rank's
   call carries the references of every chunk unresolved (nested in a dict, so Ray fetches none of them) and the
-  rank ``ray.get``s only its own (:func:`~r3lab.staging.receive`: checksums, identity, the all-or-none tally in
+  rank gets only its own (:func:`~r3lab.staging.receive`: checksums, identity, the all-or-none tally in
   the backend's coordinator actor).
 * **Weights**: ``export_weights`` leaves the gathered weights in the object store as the driver-owned second
   return of rank 0's call and returns :class:`RemoteWeights`, a lazy mapping; ``RayEngine.update_weights`` passes
@@ -137,12 +137,13 @@ class RayMegatronTrainer(MegatronTrainer):
     def __init__(self, model_dir: str | os.PathLike, *, tp: int = 1, pp: int = 1, ep: int = 1, dp: int | None = None,
                  dtype: str = "float32", lr: float | None = None, codec: str = "raw", timeout_s: float = 180.0,
                  start_timeout_s: float = 300.0, resources: str | Mapping[str, Any] | None = None,
-                 cluster: str = "ray"):
+                 cluster: str = "ray", megatron_loader: str | None = None):
         connect(cluster)
         self.resources = parse_resources(resources, what="--trainer-resources")
         self._members: list[Member] = []
         self._pg: Any = None
-        self._configure(model_dir, tp=tp, pp=pp, ep=ep, dp=dp, dtype=dtype, codec=codec, timeout_s=timeout_s)
+        self._configure(model_dir, tp=tp, pp=pp, ep=ep, dp=dp, dtype=dtype, codec=codec, timeout_s=timeout_s,
+                        megatron_loader=megatron_loader)
         self._start_ranks(lr, start_timeout_s)
 
     # ---- start ---------------------------------------------------------------------------------

