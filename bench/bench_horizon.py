@@ -205,9 +205,111 @@ def pilot_report(reference: Path = PILOT_REFERENCE) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _arm(records, quant: str, obj: str, setting: str = "base") -> list[dict]:
+    return [r for r in records if r["engine_quant"] == quant and r["objective"] == obj and r["setting"] == setting]
+
+
+def _span(vals, fmt: str) -> str:
+    lo, hi = min(vals), max(vals)
+    return f"{lo:{fmt}}" if f"{lo:{fmt}}" == f"{hi:{fmt}}" else f"{lo:{fmt}} to {hi:{fmt}}"
+
+
+def reading(records) -> str:
+    """What the runs show and what they do not, every number computed from ``records``
+    (r3lab.runs.reanalysis.reanalysis_records): the sentences the README's "Long horizon" section quotes."""
+    import numpy as np
+
+    from r3lab.runs.reanalysis import (
+        PRE_DROP_WINDOW,
+        TOST_MARGIN,
+        equivalence_rows,
+        power_rows,
+        rank_permutation_p,
+        seed_sd,
+        step_separation,
+    )
+
+    base = [r for r in records if r["setting"] == "base"]
+    quants = list(dict.fromkeys(r["engine_quant"] for r in base))
+    objs = list(dict.fromkeys(r["objective"] for r in base))
+    arms = [(q, o) for q in quants for o in objs if _arm(records, q, o)]
+
+    def med(sel, key):
+        return float(np.median([r[key] for r in sel]))
+
+    ratios = [med(_arm(records, q, o), "k3_ratio") for q, o in arms]
+    plain = [med(_arm(records, q, o), "plain_slope") for q, o in arms]
+    fixed = [med(_arm(records, q, o), "step_slope") for q, o in arms]
+    int4_none = [r["step_slope"] for r in _arm(records, "int4", "none")]
+    ent_last = [r["entropy_last"] for r in base]
+    ent_first = [r["entropy_first"] for r in base]
+    eq = equivalence_rows(records)
+    sd, _ = seed_sd(records)
+    detect, needed = power_rows(sd)
+    at3 = dict(detect)[3]
+    need = dict(needed)
+    sep = {q: step_separation(records, q) for q in quants}
+    out = ["## What the runs show, and what they do not", "",
+           f"- **k3 falls as the policy sharpens; at fixed entropy it does not fall.** The median k3 over the last "
+           f"{50} steps is {_span(ratios, '.2f')}x that of the first 50 (medians over seeds per arm; plain slopes "
+           f"{_span(plain, '+.2f')} log10 per 100 steps) while the mean entropy of the first 50 steps, "
+           f"{_span(ent_first, '.2f')} nats, falls to {_span(ent_last, '.2f')} over the last 50. Regressed on "
+           "entropy and step together, the step slope is "
+           f"{_span(fixed, '+.2f')} (arm medians), and for int4 without replay it is positive in "
+           f"{sum(v > 0 for v in int4_none)} of {len(int4_none)} seeds ({_span(int4_none, '+.2f')}). \"k3 does not "
+           "grow without replay\" is not shown: at a fixed sharpness it may grow; 3 seeds cannot say."]
+    out.append("- **R3 lowers k3 on most steps, not every step.** R3's seed median k3 is below none's on "
+               + " and ".join(f"{100 * sep[q]['median_below']:.1f}% of steps at {q}" for q in quants)
+               + "; the seed bands separate (R3's largest below none's smallest) on "
+               + " and ".join(f"{100 * sep[q]['band_below']:.1f}%" for q in quants) + ".")
+    ps = [row["tost"].p for row in eq]
+    n_eq = sum(row["tost"].equivalent for row in eq)
+    out.append(f"- **The reward neither separates nor is shown equal.** No difference to none passes a test (the "
+               f"Mann-Whitney floor is 0.10 at 3 seeds a side), and equivalence within +-{TOST_MARGIN} is shown for "
+               f"{n_eq} of {len(eq)} comparisons (TOST p {_span(ps, '.2f')}): absence of evidence, not evidence of no "
+               f"difference. With the pooled seed SD {sd:.3f}, 3 seeds an arm detect {at3:.2f} at 80% power; 0.1 "
+               f"needs {need[0.1]} seeds an arm, 0.05 needs {need[0.05]}.")
+    ladder = [r for r in records if r["task"] == "ladder"]
+    if ladder:
+        lad_objs = list(dict.fromkeys(r["objective"] for r in ladder))
+        counts = ", ".join(f"{o} {sum(r['collapse_step'] is not None for r in ladder if r['objective'] == o)}/"
+                           f"{sum(r['objective'] == o for r in ladder)}" for o in lad_objs)
+        pre = [r for r in ladder if r["precursors"] is not None]
+        ranks = ", ".join(f"{r['run']} at {r['precursors']['drop']} (k3 {r['precursors']['k3']:.3g} at "
+                          f"{r['precursors']['k3_step']}, rank {r['precursors']['k3_rank']})" for r in pre)
+        drops = {i: r["precursors"]["drop"] for i, r in enumerate(ladder) if r["precursors"] is not None}
+        _, p_runs, _ = rank_permutation_p([r["k3_series"] for r in ladder], drops)
+        none = [r for r in ladder if r["objective"] == "none"]
+        out.append(f"- **The ladder collapses: the k3 before each drop.** At lr 3e-3 on the ladder "
+                   f"task (2 seeds an arm) the collapse detector flags {counts}. The largest k3 of the "
+                   f"{PRE_DROP_WINDOW} steps before each drop, and its rank among its run's 300 steps (1: the run's "
+                   f"largest): {ranks}; mean rank over the "
+                   f"setting's collapses against every assignment of the drop steps to its runs: one-sided p "
+                   f"{p_runs:.3f}. The last-50 median k3 (about 1e-11) hides these spikes: without replay the mean k3 "
+                   f"rose from {med(none, 'k3_mean_first'):.1e} (first 50 steps) to {med(none, 'k3_mean_last'):.1e} "
+                   "(last 50; medians over seeds). So the runs do not show that the mismatch did not cause them; "
+                   "with 2 seeds an arm they do not show that it did either (bench/bench_collapse.py is the test).")
+    lr = [r for r in records if r["setting"] == "lr=0.003"]
+    if lr:
+        parts = [f"{r['objective']} {'collapsed' if r['collapse_step'] is not None else 'did not collapse'}"
+                 for r in sorted(lr, key=lambda r: r["objective"])]
+        unstable = " and ".join(f"{r['grad_norm_peak']:.2g} ({r['objective']}; above the clip on "
+                                f"{r['clipped_steps']} of {r['steps']} steps)"
+                                for r in sorted(lr, key=lambda r: r["objective"]))
+        out.append(f"- **The lr 3e-3 search is one seed per arm** ({', '.join(parts)}), one setting of the "
+                   f"{len([r for r in records if r['setting'] != 'base' and r['task'] != 'ladder'])} search runs "
+                   f"listed above, and both runs are unstable (largest pre-clip gradient norm {unstable}): not a "
+                   "comparison of R3 with none.")
+    out.append("- What it does not show: anything at the scale where the field's collapses happen (VeXact's after "
+               "~300 steps on a 30B MoE; the smallest documented, 1.5B), or over more than 300 steps.")
+    return "\n".join(out) + "\n"
+
+
 def report(reference: Path = REFERENCE) -> str:
-    """horizon.md from the runs under ``reference`` (and what the plan has that did not run)."""
+    """horizon.md from the runs under ``reference`` (and what the plan has that did not run): the table, the seed
+    statistics, the re-analysis (r3lab.runs.reanalysis) and what the runs show."""
     from r3lab.runs.horizon import horizon_table
+    from r3lab.runs.reanalysis import reanalysis_records, reanalysis_text
 
     runs = finished_runs(reference, "bench_horizon")
     bench = json.loads((reference / "bench.json").read_text())
@@ -224,7 +326,8 @@ def report(reference: Path = REFERENCE) -> str:
             f"trainer {q.trainer_dtype}. TIS cap {PHASE_OBJECTIVES['none+TIS']['tis_cap']:g}. "
             + (f"Planned but not run (the compute budget ran out): {', '.join(missing)}." if missing
                else "Every planned run ran."))
-    return horizon_table(runs, header=head)
+    records = reanalysis_records(runs)
+    return horizon_table(runs, header=head) + "\n" + reanalysis_text(records) + "\n" + reading(records)
 
 
 def main(argv: list[str] | None = None) -> None:

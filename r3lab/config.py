@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from r3lab.errors import ConfigError, cli_flag
 from r3lab.paths import MODELS
-from r3lab.trainer_registry import TRAINER_REGISTRY, megatron_dp, trainer_spec
+from r3lab.trainer_registry import MEGATRON_LOADERS, TRAINER_REGISTRY, megatron_dp, megatron_loader, trainer_spec
 
 __all__ = [
     "MODES",
@@ -29,6 +29,7 @@ __all__ = [
     "DTYPES",
     "ENGINE_QUANTS",
     "OLD_LOGPROBS",
+    "POLICY_FORMATS",
     "LOSSES",
     "TASKS",
     "TRAINER_DTYPES",
@@ -63,6 +64,7 @@ _QUANT_HELP = ("the mismatch dial: simulated weight quantization of the engine's
 # (the proximal policy, as before), or matched weights: a trainer-side copy of the behaviour weights scores the batch
 # (verl's fully-async recompute, slime's --keep-old-actor) and the decoupled objective weights behaviour -> proximal
 OLD_LOGPROBS = ("current", "behaviour")
+POLICY_FORMATS = ("r3lab-policy-1",)  # saved policies (--save-every): format-version (r3lab.runs.policy)
 LOSSES = ("grpo", "gspo")  # the policy objective (r3lab.trainers.loss): token-level or sequence-level ratios
 # the phase diagram's objectives (bench/bench_phase.py, notebook 05's dial): name -> the RLConfig fields it sets
 PHASE_OBJECTIVES: dict[str, dict[str, Any]] = {
@@ -88,6 +90,8 @@ _TRAINER_HELP = ("the trainer: hf (transformers, CPU), megatron (Megatron-core o
                  "megatron-bridge (GPU node, drift only)")
 
 # running on a Ray cluster (r3lab.cluster): the same fields on both configs
+_MEGATRON_LOADER_HELP = ("the Megatron trainer's checkpoint loader (--trainer megatron): "
+                         + ", ".join(f"{k} ({v[1]})" for k, v in MEGATRON_LOADERS.items()))
 _CLUSTER_HELP = ("run the engine and the trainer (its ranks) as Ray actors: ray ($RAY_ADDRESS, else the cluster "
                  "`ray start` made on this machine; never a new one), a GCS address HOST:PORT, or ray://HOST:PORT "
                  "(Ray Client)")
@@ -254,6 +258,10 @@ class _Config:
         world = self.tp * self.pp * megatron_dp(self.tp, self.ep)  # type: ignore[attr-defined]
         if world > 16:
             raise ConfigError(f"{{tp}} x {{pp}} x dp = {world} CPU ranks: at most 16", fields=("tp", "pp", "ep"))
+        # the run's config names the loader the Megatron ranks use (None: the default, resolved here); another
+        # trainer has none (None, also in a copy of a Megatron config made for it with dataclasses.replace)
+        loader = self.megatron_loader  # type: ignore[attr-defined]
+        object.__setattr__(self, "megatron_loader", megatron_loader(loader) if layout else None)
 
     @property
     def dp(self) -> int:
@@ -300,6 +308,8 @@ class RLConfig(_Config):
     tp: int = knob(1, "Megatron tensor parallelism (with sequence parallelism when > 1; --trainer megatron)")
     pp: int = knob(1, "Megatron pipeline stages (--trainer megatron)")
     ep: int = knob(1, "Megatron expert parallelism (--trainer megatron; dp = ep ranks then)")
+    megatron_loader: str | None = knob(None, _MEGATRON_LOADER_HELP, quiet=True,
+                                       unset="megatron-bridge where installed, else mbridge")
     staleness: int = knob(0, "rollouts come from a policy this many updates behind the trainer (fully async)")
     old_logprobs: str = knob("current", "old log-probs under staleness: the trainer's current weights (current), or "
                              "matched weights (behaviour: a trainer copy of the weights the engine sampled with "
@@ -327,6 +337,14 @@ class RLConfig(_Config):
     cluster_timeout: float = knob(300.0, _CLUSTER_TIMEOUT_HELP, quiet=True)
     engine_url: str | None = knob(None, "refused: RL needs an engine it can push weights into (r3lab drift and "
                                   "r3lab capture take --engine-url)", unset="a local engine")
+    save_every: int = knob(0, "save the policy (weights, optimizer and RNG state) into the run's policy/ folder after "
+                           "every this many steps (0: never; --trainer hf)", quiet=True)
+    save_format: str = knob(POLICY_FORMATS[0], "the saved policy's format and version", choices=POLICY_FORMATS,
+                            quiet=True)
+    init_from: str | None = knob(None, "start from a saved policy, RUN[:STEP] (a run folder, or a run name under the "
+                                 "runs folder; STEP: the steps it had taken, default its last save): its weights, "
+                                 "optimizer and RNG state, the engine synced to them; the run goes on from step STEP "
+                                 "to --steps", unset="the checkpoint")
 
     _quick: typing.ClassVar[dict[str, Any]] = {"steps": 10, "prompts_per_step": 4, "samples_per_prompt": 8,
                                                "max_tokens": 16, "mini_batches": 2, "lr": 3e-3}
@@ -377,6 +395,14 @@ class RLConfig(_Config):
         if self.mode == "R3W" and not trainer_spec(self.trainer).weight_replay:
             raise ConfigError(f"{{mode}} R3W (the engine's routing weights replayed) needs a trainer that replays "
                               f"them; the {self.trainer} trainer replays ids only", field="mode", fields=("trainer",))
+        self._check_min(("save_every",), lo=0)
+        if (self.save_every or self.init_from) and self.trainer != "hf":
+            raise ConfigError(f"{{save_every}} and {{init_from}} save and load the transformers trainer's state; the "
+                              f"{self.trainer} trainer has none to save", field="save_every" if self.save_every
+                              else "init_from", fields=("trainer",))
+        if self.init_from and self.staleness:
+            raise ConfigError(f"{{init_from}} with {{staleness}} {self.staleness}: the saved policy holds no stale "
+                              "snapshots to sample the first steps with", field="init_from", fields=("staleness",))
         if self.engine_url is not None:
             raise ConfigError(f"{{engine_url}} {self.engine_url!r} is refused for RL: {ATTACHED_RL_REASON} (drop "
                               "{engine_url})",
@@ -408,6 +434,8 @@ class DriftConfig(_Config):
     tp: int = knob(1, "Megatron tensor parallelism (with sequence parallelism when > 1; --trainer megatron)")
     pp: int = knob(1, "Megatron pipeline stages (--trainer megatron)")
     ep: int = knob(1, "Megatron expert parallelism (--trainer megatron; dp = ep ranks then)")
+    megatron_loader: str | None = knob(None, _MEGATRON_LOADER_HELP, quiet=True,
+                                       unset="megatron-bridge where installed, else mbridge")
     gpu_memory_utilization: float | None = knob(None, "the engine's GPU memory share (a GPU trainer shares the GPU "
                                                 "after it)", unset="the engine's default")
     data: str | None = knob(None, "the data folder with models/ and corpus/", unset="the checkout's data/")

@@ -14,7 +14,7 @@ One :class:`Report` with one :class:`Check` per line: what was checked, on how m
   statistical test that fires only when its chance on real routing is below :data:`ALPHA`;
 * replay (FAIL): replay that changes nothing (orphaned routers: verl #7340; MTP layers on backbone routes:
   NeMo-RL #3903); routes the trainer replayed that differ from the engine's;
-* mismatch health (WARN): k3, F(2), the largest |Δlogp|, IS effective sample size and TIS clip fraction per
+* mismatch health (WARN): k3, F(2), the largest ``|Δlogp|``, IS effective sample size and TIS clip fraction per
   step, steps where k3 jumps, per-layer load imbalance (verl's ``max_vio``), layers whose engine-vs-trainer
   disagreement stands out;
 * routing traces (Megatron's ``--moe-routing-trace-path``, imported as counts): dead or overloaded experts (WARN),
@@ -791,6 +791,29 @@ def _policy_lag(f: _Facts) -> Check:
                  "engine-trainer mismatch, and replay can cut only the second")
 
 
+def _saved_policy(f: _Facts) -> Check:
+    """The policies an RL run saved (``--save-every``; format ``r3lab-policy`` of :mod:`r3lab.runs.policy`): each
+    readable, of the version this r3lab reads, at the steps the config says, of the run's model and seed, its state
+    file the bytes its digest names. A resumed run (``--init-from``) starts from one of these, so a corrupt or
+    foreign save would silently branch an arm from the wrong policy."""
+    from r3lab.runs.policy import policy_problems
+
+    name, what = "saved policy", "the policies the run saved (format, steps, model, state digest)"
+    cfg = f.run.config
+    if f.run.kind != "rl" or f.run.path is None:
+        return Check(name, SKIP, what, detail="not an RL run of r3lab's")
+    found, problems = policy_problems(f.run.path, cfg)
+    if not found and not cfg.get("save_every"):
+        return Check(name, SKIP, what, detail="the run saved no policy (--save-every 0)")
+    if problems:
+        return Check(name, FAIL, what, found, "; ".join(problems[:3]) + (f" (+{len(problems) - 3} more)"
+                     if len(problems) > 3 else ""), "save again; a resumed run reads only a save that checks out",
+                     "a policy a resumed run would start from is not what its run saved")
+    if cfg.get("save_every") and not found:
+        return Check(name, WARN, what, 0, f"save_every {cfg['save_every']} but no save in the run folder")
+    return Check(name, OK, what, found, detail=f"{found} saves of format {cfg.get('save_format', 'r3lab-policy-1')}")
+
+
 # ---- Megatron routing traces (expert-load runs: counts per step, layer and rank, no tokens) -------------------------
 TRACE_LOAD_FILE = "expert_load.npz"  # r3lab.importers.megatron_trace writes it; trace_load reads it
 TRACE_BLOCKS = ("decoder", "mtp")  # the trace's "block", stored as its index
@@ -1035,7 +1058,8 @@ def diagnose(run: Run | str | os.PathLike, *, thresholds: Thresholds | None = No
     split, _ = _dummy_split(f)
     checks = [_constant(f), _ids(f), _row_count(f), _layers(f), _speculative(f), _route_prefix(f, split),
               _dummy_rows(f, split), _expert_numbering(f), _mtp_rows(f), _replay_effect(f), _replayed_routes(f),
-              *_health(f, th), _imbalance(f, th), _layer_outliers(f, th), _policy_lag(f), *_trace_checks(f, th)]
+              *_health(f, th), _imbalance(f, th), _layer_outliers(f, th), _policy_lag(f), _saved_policy(f),
+              *_trace_checks(f, th)]
     return Report(str(r.path), checks)
 
 

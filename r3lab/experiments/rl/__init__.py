@@ -58,7 +58,7 @@ Tasks (``task``, :mod:`r3lab.experiments.tasks`): ``letter`` (distinct words sta
 
 Collapse (:func:`r3lab.metrics.reward_collapse`): the reward stays below half its running peak for 5 steps after
 a 10-step warm-up; every step logs the detector's state (``collapse/*``) and the precursors the field reports
-(clip fraction, F(2), the largest |dlogp|, the IS effective sample size, on the engine-trainer and on the policy
+(clip fraction, F(2), the largest ``|dlogp|``, the IS effective sample size, on the engine-trainer and on the policy
 side); the summary gives ``collapse/step`` and ``collapse/reason``.
 
 One job per module: :mod:`~r3lab.experiments.rl.batch` (a step's rollouts, rewards, advantages),

@@ -15,6 +15,7 @@ import numpy as np
 from r3lab.config import ATTACHED_RL_REASON, DEFAULT_MODES, MODES, RL_SEEDS, RLConfig, RLMetric, run_name
 from r3lab.errors import AttachError, ConfigError
 from r3lab.experiments.rl.batch import StepRollout, engine_noise_floor, sample_step
+from r3lab.experiments.rl.policy import load_policy, restore_policy, save_policy
 from r3lab.experiments.rl.report import collapse_state, finish_run, write_step
 from r3lab.experiments.rl.trainer import load_trainer, scorer_at
 from r3lab.experiments.rl.update import StepResult, train_step
@@ -23,7 +24,8 @@ from r3lab.paths import model_dir
 from r3lab.rollout import AttachedServer, RolloutEngine
 from r3lab.runs import RunWriter, mark_stopped
 
-__all__ = ["RLRun", "StaleWeights", "run_rl", "run_comparison", "default_prefix", "engine_options", "start_engine"]
+__all__ = ["LOW_PROB", "ZERO_ADVANTAGE_GROUPS",
+           "RLRun", "StaleWeights", "run_rl", "run_comparison", "default_prefix", "engine_options", "start_engine"]
 
 
 @dataclass
@@ -39,11 +41,12 @@ class StaleWeights:
     """The weights the engine samples with: the trainer's, ``staleness`` updates behind (the checkpoint until there
     are that many updates). Holds the last ``staleness + 1`` snapshots (``export_weights``)."""
 
-    def __init__(self, engine: RolloutEngine, checkpoint: Any, staleness: int):
+    def __init__(self, engine: RolloutEngine, checkpoint: Any, staleness: int, *, version: int = 0):
         self.engine, self.staleness = engine, staleness
         self.snapshots: list[Any] = [checkpoint]  # weights after update u, for stale rollouts
         self.behaviour = checkpoint  # what the engine holds: the weights its rollouts are sampled with
-        engine.update_weights(checkpoint, version=0)  # a shared engine starts from the checkpoint too
+        # a shared engine starts from the checkpoint too (a resumed run: the saved policy, at its step's version)
+        engine.update_weights(checkpoint, version=version)
 
     def push(self, weights: Any, step: int) -> float:
         """``weights`` (after update ``step + 1``) in; the engine gets those ``staleness`` behind. Returns the sync's
@@ -97,10 +100,20 @@ def _check_engine(engine: RolloutEngine | None, config: RLConfig) -> None:
                           "(start it with RolloutEngine(..., capture_weights=True), or engine_options(config))")
 
 
-def _record(result: StepResult, rollout: StepRollout, noise: float | None, step: int, version: int) -> dict[str, Any]:
-    """The step line: the trainer's metrics, the multi-turn ones, the noise floor, the reward and the timing so far."""
+LOW_PROB = "mismatch/trainer_prob_below_1e-4"  # share of engine-sampled tokens the trainer gives p < 1e-4
+ZERO_ADVANTAGE_GROUPS = "train/zero_advantage_groups"  # share of prompt groups whose rewards are all equal
+
+
+def _record(result: StepResult, rollout: StepRollout, noise: float | None, step: int, version: int,
+            group: int) -> dict[str, Any]:
+    """The step line: the trainer's metrics, the multi-turn ones, the noise floor, the reward and the timing so far,
+    and two collapse precursors: engine-sampled tokens the trainer (old policy) gives probability below 1e-4 (extreme
+    tokens corrupt the importance ratios) and prompt groups with no reward spread (no advantage, no gradient)."""
     rec = result.metrics
     rec.update(rollout.metrics)
+    logp = rollout.batch.sampled(np.asarray(result.tokens["logp_old"], dtype=np.float64))
+    rec[LOW_PROB] = float(np.mean(logp < np.log(1e-4))) if logp.size else None
+    rec[ZERO_ADVANTAGE_GROUPS] = float(np.mean(np.ptp(rollout.rewards.reshape(-1, group), axis=1) == 0))
     rec["noise/k3_kl_engine_vs_engine"] = noise
     rec.update(step=step, **{RLMetric.REWARD: float(rollout.rewards.mean())}, reward_std=float(rollout.rewards.std()),
                engine_weight_version=version, time_generate_s=rollout.seconds)
@@ -112,7 +125,9 @@ def run_rl(config: RLConfig, *, engine: RolloutEngine | None = None, runs_root: 
     """Run one GRPO job in ``config.mode``; write it to ``runs_root/run_name`` when ``runs_root`` is given.
 
     ``engine`` may be an engine already holding ``config.model``; its weights are reset to the checkpoint
-    first, so several runs can share one engine start.
+    first, so several runs can share one engine start. ``config.init_from``: the run starts from a saved policy
+    (weights, optimizer and RNG state; the engine synced to them) at the step it was saved and goes on to
+    ``config.steps``; ``config.save_every``: the policy is saved into the run folder every that many steps.
     """
     import torch
     from tqdm.auto import tqdm
@@ -121,18 +136,25 @@ def run_rl(config: RLConfig, *, engine: RolloutEngine | None = None, runs_root: 
     torch.manual_seed(config.seed)
     rng = np.random.default_rng(config.seed)
     _check_engine(engine, config)
+    if config.save_every and runs_root is None:
+        raise ConfigError("save_every saves the policy into the run folder: give runs_root", field="save_every")
+    saved = load_policy(config, runs_root) if config.init_from else None  # before an engine starts
+    start = saved.step if saved is not None else 0
+    prior = [{RLMetric.REWARD: r} for r in saved.rewards] if saved is not None else []  # the detector's history
     own_engine = engine is None
     if engine is None:
         engine = start_engine(config, path)
     writer = trainer = behaviour = None
     try:
         trainer = load_trainer(config, path)
-        weights = StaleWeights(engine, trainer.export_weights(), config.staleness)
+        if saved is not None:
+            restore_policy(saved, trainer, rng)
+        weights = StaleWeights(engine, trainer.export_weights(), config.staleness, version=start)
         task = make_task(engine.tokenizer, config)
         if runs_root is not None:
             writer = RunWriter(runs_root, run_name or _run_name(config), "rl", config.to_dict())
         history: list[dict[str, Any]] = []
-        for step in tqdm(range(config.steps), desc=f"rl {config.mode}", unit="step", disable=not progress):
+        for step in tqdm(range(start, config.steps), desc=f"rl {config.mode}", unit="step", disable=not progress):
             t0 = time.perf_counter()
             rollout = sample_step(engine, task, config, step)
             noisy = config.noise_every and step % config.noise_every == 0
@@ -140,16 +162,19 @@ def run_rl(config: RLConfig, *, engine: RolloutEngine | None = None, runs_root: 
             if config.old_logprobs == "behaviour":
                 behaviour = scorer_at(config, path, weights.behaviour, scorer=behaviour)
             result = train_step(trainer, rollout.batch, config, rng, behaviour=behaviour)
-            rec = _record(result, rollout, noise, step, engine.weight_version)
+            rec = _record(result, rollout, noise, step, engine.weight_version, config.samples_per_prompt)
             rec["time_weight_sync_s"] = weights.push(trainer.export_weights(), step)
             rec["time_step_s"] = time.perf_counter() - t0
             history.append(rec)
-            rec.update(collapse_state(history))
+            rec.update(collapse_state(prior + history))
             if writer is not None:
                 write_step(writer, config, step, rollout, result.tokens, rec)
+                if config.save_every and (step + 1) % config.save_every == 0:
+                    save_policy(writer.path, step + 1, trainer, rng, config,
+                                [h[RLMetric.REWARD] for h in prior + history])
             if on_step is not None:
                 on_step(rec)
-        finish_run(writer, config, history)
+        finish_run(writer, config, history, prior=prior)
         return RLRun(config, history, writer.path if writer is not None else None)
     except BaseException as e:  # a dead rank or engine, Ctrl-C: the run folder says stopped and why
         if writer is not None and not writer.finished:

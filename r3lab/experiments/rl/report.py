@@ -33,11 +33,13 @@ def write_step(writer: RunWriter, config: RLConfig, step: int, rollout: StepRoll
     writer.log_step(record)
 
 
-def finish_run(writer: RunWriter | None, config: RLConfig, history: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def finish_run(writer: RunWriter | None, config: RLConfig, history: Sequence[dict[str, Any]], *,
+               prior: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
     """The run's summary; with a ``writer``, the doctor's checks on what the run wrote (its report printed when not
-    ok) join it and the run is finished."""
+    ok) join it and the run is finished. ``prior``: the steps before a resumed run's first (the saved policy's
+    rewards), so the collapse block counts steps from 0 as the detector did."""
     summary = run_summary(history)
-    summary.update(collapse_summary(history))
+    summary.update(collapse_summary([*prior, *history]))
     summary.update(trainer_notes(config.to_dict()))
     if writer is not None:
         report = diagnose(writer.path)  # the field's silent failures, checked on what this run wrote
@@ -78,7 +80,8 @@ def collapse_state(history: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def collapse_summary(history: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The run summary's collapse block: ``collapse/step`` and ``collapse/reason`` (None: no collapse), the
     definition and its parameters, and the first step of each precursor blow-up (10x its trailing 5-step median:
-    k3, the largest |dlogp| and the policy's largest |dlogp|; the clip fraction above 0.5; the IS ESS below 0.5)."""
+    k3, the largest ``|dlogp|`` and the policy's largest ``|dlogp|``; the clip fraction above 0.5; the IS ESS below
+    0.5)."""
     r = np.array([h[RLMetric.REWARD] for h in history], dtype=np.float64)
     c = metrics.reward_collapse(r, **_COLLAPSE_ARGS)
     out: dict[str, Any] = {RLMetric.COLLAPSE_STEP: c.step, "collapse/detected_step": c.detected,
