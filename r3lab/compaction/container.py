@@ -43,7 +43,7 @@ Versions:
   ``topk-set``, ``topk-gaps`` (from 24d9b0c), ``zstd``, and ``bitpack`` with ids of at most 8
   bits (``num_experts <= 256``). ``bitpack`` with wider ids had *two* layouts under the same version
   and config: cf15985 wrote a low-byte plane then a high-bit plane (:class:`~r3lab.compaction.legacy.BitPackPlanesV1`),
-  9956a86 and later one bit stream (today's :class:`BitPack`). Same length, no marker: such a
+  9956a86 and later one bit stream (today's :class:`~r3lab.compaction.BitPack`). Same length, no marker: such a
   buffer is refused unless the caller says which writer made it, ``decode(buf,
   legacy_bitpack="planes")`` or ``legacy_bitpack="stream"``. Version 1 knew only the codec ids
   raw, bitpack, topk-set, topk-gaps and zstd; any other id in a version 1 header is refused.

@@ -1,9 +1,9 @@
 """Layout versions: which layout of its framework a dump has, named, recorded in the run, refused when unknown.
 
 A framework's dump changes layout between its releases (SkyRL #1379, #1908, #2235; slime #2266; prime-rl #3354).
-Each importer module declares the layouts it reads as :data:`LAYOUTS` (a tuple of :class:`Layout`, oldest first),
+Each importer module declares the layouts it reads as ``LAYOUTS`` (a tuple of :class:`Layout`, oldest first),
 recognises a dump's layout **from its bytes** (keys, field counts, state layouts, never the path), and records the
-names it saw in the run's config (``config.source.layouts``; :func:`r3lab.importers.common.write_run` takes them).
+names it saw in the run's config (``config.source_layouts``; :func:`r3lab.importers.common.write_run` takes them).
 A dump whose bytes match none of them is refused with :func:`unknown_layout`: the message names what was seen,
 which layouts this r3lab reads, and that the format is new (not that the file is dangerous).
 

@@ -1,5 +1,7 @@
 """Attach to a vLLM OpenAI-compatible server that the user started: a handshake, then the same ``generate``.
 
+For example::
+
     # on the GPU node: python -m vllm.entrypoints.openai.api_server --model PATH --enable-return-routed-experts
     from r3lab.rollout import connect
     with connect("http://gpu-node:8000", model="data/models/tiny-qwen3-moe") as eng:
