@@ -36,6 +36,8 @@ TIERS: dict[str, tuple[str, ...]] = {
     "test_rl.py": ("engine",),
     "test_rollout.py": ("engine",),
     "test_r3w_engine.py": ("engine",),
+    "test_collapse_bench.py": ("engine",),  # the collapse benchmark's --quick run
+    "test_init_from.py": ("engine",),  # RL runs saved and resumed
     "test_attach.py": ("engine",),  # starts vLLM servers the way a user would
     "test_packaging.py": ("engine",),  # builds a wheel, installs it in a venv, runs the quick drift from it
     "test_rescore.py": ("engine", "megatron"),
@@ -87,6 +89,9 @@ FILE_SECONDS: dict[str, float] = {  # measured 2026-12-04, OMP_NUM_THREADS=1 (sc
     "test_megatron_sync.py": 21, "test_packaging.py": 21, "test_browser_figures.py": 16, "test_olmoe.py": 14,
     "test_rescore.py": 13, "test_typing.py": 13, "test_quant.py": 12, "test_async.py": 12, "test_importers.py": 9,
     "test_experiments.py": 8,
+    # new files, estimated from their runs alone (replace with a full run's numbers)
+    "test_docs.py": 50, "test_collapse_bench.py": 40, "test_init_from.py": 30, "test_importers_verl_tq.py": 30,
+    "test_importers_megatron_trace.py": 15,
 }
 UNLISTED_FILE_SECONDS = 10.0
 
