@@ -11,6 +11,8 @@ from __future__ import annotations
 import ast
 import importlib
 import pkgutil
+import subprocess
+import sys
 from functools import cache
 from pathlib import Path
 
@@ -97,3 +99,18 @@ def test_the_rule_catches_a_sibling_re_export(tmp_path, monkeypatch):
         assert home(fake, "MODES") == "r3lab.config"
     finally:
         home.cache_clear()
+
+
+def test_every_module_is_reachable_from_the_package_without_importing_it_first():
+    """``import r3lab; r3lab.NAME`` works for every public module and package beside ``r3lab/__init__.py`` (the list
+    is read from the package: a module added later is reachable without editing it), and ``import r3lab`` stays
+    light (no torch)."""
+    code = ("import sys, pathlib, r3lab\n"
+            "assert 'torch' not in sys.modules, 'import r3lab pulled in torch'\n"
+            "root = pathlib.Path(r3lab.__file__).parent\n"
+            "want = sorted(p.stem if p.is_file() else p.name for p in root.iterdir()\n"
+            "              if not p.name.startswith('_') and (p.suffix == '.py' or (p / '__init__.py').is_file()))\n"
+            "assert list(r3lab.STAGES) == want, (r3lab.STAGES, want)\n"
+            "for name in ('importers', 'doctor', 'families', 'labels', 'trainer_registry', 'routes'):\n"
+            "    assert getattr(r3lab, name).__name__ == 'r3lab.' + name\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT.parent, timeout=120)
