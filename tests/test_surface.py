@@ -114,3 +114,12 @@ def test_every_module_is_reachable_from_the_package_without_importing_it_first()
             "for name in ('importers', 'doctor', 'families', 'labels', 'trainer_registry', 'routes'):\n"
             "    assert getattr(r3lab, name).__name__ == 'r3lab.' + name\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT.parent, timeout=120)
+
+
+def test_importing_the_cluster_package_leaves_torch_and_the_megatron_trainer_alone():
+    """``import r3lab.cluster`` as its docstring promises: the Megatron rank actors' module (torch, the trainer) comes
+    in only when one of its names is first used."""
+    code = ("import sys, r3lab.cluster as c\n"
+            "assert 'torch' not in sys.modules and 'r3lab.trainers.megatron' not in sys.modules, sorted(sys.modules)\n"
+            "assert c.RemoteWeights.__module__ == 'r3lab.cluster.megatron'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT.parent, timeout=120)

@@ -12,8 +12,13 @@ engine and trainer. Modules: :mod:`~r3lab.cluster.connect` (joining a cluster as
 :mod:`~r3lab.cluster.trainer` (:class:`RayTrainer`, :func:`load_trainer`).
 
 Layering: this package joins the inference side and the trainer side like an experiment does; ``rollout``,
-``trainers`` and ``staging`` never import it. ``ray`` is imported when a function here runs, not on import.
+``trainers`` and ``staging`` never import it. ``ray`` is imported when a function here runs, not on import, and
+the Megatron rank actors' module (torch, the Megatron trainer) when :class:`RayMegatronTrainer` or
+:class:`RemoteWeights` is first named.
 """
+
+import importlib
+from typing import Any
 
 from r3lab.cluster.connect import (
     DEFAULT_RESOURCES,
@@ -24,7 +29,6 @@ from r3lab.cluster.connect import (
     resolve_address,
 )
 from r3lab.cluster.engine import RayEngine
-from r3lab.cluster.megatron import RayMegatronTrainer, RemoteWeights
 from r3lab.cluster.trainer import RayTrainer, load_trainer
 from r3lab.cluster.waits import Member, gather
 from r3lab.errors import ClusterError  # noqa: F401  (importable here as before; exported by r3lab.errors)
@@ -44,3 +48,11 @@ __all__ = [
     "parse_resources",
     "resolve_address",
 ]
+
+_LAZY = {"RayMegatronTrainer": "r3lab.cluster.megatron", "RemoteWeights": "r3lab.cluster.megatron"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'r3lab.cluster' has no attribute {name!r}")

@@ -12,14 +12,16 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from r3lab._process import Closing
 from r3lab.cluster.connect import actor_options, check_placeable, connect, node_here, parse_resources
-from r3lab.cluster.megatron import RayMegatronTrainer, RemoteWeights
 from r3lab.cluster.waits import Member, get_one
 from r3lab.errors import ClusterError, R3LabError
 from r3lab.trainer_registry import TrainerOptions, trainer_spec
+
+if TYPE_CHECKING:
+    from r3lab.cluster.megatron import RemoteWeights
 
 __all__ = ["RayTrainer", "TrainerHost", "load_trainer"]
 
@@ -96,6 +98,8 @@ class RayTrainer(Closing):
         return self._call("policy_step", batch, update, routes=routes)
 
     def export_weights(self) -> RemoteWeights:
+        from r3lab.cluster.megatron import RemoteWeights  # with torch and the Megatron trainer: only when used
+
         calls = self.member.handle.export_weights.options(num_returns=2).remote()
         status = self._get(calls[0], "export")
         return RemoteWeights(calls[1], status, self.timeout_s)
@@ -127,6 +131,8 @@ def load_trainer(name: str, path: str | os.PathLike, options: TrainerOptions, *,
     any other registered trainer in one actor (``resources``)."""
     spec = trainer_spec(name)
     if spec.parallel_layout:
+        from r3lab.cluster.megatron import RayMegatronTrainer  # torch and the Megatron trainer: only when used
+
         return RayMegatronTrainer(path, tp=options.tp, pp=options.pp, ep=options.ep, dp=options.dp,
                                   dtype=options.dtype, lr=options.lr, cluster=cluster, resources=resources,
                                   timeout_s=timeout_s, megatron_loader=options.megatron_loader)
