@@ -216,3 +216,31 @@ def test_store_tally_answers_as_the_coordinator_does():
     assert tally.wait(2, 0.2)[1].endswith(f"{ranks[0]} reported twice")
     tally.report(3, "rank (dp=7, pp=0, cp=0, tp=0)", None, 1.0)
     assert "unknown rank (dp=7" in tally.wait(3, 0.2)[1]
+
+
+def test_a_late_chunk_in_the_drivers_store_is_a_timeout_and_nothing_else_is():
+    """The store backend turns exactly the store's own timeout type into TimeoutError (store_timeout_error names it
+    for the installed torch: if a release changes it, this fails), and lets any other store error through."""
+    import torch.distributed as dist
+
+    from r3lab.trainers.megatron.store_backend import StoreBackend, store_timeout_error
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=5))
+    with pytest.raises(store_timeout_error()):
+        store.wait(["never-set"], datetime.timedelta(seconds=0.2))
+    backend = StoreBackend(store)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="chunk late not in the store within 0.3 s"):
+        backend.get("late", 0.3)
+    assert time.monotonic() - t0 < 5
+
+    class Broken:
+        def set_timeout(self, _t):
+            pass
+
+        def wait(self, _keys, _t):
+            raise OSError("connection reset by peer")
+
+    with pytest.raises(OSError, match="connection reset"):  # not reported as a late chunk
+        StoreBackend(Broken()).get("x", 0.3)

@@ -248,10 +248,13 @@ class TorchDistBackend:
             raise RuntimeError(f"the driver sends this chunk to global ranks {list(readers)}, this process is {me}")
         buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         work = dist.irecv(buf, src=self.driver, group=self.group, tag=tag)
+        deadline = time.monotonic() + timeout
         try:
             work.wait(timeout=_td(timeout))
         except RuntimeError as e:
-            if "imed out" in str(e):
+            # gloo's timeout is a plain RuntimeError (no type of its own to catch): one raised at the deadline is
+            # the deadline, any earlier one a failure of the transfer, raised as it is
+            if time.monotonic() >= deadline:
                 raise TimeoutError(f"not received from the driver within {timeout:.1f} s") from e
             raise
         return buf.cpu().numpy()
