@@ -1,10 +1,13 @@
 """The library's exceptions, all of them: one base class and one type per stage of the pipeline.
 
-Every error r3lab raises on purpose is an :class:`R3LabError`, and every type below is also a
-:class:`ValueError`: it means that something r3lab was given (an argument, a config, a file, a wire
-buffer, a peer's chunk, or its arrival in time) is not what it must be, and the message names what
-is wrong and, where it can, how to fix it. Catch ``R3LabError`` for "r3lab refused", or one type
-below for one stage. A type is added only
+Every error r3lab raises on purpose is an :class:`R3LabError`, of one of two kinds a caller can catch
+apart. Most types are also a :class:`ValueError`: something r3lab was given (an argument, a config, a
+file, a wire buffer, a peer's chunk) is not what it must be. The types under :class:`R3LabFailure` are
+a :class:`RuntimeError` instead (:class:`LaunchTimeout` also a :class:`TimeoutError`): something r3lab
+ran failed (a trainer rank, a launch, a Ray actor or cluster), whatever the input. No type is both.
+Each message names what is wrong and, where it can, how to fix it. Catch ``R3LabError`` for "r3lab
+refused or failed", ``ValueError`` for "my input was wrong", ``R3LabFailure`` for "a process failed",
+or one type below for one stage. A type is added only
 for a stage a caller would catch separately; a layer that re-raises another layer's error as its
 own type does so ``from`` it, and only to add where it happened (the type a caller of that layer
 expects), never to hide it.
@@ -25,6 +28,7 @@ from collections.abc import Callable, Sequence
 
 __all__ = [
     "R3LabError",
+    "R3LabFailure",
     "RouteFormatError",
     "RunFormatError",
     "ConfigError",
@@ -54,6 +58,10 @@ __all__ = [
 
 class R3LabError(Exception):
     """Base class of every error r3lab raises on purpose."""
+
+
+class R3LabFailure(R3LabError, RuntimeError):
+    """Something r3lab ran failed (a process, an actor, a cluster, a deadline), not the input it was given."""
 
 
 class RouteFormatError(R3LabError, ValueError):
@@ -181,17 +189,17 @@ class MegatronLoadError(R3LabError, ValueError):
     (:mod:`r3lab.trainers.megatron.checkpoint`)."""
 
 
-class MegatronTrainerError(R3LabError, ValueError):
+class MegatronTrainerError(R3LabFailure):
     """A trainer rank failed, died or did not answer in time (every rank was ended), or replay did not hold
     (:mod:`r3lab.trainers.megatron.trainer`)."""
 
 
-class LaunchTimeout(R3LabError, TimeoutError, ValueError):
+class LaunchTimeout(R3LabFailure, TimeoutError):
     """The ranks did not all finish within the launch's timeout; all were terminated
     (:mod:`r3lab.trainers.megatron.launch`; also a :class:`TimeoutError`)."""
 
 
-class ClusterError(R3LabError, ValueError):
+class ClusterError(R3LabFailure):
     """The Ray cluster cannot be reached or cannot place an actor (no cluster running, a named address that does
     not answer, a resource no node has), or an actor died, raised or did not answer in time: the message names the
     actor and its node, and every other actor of the job was ended (:mod:`r3lab.cluster`)."""

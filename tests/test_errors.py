@@ -1,5 +1,6 @@
 """r3lab.errors is the list of every exception r3lab raises on purpose: each subclass of R3LabError anywhere in the
-package is defined there, listed in its __all__, and a ValueError; ConfigError carries the fields it names."""
+package is defined there and listed in its __all__; bad input is a ValueError, a failed process a RuntimeError;
+ConfigError carries the fields it names."""
 
 from __future__ import annotations
 
@@ -49,10 +50,33 @@ def test_the_check_catches_an_exception_defined_elsewhere():
     assert _outside_errors({stray}) == ["r3lab.somewhere.StrayError"]
 
 
-def test_every_r3lab_exception_is_a_value_error_as_the_contract_says():
-    not_value = sorted(c.__name__ for c in _every_r3lab_exception() if not issubclass(c, ValueError))
-    assert not not_value, not_value
-    assert issubclass(errors.LaunchTimeout, TimeoutError)  # what a caller of launch() catches today
+#: what something r3lab ran raises when it fails (a process, an actor, a cluster, a deadline), whatever the input
+FAILURES = {"R3LabFailure", "MegatronTrainerError", "LaunchTimeout", "ClusterError"}
+
+
+def test_bad_input_is_a_value_error_and_a_failure_a_runtime_error_never_both():
+    every = _every_r3lab_exception()
+    failures = {c.__name__ for c in every if issubclass(c, errors.R3LabFailure)}
+    assert failures == FAILURES, failures
+    for c in every:
+        if c.__name__ in FAILURES:
+            assert issubclass(c, RuntimeError) and not issubclass(c, ValueError), c
+        else:
+            assert issubclass(c, ValueError) and not issubclass(c, RuntimeError), c
+    assert issubclass(errors.LaunchTimeout, TimeoutError)  # what a caller of launch() catches
+
+
+def test_a_caller_catches_bad_input_apart_from_a_failed_process():
+    from r3lab.trainers.megatron import launch
+
+    with pytest.raises(ValueError, match="world_size must be a positive int"):
+        launch(print, 0)
+    try:
+        raise errors.MegatronTrainerError("rank 1 died")
+    except ValueError:  # pragma: no cover - the point: input handlers do not swallow failures
+        pytest.fail("a failed rank was caught as bad input")
+    except RuntimeError as e:
+        assert isinstance(e, errors.R3LabError)
 
 
 def test_the_stage_modules_raise_the_types_of_r3lab_errors():

@@ -211,7 +211,7 @@ class RolloutEngine(Closing):
         from r3lab.rollout.weights import engine_request_id
 
         if self._weights is None:
-            raise RuntimeError("routing weights asked of an engine started without capture_weights=True")
+            raise RolloutError("routing weights asked of an engine started without capture_weights=True")
         rid = engine_request_id(out.request_id, c.index, n, self._weights.request_ids())
         return self._weights.pop(rid, c.routed_experts)
 

@@ -245,7 +245,7 @@ class TorchDistBackend:
         tag, nbytes, readers = ref
         me = dist.get_rank(self.group)
         if me not in readers:
-            raise RuntimeError(f"the driver sends this chunk to global ranks {list(readers)}, this process is {me}")
+            raise StagingError(f"the driver sends this chunk to global ranks {list(readers)}, this process is {me}")
         buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         work = dist.irecv(buf, src=self.driver, group=self.group, tag=tag)
         deadline = time.monotonic() + timeout

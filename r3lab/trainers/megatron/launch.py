@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from r3lab.errors import LaunchTimeout, R3LabError
+from r3lab.errors import ConfigError, LaunchTimeout, R3LabFailure
 
 __all__ = ["launch", "host_rendezvous", "join_world"]
 
@@ -95,7 +95,7 @@ def launch(
     import torch.multiprocessing as mp
 
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise R3LabError(f"world_size must be a positive int, got {world_size!r}")
+        raise ConfigError(f"world_size must be a positive int, got {world_size!r}")
     rendezvous = host_rendezvous(collective_timeout_s)  # held until every rank is done
     with tempfile.TemporaryDirectory(prefix="r3lab_launch_") as outdir:
         ctx = mp.start_processes(
@@ -119,7 +119,7 @@ def launch(
         for r in range(world_size):
             path = os.path.join(outdir, f"{r}.pkl")
             if not os.path.exists(path):
-                raise R3LabError(f"rank {r} exited without a result")
+                raise R3LabFailure(f"rank {r} exited without a result")
             with open(path, "rb") as f:
                 results.append(pickle.load(f))
     return results
