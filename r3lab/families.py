@@ -77,6 +77,9 @@ class ModelFamily:
     top_k_key: str = "num_experts_per_tok"
     strict_experts: bool = False  # the expert key must be an integer (else: missing or 0 reads as a dense model)
     router_classes: tuple[str, ...] = ()  # transformers router class names (replay and recording hook them)
+    # transformers releases (of r3lab.replay.hf_api's checked ones) at which these routers return logits only and
+    # their MoE block selects the experts ("split"); at every other checked release the router selects ("fused")
+    router_split_releases: tuple[str, ...] = ()
     router_rule: str | None = None  # a name in ROUTER_RULE_NAMES
     group_routing: bool = False  # routes by expert groups (n_group / topk_group): see group_routing_mismatch
     megatron_overrides: Callable[[Config], dict[str, Any]] | None = None  # corrections of the bridges' config
@@ -327,10 +330,12 @@ for _name in ("phimoe", "granitemoe", "minimax"):
     register_family(ModelFamily(_name, ("num_local_experts",), _every_layer, strict_experts=True))
 register_family(ModelFamily(
     "deepseek_v3", ("n_routed_experts",), _first_dense_layers, router_classes=("DeepseekV3TopkRouter",),
+    router_split_releases=("5.12.1",),
     router_rule="sigmoid", group_routing=True, megatron_overrides=_deepseek_megatron, config_class="DeepseekV3Config",
     architecture="DeepseekV3ForCausalLM", tiny_config=_tiny_deepseek_v3))
 register_family(ModelFamily(
     "glm4_moe", ("n_routed_experts",), _first_dense_layers, router_classes=("Glm4MoeTopkRouter",),
+    router_split_releases=("5.12.1",),
     router_rule="sigmoid", group_routing=True, megatron_overrides=_deepseek_megatron, config_class="Glm4MoeConfig",
     architecture="Glm4MoeForCausalLM", tiny_config=_tiny_glm4))
 for _name in ("deepseek_v2", "glm4_moe_lite", "kimi_k2", "glm_moe_dsa"):

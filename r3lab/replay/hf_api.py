@@ -25,19 +25,21 @@ from collections.abc import Callable
 from importlib import metadata
 from typing import Any
 
+from r3lab.families import FAMILIES
 from r3lab.replay.common import ReplayError
 
-__all__ = ["CHECKED", "SUPPORTED", "SPLIT_METHOD", "check_transformers_version", "transformers_version",
-           "router_layout", "router_setting", "MethodHook"]
+__all__ = ["CHECKED", "CHECKED_RELEASES", "SUPPORTED", "SPLIT_METHOD", "check_transformers_version",
+           "transformers_version", "router_layout", "router_setting", "MethodHook"]
 
-#: the releases read: router class -> "fused" or "split" (every class r3lab.families names; see the docstring)
+#: the transformers releases whose modeling files were read
+CHECKED_RELEASES = ("5.12.1", "5.25.0")
+
+#: the releases read: router class -> "fused" or "split", for every router class r3lab.families names (each family
+#: says at which releases its routers are split: ``router_split_releases``; see the docstring)
 CHECKED: dict[str, dict[str, str]] = {
-    "5.12.1": {"Qwen3MoeTopKRouter": "fused", "Qwen2MoeTopKRouter": "fused", "OlmoeTopKRouter": "fused",
-               "MixtralTopKRouter": "fused", "GptOssTopKRouter": "fused", "DeepseekV3TopkRouter": "split",
-               "Glm4MoeTopkRouter": "split"},
-    "5.25.0": {"Qwen3MoeTopKRouter": "fused", "Qwen2MoeTopKRouter": "fused", "OlmoeTopKRouter": "fused",
-               "MixtralTopKRouter": "fused", "GptOssTopKRouter": "fused", "DeepseekV3TopkRouter": "fused",
-               "Glm4MoeTopkRouter": "fused"},
+    release: {cls: "split" if release in fam.router_split_releases else "fused"
+              for fam in FAMILIES.values() for cls in fam.router_classes}
+    for release in CHECKED_RELEASES
 }
 
 #: the transformers releases replay accepts: from the oldest checked one to the newest checked minor (inclusive)
