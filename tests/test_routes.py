@@ -178,7 +178,8 @@ def test_every_error_type_is_defined_once_in_errors_with_the_same_bases():
     types = {getattr(errors, n) for n in errors.__all__} - {errors.cli_flag}  # the two former names are aliases
     assert len(types) == len(errors.__all__) - 3  # cli_flag, LayoutError and ModelConfigError are no types
     for t in types - {errors.R3LabError}:
-        assert issubclass(t, errors.R3LabError) and issubclass(t, ValueError), t
+        # bad input is a ValueError, a failed process an R3LabFailure (a RuntimeError): never both
+        assert issubclass(t, errors.R3LabError) and issubclass(t, ValueError) != issubclass(t, errors.R3LabFailure), t
         assert t.__module__ == "r3lab.errors", t
     for (module, name), want in STAGE_ERRORS.items():
         assert getattr(importlib.import_module(module), name) is getattr(errors, want), (module, name)
