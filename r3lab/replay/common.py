@@ -9,7 +9,30 @@ import torch
 
 from r3lab.errors import ReplayError
 
-__all__ = ["check_route_tensor"]
+__all__ = ["check_route_tensor", "release_tuple", "in_release_range"]
+
+
+def release_tuple(version: str) -> tuple[int, ...]:
+    """The leading numbers of a version string: ``"0.19.2rc1+cu130"`` -> ``(0, 19, 2)`` (a part's trailing letters
+    and every part after the first without a leading digit are dropped)."""
+    out = []
+    for part in version.split("+")[0].split("."):
+        digits = ""
+        for c in part:
+            if not c.isdigit():
+                break
+            digits += c
+        if not digits:
+            break
+        out.append(int(digits))
+    return tuple(out)
+
+
+def in_release_range(version: str, lo: tuple[int, ...], hi: tuple[int, ...]) -> bool:
+    """Whether ``version`` is at least ``lo`` and, compared on ``hi``'s length, at most ``hi`` (``hi=(5, 25)``
+    admits every 5.25.x)."""
+    rel = release_tuple(version)
+    return lo <= rel and rel[: len(hi)] <= hi
 
 
 def check_route_tensor(

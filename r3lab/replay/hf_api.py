@@ -26,7 +26,7 @@ from importlib import metadata
 from typing import Any
 
 from r3lab.families import FAMILIES
-from r3lab.replay.common import ReplayError
+from r3lab.replay.common import ReplayError, in_release_range
 
 __all__ = ["CHECKED", "CHECKED_RELEASES", "SUPPORTED", "SPLIT_METHOD", "check_transformers_version",
            "transformers_version", "router_layout", "router_setting", "MethodHook"]
@@ -58,16 +58,6 @@ _CONFIG_KEYS: dict[str, tuple[str, ...]] = {
 _ROUTER_ATTRS: dict[str, tuple[str, ...]] = {"num_experts": ("num_experts", "n_routed_experts")}
 
 
-def _release(v: str) -> tuple[int, ...]:
-    out = []
-    for part in v.split("+")[0].split("."):
-        digits = "".join(c for c in part if c.isdigit()) if part[:1].isdigit() else ""
-        if not digits:
-            break
-        out.append(int(digits))
-    return tuple(out)
-
-
 def transformers_version() -> str:
     """The installed transformers' version (from its distribution metadata; transformers is not imported)."""
     try:
@@ -81,8 +71,7 @@ def check_transformers_version(version: str | None = None) -> str:
     """Return the installed (or given) transformers version; raise :class:`ReplayError` outside :data:`SUPPORTED`."""
     v = transformers_version() if version is None else version
     lo, hi = SUPPORTED
-    rel = _release(v)
-    if not (lo <= rel and rel[: len(hi)] <= hi):
+    if not in_release_range(v, lo, hi):
         raise ReplayError(
             f"transformers {v}: r3lab's router replay was checked against {', '.join(CHECKED)} and accepts "
             f"{'.'.join(map(str, lo))} to {'.'.join(map(str, hi))}.x; its routers' outputs and attributes change "

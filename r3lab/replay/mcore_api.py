@@ -31,6 +31,7 @@ from importlib import metadata
 from typing import Any
 
 from r3lab.errors import MegatronCoreAPIError
+from r3lab.replay.common import in_release_range
 
 __all__ = ["CHECKED", "SUPPORTED", "REPLAY_BYPASSING_ROUTING", "MTP_INNER_LAYER", "MTP_ROUTER_NUMBERING",
            "mcore_version", "check_mcore_version", "check_mcore_api", "mtp_inner_layer", "replay_bypass",
@@ -74,20 +75,6 @@ CPU_PATCH_NAMES = ("CudaRNGStatesTracker", "_get_cuda_rng_state", "_set_cuda_rng
                    "_MODEL_PARALLEL_RNG_TRACKER_NAME")
 
 
-def _release(v: str) -> tuple[int, ...]:
-    out = []
-    for part in v.split("+")[0].split("."):
-        digits = ""
-        for c in part:
-            if not c.isdigit():
-                break
-            digits += c
-        if not digits:
-            break
-        out.append(int(digits))
-    return tuple(out)
-
-
 def mcore_version() -> str:
     """The installed megatron-core's version (distribution metadata; megatron-core is not imported)."""
     try:
@@ -101,8 +88,7 @@ def check_mcore_version(version: str | None = None) -> str:
     """The installed (or given) megatron-core version; :class:`MegatronCoreAPIError` outside :data:`SUPPORTED`."""
     v = mcore_version() if version is None else version
     lo, hi = SUPPORTED
-    rel = _release(v)
-    if not (lo <= rel and rel[: len(hi)] <= hi):
+    if not in_release_range(v, lo, hi):
         raise MegatronCoreAPIError(
             f"megatron-core {v}: r3lab was checked against {', '.join(CHECKED)} and accepts "
             f"{'.'.join(map(str, lo))} to {'.'.join(map(str, hi))}.x (r3lab.replay.mcore_api lists what changed "
