@@ -7,7 +7,7 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/venv.sh"
 cd "$ROOT"
 if ! python -m jupyter kernelspec list 2>/dev/null | grep -q '^ *r3lab '; then
-  python -m ipykernel install --sys-prefix --name r3lab --display-name "r3lab (Python 3.11)" >/dev/null
+  python -m ipykernel install --sys-prefix --name r3lab --display-name "r3lab (Python 3.12)" >/dev/null
 fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # the kernel imports this checkout's r3lab
 PORT="${R3LAB_LAB_PORT:-$(python -c 'from r3lab._process import free_port; print(free_port())')}"

@@ -13,7 +13,7 @@ import nbformat
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 ROOT = Path(__file__).resolve().parent.parent
-KERNELSPEC = {"name": "r3lab", "display_name": "r3lab (Python 3.11)", "language": "python"}
+KERNELSPEC = {"name": "r3lab", "display_name": "r3lab (Python 3.12)", "language": "python"}
 
 
 def md(text: str, *tags: str):

@@ -221,14 +221,14 @@ def test_notebook_04s_dashboard_draws_and_runs_after_every_fresh_run_all(lab):
 def _round(page, cdp, base: str, token: str, name: str) -> None:
     page.goto(f"{base}/lab/tree/{name}?token={token}", timeout=60_000)
     page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
-    page.wait_for_function("() => document.body.innerText.includes('r3lab (Python 3.11) | Idle')", timeout=90_000)
+    page.wait_for_function("() => document.body.innerText.includes('r3lab (Python 3.12) | Idle')", timeout=90_000)
     page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
     page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
     cdp.send("Emulation.setCPUThrottlingRate", {"rate": THROTTLE})  # a slow machine while the outputs arrive
     try:
         dash = page.locator(".r3lab-dashboard")
         dash.wait_for(timeout=300_000)
-        page.wait_for_function("() => document.body.innerText.includes('r3lab (Python 3.11) | Idle')",
+        page.wait_for_function("() => document.body.innerText.includes('r3lab (Python 3.12) | Idle')",
                                timeout=300_000)
     finally:
         cdp.send("Emulation.setCPUThrottlingRate", {"rate": 1})

@@ -162,7 +162,7 @@ def test_the_checks_catch_each_problem_they_look_for(tmp_path):
     tests/test_notebooks.py executes the notebooks, then opened in the browser, reports each."""
     import papermill
 
-    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "r3lab", "display_name": "r3lab (Python 3.11)",
+    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "r3lab", "display_name": "r3lab (Python 3.12)",
                                                             "language": "python"}})
     nb.cells = [nbformat.v4.new_code_cell(src) for src, _ in _BAD_FIGURES]
     nbformat.write(nb, tmp_path / "bad.in.ipynb")
