@@ -53,7 +53,7 @@ def _record_puts(trainer: Any) -> dict[str, int]:
     """The size of every chunk the driver puts, by key (``stage_id/chunk``): the trainer's staging backend's
     ``put`` wrapped (bench instrumentation; the staged bytes are unchanged)."""
     sizes: dict[str, int] = {}
-    backend = trainer._backend
+    backend = trainer.transport.backend
     put = backend.put
 
     def recording_put(key: str, buf: Any) -> Any:
@@ -69,7 +69,7 @@ def run(cfg: RLConfig, engine: Any) -> dict[str, Any]:
     shared engine) with every phase timed; the bytes each rank read; the step metrics."""
     import torch
 
-    from r3lab.experiments.rl import load_trainer, train_step
+    from r3lab.experiments.rl import start_trainer, train_step
     from r3lab.experiments.rl.batch import sample_step
     from r3lab.experiments.rl.loop import StaleWeights
     from r3lab.experiments.tasks import make_task
@@ -80,7 +80,7 @@ def run(cfg: RLConfig, engine: Any) -> dict[str, Any]:
     steps: list[dict[str, float]] = []
     metrics: list[dict[str, Any]] = []
     read: dict[int, int] = defaultdict(int)
-    with load_trainer(cfg, path) as trainer:
+    with start_trainer(cfg, path) as trainer:
         sizes = _record_puts(trainer)
         weights = StaleWeights(engine, trainer.export_weights(), cfg.staleness)
         task = make_task(engine.tokenizer, cfg)

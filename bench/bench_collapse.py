@@ -201,7 +201,11 @@ def report(runs, *, wall_s: float | None, planned: int, title: str = "") -> str:
     lines = [f"# The pre-registered collapse experiment{title}", "",
              f"`python bench/bench_collapse.py --report` renders this file from bench/results/collapse/. "
              f"{len(recs)} of {planned} planned runs finished, {wall} ({WORKERS} runs at a time, one thread each, on "
-             f"{platform.machine()} with 2 CPU cores shared with other jobs).", "", "## Protocol (as registered)", "",
+             f"{platform.machine()} with 2 CPU cores shared with other jobs).", "",
+             *([f"**Interim**: {len(recs)} of {planned} runs (the sweep runs seeds in order and resumes where it "
+                "stopped); the protocol decides only at 14 seeds an arm, so nothing below is a result of the "
+                "experiment yet.", ""] if len(recs) < planned else []),
+             "## Protocol (as registered)", "",
              PROTOCOL, "", "## Results", "",
              "| arm | runs | late collapses | share | Kaplan-Meier survival at 100 / 200 / 300 / 400 |",
              "|---|---|---|---|---|"]

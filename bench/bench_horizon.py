@@ -38,8 +38,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from reference import finished_runs, keep_reference  # noqa: E402  (bench/reference.py)
 
-from r3lab.config import PHASE_OBJECTIVES, RLConfig  # noqa: E402
+from r3lab.config import RLConfig  # noqa: E402
 from r3lab.paths import results_dir  # noqa: E402
+from r3lab.runs.phase import PHASE_OBJECTIVES  # noqa: E402
 
 RESULTS = results_dir()
 REFERENCE = RESULTS / "horizon"
@@ -49,7 +50,7 @@ LR, MAX_TOKENS = 3e-4, 32  # r3lab.runs.horizon.HORIZON_BASE holds the same valu
 STEPS = 300
 SEEDS = (0, 1, 2)
 QUANTS = ("int4", "fp8")
-MODES = ("none", "R2", "R3", "none+TIS")  # objectives of r3lab.config.PHASE_OBJECTIVES
+MODES = ("none", "R2", "R3", "none+TIS")  # objectives of r3lab.runs.phase.PHASE_OBJECTIVES
 # the collapse search: name -> RLConfig overrides on the int4 sweep's config, run for none and R3 on seed 0
 SEARCH = {
     "lr3e-3": {"lr": 3e-3},

@@ -33,14 +33,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from reference import finished_runs, keep_reference, reference_seconds  # noqa: E402
 
-from r3lab.config import ENGINE_QUANTS, PHASE_OBJECTIVES, STALENESS_LEVELS, RLConfig  # noqa: E402
+from r3lab.config import ENGINE_QUANTS, RLConfig  # noqa: E402
 from r3lab.paths import results_dir  # noqa: E402
-from r3lab.runs.phase import phase_run_name, phase_table, staleness_run_name  # noqa: E402
+from r3lab.runs.phase import PHASE_OBJECTIVES, phase_run_name, phase_table, staleness_run_name  # noqa: E402
 
 RESULTS = results_dir()
 REFERENCE = RESULTS / "phase"
 SEEDS = (0, 1, 2)
 STEPS = 16
+STALENESS_LEVELS = (0, 1, 2, 4)  # the staleness figure's sweep, at matched weights
 # the objectives this sweep runs: R3W (routing weights replayed too) is measured by bench/bench_r3w.py at fp8 and
 # int4 (its runs sit in the same diagram: bench/results/r3w_rl/), not across the whole dial here
 OBJECTIVES = tuple(o for o in PHASE_OBJECTIVES if o != "R3W")

@@ -15,7 +15,10 @@ The package reads as the pipeline, data flowing one way::
     cli          the ``r3lab`` command
 
 Every stage module is reachable after ``import r3lab`` (``r3lab.rollout.RolloutEngine``) and is imported
-on first use, so ``import r3lab`` stays light (no vLLM, no torch).
+on first use, so ``import r3lab`` stays light (no vLLM, no torch). The core (routes, compaction, slicing,
+staging's local backend, importers, doctor, runs) needs none of r3lab's extras; what does (``replay`` and the
+trainers: torch; ``viz``: plotly; Ray staging: ray) raises :class:`~r3lab.errors.MissingExtraError`, naming the
+extra to install, when its package is missing.
 """
 
 from __future__ import annotations

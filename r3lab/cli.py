@@ -13,8 +13,9 @@ import runpy
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
+from r3lab._extras import missing_extra, require
 from r3lab.config import (
     DEFAULT_MODES,
     RL_QUICK_SEEDS,
@@ -27,7 +28,8 @@ from r3lab.config import (
     config_overrides,
     quick_help,
 )
-from r3lab.errors import R3LabError
+from r3lab.errors import MissingExtraError, R3LabError
+from r3lab.vocabulary import RunKind
 
 __all__ = ["main", "BENCHMARKS"]
 
@@ -38,11 +40,11 @@ def _benchmarks() -> dict[str, str]:
     """
     import re
 
-    from r3lab.paths import bench_script
+    from r3lab.paths import bench_dir
 
-    folder = bench_script("x").parent
+    folder = bench_dir()
     out = {}
-    for script in sorted(folder.glob("bench_*.py")) if folder.is_dir() else []:
+    for script in sorted(folder.glob("bench_*.py")) if folder is not None and folder.is_dir() else []:
         m = re.match(r'\s*(?:#[^\n]*\n\s*)*[rRuU]?"""\s*([^\n]*?)\s*(?:"""|\n)', script.read_text(encoding="utf-8"))
         out[script.stem.removeprefix("bench_")] = m.group(1).rstrip(".") if m else ""
     return out
@@ -59,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--version", action="store_true",
                     help="print r3lab's version and the folder it runs from (an editable install runs that checkout)")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
-    d = sub.add_parser("drift", help="trainer vs engine drift without replay and with R3 (the main job)")
+    d = sub.add_parser(RunKind.DRIFT, help="trainer vs engine drift without replay and with R3 (the main job)")
     d.add_argument("--quick", action="store_true",
                    help="a smoke run: " + quick_help(DriftConfig))
     add_config_flags(d, DriftConfig)
@@ -67,14 +69,14 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--no-progress", action="store_true", help="no progress bars")
     d.add_argument("--runs", help="write the run here (default: <data>/runs; $R3LAB_RUNS)")
     d.add_argument("--name", help="the run's folder name (default: drift-<time>)")
-    r = sub.add_parser("rl", help="GRPO on CPU comparing replay modes (none, R2, R3) over seeds; writes runs")
+    r = sub.add_parser(RunKind.RL, help="GRPO on CPU comparing replay modes (none, R2, R3) over seeds; writes runs")
     r.add_argument("--quick", action="store_true",
                    help="a smoke run: " + quick_help(RLConfig) + ", seed 0")
     add_config_flags(r, RLConfig)
     r.add_argument("--runs", help="write runs here (default: <data>/runs; $R3LAB_RUNS)")
     r.add_argument("--name", help="prefix of the runs' folder names (default: rl-<model>-<time>)")
     r.add_argument("--no-progress", action="store_true", help="no progress bars")
-    c = sub.add_parser("capture", help="send prompts through an engine (a running vLLM server: --engine-url) and "
+    c = sub.add_parser(RunKind.CAPTURE, help="send prompts through an engine (a running vLLM server: --engine-url) and "
                        "write an engine-only run: tokens, engine log-probs, routes")
     c.add_argument("--prompts", required=True, help="a text file (one prompt per line, blank lines skipped) or a "
                    '.jsonl file ({"prompt": "text" or [token ids]} per line)')
@@ -267,6 +269,8 @@ def _runs(args: argparse.Namespace) -> None:
 
 def _figures(args: argparse.Namespace) -> None:
     from r3lab.paths import figures_dir, results_dir
+
+    require("plotly", for_="r3lab figures")
     from r3lab.viz import EXPORT_FORMATS, paper_figures
 
     for path in paper_figures(results_dir(args.results), figures_dir(args.out), formats=args.formats or EXPORT_FORMATS):
@@ -315,10 +319,11 @@ def _bench(name: str, rest: list[str]) -> None:
     from r3lab.paths import bench_script
 
     script = bench_script(name)
-    if not script.is_file():
+    if script is None or not script.is_file():
+        looked = f"looked for {script}" if script is not None else "this r3lab is an installed package"
         raise R3LabError(
             f"`r3lab bench {name}` needs a source checkout: benchmarks live in the repository's bench/ "
-            f"folder, which an installed r3lab does not have (looked for {script}). Clone the repository "
+            f"folder, which an installed r3lab does not have ({looked}). Clone the repository "
             "and run `bash scripts/run.sh bench " + name + "` there."
         )
     sys.argv = [str(script), *rest]
@@ -344,18 +349,36 @@ def main(argv: list[str] | None = None) -> None:
         print(_version())
         return
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
-        argv = ["drift", *argv]
-    args = _parser().parse_args(argv)
+        argv = [RunKind.DRIFT, *argv]
+    try:
+        parser = _parser()  # reads the plugin registries: a broken plugin is one line, not a traceback
+    except R3LabError as e:
+        sys.exit(f"r3lab: {e}")
+    args = parser.parse_args(argv)
     if args.version:
         print(_version())
         return
     if args.command is None:
-        _parser().print_help()
+        parser.print_help()
         return
     try:
         args.func(args)
+    except MissingExtraError as e:
+        _exit_missing_extra(e)
     except R3LabError as e:
         sys.exit(f"r3lab: {e}")
+    except ModuleNotFoundError as e:  # an extra's package reached without a guard of its own: still one line
+        missing = missing_extra(e, for_=f"r3lab {args.command}")
+        if missing is None:
+            raise
+        _exit_missing_extra(missing)
+
+
+def _exit_missing_extra(error: MissingExtraError) -> NoReturn:
+    """A missing extra as one line and exit status 2 (the environment, not the run: a doctor that found a problem
+    exits 1)."""
+    print(f"r3lab: {error}", file=sys.stderr)
+    sys.exit(2)
 
 
 if __name__ == "__main__":

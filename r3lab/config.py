@@ -4,6 +4,9 @@ Torch-free, so the command line, the widgets and the notebooks read the same dat
 an engine. Each field carries its help text (and its choices) in its metadata; ``add_config_flags`` turns
 every field into a command-line flag, so a new knob appears in ``r3lab rl``/``r3lab drift``, in the widgets'
 jobs (``RLConfig.to_cli_args``) and in ``to_dict`` at once.
+
+The names the configs share with the rest of the package (record keys, run kinds, task names) live in
+:mod:`r3lab.vocabulary`; the phase diagram's objectives beside the diagram (:mod:`r3lab.runs.phase`).
 """
 
 from __future__ import annotations
@@ -19,19 +22,19 @@ from typing import Any, TypeVar
 from r3lab.errors import ConfigError, cli_flag
 from r3lab.paths import MODELS
 from r3lab.trainer_registry import MEGATRON_LOADERS, TRAINER_REGISTRY, megatron_dp, megatron_loader, trainer_spec
+from r3lab.vocabulary import TASKS as TASKS  # the RL tasks (names and rewards), the --task knob's choices
+from r3lab.vocabulary import RLMetric as RLMetric  # the RL step records' keys, read from here by notebooks and benches
+from r3lab.vocabulary import TaskName
 
 __all__ = [
     "MODES",
     "DEFAULT_MODES",
     "WEIGHT_REPLAYS",
-    "PHASE_OBJECTIVES",
-    "STALENESS_LEVELS",
     "DTYPES",
     "ENGINE_QUANTS",
     "OLD_LOGPROBS",
     "POLICY_FORMATS",
     "LOSSES",
-    "TASKS",
     "TRAINER_DTYPES",
     "TRAINERS",
     "RL_TRAINERS",
@@ -43,7 +46,6 @@ __all__ = [
     "ATTACHED_RL_REASON",
     "run_name",
     "run_names",
-    "RLMetric",
     "add_config_flags",
     "quick_help",
     "config_overrides",
@@ -66,26 +68,11 @@ _QUANT_HELP = ("the mismatch dial: simulated weight quantization of the engine's
 OLD_LOGPROBS = ("current", "behaviour")
 POLICY_FORMATS = ("r3lab-policy-1",)  # saved policies (--save-every): format-version (r3lab.runs.policy)
 LOSSES = ("grpo", "gspo")  # the policy objective (r3lab.trainers.loss): token-level or sequence-level ratios
-# the phase diagram's objectives (bench/bench_phase.py, notebook 05's dial): name -> the RLConfig fields it sets
-PHASE_OBJECTIVES: dict[str, dict[str, Any]] = {
-    "none": {"mode": "none", "loss": "grpo"},
-    "R2": {"mode": "R2", "loss": "grpo"},
-    "R3": {"mode": "R3", "loss": "grpo"},
-    "R3W": {"mode": "R3W", "loss": "grpo"},  # ids and weights replayed, router gradient stopped (bench_r3w's runs)
-    "none+TIS": {"mode": "none", "loss": "grpo", "tis_cap": 2.0},  # FlashRL / TIS's truncation cap
-    "R3+TIS": {"mode": "R3", "loss": "grpo", "tis_cap": 2.0},
-    "GSPO": {"mode": "none", "loss": "gspo"},  # GSPO's claim: sequence ratios need no routing replay
-}
-STALENESS_LEVELS = (0, 1, 2, 4)  # the phase diagram's staleness figure, at matched weights
-# the RL tasks (r3lab.experiments.tasks, its registry): their names and what the reward counts
-TASKS = {"letter": "distinct words starting with --target-letter, per response word",
-         "edges": "distinct uncommon corpus transitions (not a word's most frequent successor), per transition",
-         "ladder": "transitions onto the next first letter of the cycle b d f ... z (then b), per transition",
-         "chain": "distinct words reached by a step onto the next first letter (the ladder's), per transition"}
 TRAINER_DTYPES = {"bfloat16": "bf16, fp32 router", "float32": "fp32"}  # the drift experiment's trainer settings
 # the trainers (r3lab.trainers), from their registry (r3lab.trainer_registry): name -> description
 TRAINERS = {name: spec.description for name, spec in TRAINER_REGISTRY.items()}
 RL_TRAINERS = tuple(name for name, spec in TRAINER_REGISTRY.items() if spec.policy_steps)  # take policy steps
+_TASK_HELP = "the reward: " + ", ".join(f"{task} ({reward})" for task, reward in TASKS.items())
 _TRAINER_HELP = ("the trainer: hf (transformers, CPU), megatron (Megatron-core on tp*pp*dp gloo CPU ranks) or "
                  "megatron-bridge (GPU node, drift only)")
 
@@ -144,44 +131,6 @@ RL_QUICK_SEEDS = (0,)
 _SWEEPS = {"mode": "modes", "seed": "seeds"}
 
 C = TypeVar("C", bound="_Config")
-
-
-class RLMetric:
-    """Keys of the RL loop's step records (a run's steps.jsonl): one name for the loop that writes them and the
-    table, figures and notebooks that read them."""
-
-    REWARD = "reward_mean"
-    K3_KL = "mismatch/k3_kl"  # train-inference k3 KL of the old policy against the engine
-    F_1_5 = "mismatch/extreme_frac_tau1.5"
-    F_2 = "mismatch/extreme_frac_tau2"
-    ABS_DIFF = "mismatch/logprob_abs_diff_mean"
-    ENGINE_TRAINER_DISAGREEMENT = "routing/engine_trainer_disagreement"
-    ENGINE_MAX_VIO = "routing/engine_max_vio"
-    ROUTE_CHANGE_LAST_MB = "routing/route_change_last_mb"
-    USED_ROUTE_CHANGE_LAST_MB = "routing/used_route_change_last_mb"
-    # the router's own drift (per step, mean over its mini-batches): the trainer's live routing (the current policy
-    # routing natively) against the routing its forwards replay
-    ROUTER_IDS_DRIFT = "router/live_vs_replayed_ids"  # share of (token, layer) whose top-k set differs (not "none")
-    ROUTER_ENGINE_IDS = "router/live_vs_engine_ids"  # the same against the engine's ids (every mode)
-    ROUTER_WEIGHTS_L1 = "router/live_vs_engine_weights_l1"  # L1 over experts, live vs the engine's weights (the
-    # engine captured them: R3W always; R3W's replayed weights)
-    CLIP_FRAC = "train/clip_frac"
-    # old_logprobs="behaviour": the two parts of the staleness mismatch, measured apart
-    K3_ENGINE_TRAINER_MATCHED = "async/k3_kl_engine_trainer"  # engine vs trainer at the behaviour weights (replay's)
-    K3_POLICY_LAG = "async/k3_kl_policy_lag"  # trainer at the current weights vs at the behaviour weights
-    K3_ENGINE_CURRENT = "async/k3_kl_engine_vs_current"  # engine vs the current weights (both together)
-    # what precedes collapse (the R3, TIS and GSPO reports): bursts of clipping, growing max |dlogp|, falling ESS
-    ABS_DIFF_MAX = "mismatch/logprob_abs_diff_max"  # engine vs trainer (old policy)
-    IS_ESS = "mismatch/is_eff_sample_size"  # of pi_old / pi_engine over the batch's tokens
-    CLIP_FRAC_MAX = "train/clip_frac_max"  # the largest mini-batch clip fraction of the step
-    POLICY_ABS_DIFF_MAX = "train/policy_abs_dlogp_max"  # current vs old policy, over the step's updates
-    POLICY_IS_ESS = "train/policy_is_ess"  # of pi_current / pi_old, the smallest over the step's mini-batches
-    # the collapse detector (r3lab.metrics.reward_collapse): per step, and in the run summary
-    COLLAPSE_PEAK = "collapse/reward_peak"
-    COLLAPSE_STREAK = "collapse/streak"
-    COLLAPSED = "collapse/collapsed"
-    COLLAPSE_STEP = "collapse/step"
-    COLLAPSE_REASON = "collapse/reason"
 
 
 def knob(default: Any, help: str, *, choices: Sequence[Any] | None = None, flag: str | None = None,
@@ -320,9 +269,7 @@ class RLConfig(_Config):
                       "the policy did not sample) and the engine continues; the loss covers sampled tokens only")
     observation_words: int = knob(3, "turns > 1: corpus words per observation")
     target_letter: str = knob("m", "the task's target letter (reward: distinct words starting with it)")
-    task: str = knob("letter", "the reward: letter (" + TASKS["letter"] + "), edges (" + TASKS["edges"] + "), ladder ("
-                     + TASKS["ladder"] + "), chain (" + TASKS["chain"] + ")",
-                     choices=tuple(TASKS))
+    task: str = knob(TaskName.LETTER, _TASK_HELP, choices=tuple(TASKS))
     loss: str = knob("grpo", "policy objective: grpo (token ratios, clipped per token) or gspo (one ratio per "
                      "sample, the geometric mean of its token ratios, clipped per sample)", choices=LOSSES)
     gspo_clip_eps: float = knob(3e-4, "gspo: the sequence ratio's lower clip range (the GSPO paper's 3e-4)")

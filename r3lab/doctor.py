@@ -42,6 +42,7 @@ import numpy as np
 from r3lab import metrics
 from r3lab.errors import R3LabError
 from r3lab.runs import Run, load
+from r3lab.vocabulary import CAPTURE_LOG_KEY, RLMetric, RunKind
 
 __all__ = ["Check", "Report", "Thresholds", "diagnose", "health_series", "HEALTH_NAMES", "OK", "WARN", "FAIL",
            "SKIP", "facts", "LOGP_TRAIN_COLUMNS", "trace_load", "TraceLoad", "LayerLoad", "TRACE_LOAD_FILE"]
@@ -181,7 +182,7 @@ def _step_moe_ids(run: Run, step: int) -> list[int] | None:
 def facts(run: Run) -> _Facts:
     """What a run holds that the checks and the figures need (route and token steps, layout, import log)."""
     moe, E, K = _layout(run)
-    cap = run.config.get("capture") or {}
+    cap = run.config.get(CAPTURE_LOG_KEY) or {}
     return _Facts(run, run.route_steps("engine"), run.route_steps("trainer"), run.route_steps("replayed"),
                   run.token_steps(), moe, E, K, cap, bool(cap.get("counts", {}).get("speculative_rows") is not None
                                                            and cap.get("rows", {}).get("speculative_rows")))
@@ -364,9 +365,6 @@ def _log_tail(x: int, n: int, p: float) -> float:
     return min(0.0, x * math.log(n * p) - math.lgamma(x + 1))
 
 
-RL_KIND = "rl"  # the run kind r3lab.experiments.rl writes (the doctor reads runs, never experiments)
-
-
 def _engine_routes(f: _Facts) -> list[tuple[int, Any]]:
     return [(s, f.run.routes(s, "engine")) for s in f.engine_steps]
 
@@ -383,7 +381,7 @@ def _dummy_split(f: _Facts) -> tuple[dict[str, Any], str]:  # noqa: C901 - one p
     where_tail = where_mid = ""
     # an RL run of r3lab's own stores the trainer's P + R rows: each sequence ends in the arange(k) row that
     # r3lab.rollout.append_last_row adds for the last sampled token (it routes nothing that is scored), not padding
-    own_pad = 1 if f.run.kind == RL_KIND else 0
+    own_pad = 1 if f.run.kind == RunKind.RL else 0
     for s, r in _engine_routes(f):
         if not r.total_tokens:
             continue
@@ -622,13 +620,13 @@ HEALTH_NAMES = _HEALTH = {"k3_kl": "k3", "extreme_frac_tau2": "F(2)", "logprob_a
 
 def _health_series(f: _Facts) -> tuple[list[int], dict[str, np.ndarray], int, dict[int, str]]:
     """Per step: the mismatch metrics (from step records, else from token tables), tokens, worst token per step."""
-    recs = [r for r in f.run.step_records if "mismatch/k3_kl" in r]
+    recs = [r for r in f.run.step_records if RLMetric.K3_KL in r]
     worst: dict[int, str] = {}
     if recs:
         steps = [int(r["step"]) for r in recs]
         ser = {k: np.array([np.nan if r.get(f"mismatch/{k}") is None else r[f"mismatch/{k}"] for r in recs], float)
                for k in _HEALTH}
-        n = int(sum(r.get("mismatch/tokens") or 0 for r in recs))
+        n = int(sum(r.get(RLMetric.MISMATCH_TOKENS) or 0 for r in recs))
         for s in f.token_steps:
             w = _worst_token(f.run.tokens([s]))
             if w:
@@ -715,8 +713,8 @@ def _imbalance(f: _Facts, th: Thresholds) -> Check:
         if vio[j] > worst_v:
             worst_v, worst = float(vio[j]), _where(step=s, layer=int(r.layer_ids[j]), max_vio=f"{vio[j]:.2f}")
     if rows == 0:
-        vals = [(int(r["step"]), r["routing/engine_max_vio"]) for r in f.run.step_records
-                if r.get("routing/engine_max_vio") is not None]
+        vals = [(int(r["step"]), r[RLMetric.ENGINE_MAX_VIO]) for r in f.run.step_records
+                if r.get(RLMetric.ENGINE_MAX_VIO) is not None]
         if not vals or f.num_experts is None:
             return Check(name, SKIP, what, detail="the run has no engine routes")
         E, K = f.num_experts, f.top_k
@@ -743,7 +741,7 @@ def _layer_outliers(f: _Facts, th: Thresholds) -> Check:
             acc.setdefault(int(g), []).append(float(v))
     if not acc:
         for r in f.run.step_records:
-            per = r.get("routing/engine_trainer_disagreement_per_layer")
+            per = r.get(RLMetric.ENGINE_TRAINER_DISAGREEMENT_PER_LAYER)
             if isinstance(per, Mapping):
                 rows += len(per)
                 for g, v in per.items():
@@ -765,7 +763,7 @@ def _layer_outliers(f: _Facts, th: Thresholds) -> Check:
 def _policy_lag(f: _Facts) -> Check:
     name, what = "policy lag", "stale rollouts scored at the weights that sampled them"
     cfg = f.run.config
-    if f.run.kind not in ("rl", "imported") or "staleness" not in cfg:  # imported: slime's weight_versions
+    if f.run.kind not in (RunKind.RL, RunKind.IMPORTED) or "staleness" not in cfg:  # imported: slime's weight_versions
         return Check(name, SKIP, what, detail="the run does not say how stale its rollouts were")
     stale, old = int(cfg["staleness"]), cfg.get("old_logprobs", "current")
     steps = [r for r in f.run.step_records if int(r.get("step", 0)) >= stale]
@@ -777,12 +775,12 @@ def _policy_lag(f: _Facts) -> Check:
         return float(np.mean(v)) if v else None
 
     if old == "behaviour":
-        lag, match = mean("async/k3_kl_policy_lag"), mean("mismatch/k3_kl")
+        lag, match = mean(RLMetric.K3_POLICY_LAG), mean(RLMetric.K3_KL)
         parts = (f": policy lag k3 {lag:.2e}, engine-trainer k3 at matched weights {match:.2e}"
                  if lag is not None and match is not None else "")
         return Check(name, OK, what, len(steps), detail=f"staleness {stale}, old log-probs at the behaviour "
                      f"weights{parts}")
-    total = mean("mismatch/k3_kl")
+    total = mean(RLMetric.K3_KL)
     return Check(name, WARN, what, len(steps), f"staleness {stale}, mean k3 {total:.2e}" if total is not None else
                  f"staleness {stale}", "score at the rollout's weights (--old-logprobs behaviour, as verl's "
                  "fully-async trainer and slime's --keep-old-actor do): then the engine-trainer mismatch that replay "
@@ -800,7 +798,7 @@ def _saved_policy(f: _Facts) -> Check:
 
     name, what = "saved policy", "the policies the run saved (format, steps, model, state digest)"
     cfg = f.run.config
-    if f.run.kind != "rl" or f.run.path is None:
+    if f.run.kind != RunKind.RL or f.run.path is None:
         return Check(name, SKIP, what, detail="not an RL run of r3lab's")
     found, problems = policy_problems(f.run.path, cfg)
     if not found and not cfg.get("save_every"):

@@ -1,13 +1,15 @@
 """The library's exceptions, all of them: one base class and one type per stage of the pipeline.
 
-Every error r3lab raises on purpose is an :class:`R3LabError`, of one of two kinds a caller can catch
+Every error r3lab raises on purpose is an :class:`R3LabError`, of one of three kinds a caller can catch
 apart. Most types are also a :class:`ValueError`: something r3lab was given (an argument, a config, a
 file, a wire buffer, a peer's chunk) is not what it must be. The types under :class:`R3LabFailure` are
 a :class:`RuntimeError` instead (:class:`LaunchTimeout` also a :class:`TimeoutError`): something r3lab
-ran failed (a trainer rank, a launch, a Ray actor or cluster), whatever the input. No type is both.
+ran failed (a trainer rank, a launch, a Ray actor or cluster), whatever the input. :class:`MissingExtraError`
+is an :class:`ImportError`: the environment lacks a package that one of r3lab's extras installs (torch,
+plotly, Ray, ...), neither bad input nor a failed process. No type is two of these.
 Each message names what is wrong and, where it can, how to fix it. Catch ``R3LabError`` for "r3lab
 refused or failed", ``ValueError`` for "my input was wrong", ``R3LabFailure`` for "a process failed",
-or one type below for one stage. A type is added only
+``ImportError`` for "this needs something not installed", or one type below for one stage. A type is added only
 for a stage a caller would catch separately; a layer that re-raises another layer's error as its
 own type does so ``from`` it, and only to add where it happened (the type a caller of that layer
 expects), never to hide it.
@@ -50,6 +52,7 @@ __all__ = [
     "MegatronBridgeAPIError",
     "LaunchTimeout",
     "ClusterError",
+    "MissingExtraError",
     "cli_flag",
     "LayoutError",
     "ModelConfigError",
@@ -203,6 +206,24 @@ class ClusterError(R3LabFailure):
     """The Ray cluster cannot be reached or cannot place an actor (no cluster running, a named address that does
     not answer, a resource no node has), or an actor died, raised or did not answer in time: the message names the
     actor and its node, and every other actor of the job was ended (:mod:`r3lab.cluster`)."""
+
+
+class MissingExtraError(R3LabError, ImportError):
+    """Something r3lab was asked to do needs a package of one of its extras, and that package is not installed.
+
+    The message is always ``"<what> needs <package>, which is not installed: pip install 'r3lab[<extra>]'"``;
+    ``what``, ``package`` (the distribution pip installs) and ``extra`` are kept as attributes, and ``name`` (as
+    for every :class:`ImportError`) is the module that could not be imported. Raised through
+    :func:`r3lab._extras.importing`, which knows which extra brings which package.
+    """
+
+    def __init__(self, what: str, package: str, extra: str, *, module: str | None = None):
+        self.what, self.package, self.extra = what, package, extra
+        super().__init__(f"{what} needs {package}, which is not installed: pip install 'r3lab[{extra}]'",
+                         name=module or package)
+
+    def __reduce__(self) -> tuple[type[MissingExtraError], tuple[str, str, str], dict[str, str | None]]:
+        return type(self), (self.what, self.package, self.extra), {"name": self.name}
 
 
 #: former name of the layout errors, now one type with the other slicing errors

@@ -15,7 +15,9 @@ A family entry holds:
 * **tiny config**: the transformers config class and the keyword arguments of a tiny test model
   (``tiny_config``; :func:`r3lab.testing.tiny_moe_config` builds it).
 
-How to add a family: ``docs/adding-a-model-family.md``.
+How to add a family: ``docs/adding-a-model-family.md``. Another distribution adds one without editing r3lab by
+entry point, in group ``r3lab.families``: the entry point's name is the ``model_type`` and its object the
+:class:`ModelFamily` (:mod:`r3lab._plugins`); the group is read into :data:`FAMILIES` on its first lookup.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from r3lab.errors import ModelConfigError, R3LabError
+from r3lab._plugins import PluginRegistry
+from r3lab.errors import ConfigError, ModelConfigError, R3LabError
 
 __all__ = [
     "ModelFamily",
@@ -118,13 +121,25 @@ class ModelFamily:
         return e
 
 
-FAMILIES: dict[str, ModelFamily] = {}
+def _plugin_family(name: str, family: Any) -> ModelFamily:
+    """What an ``r3lab.families`` entry point loaded, checked: the :class:`ModelFamily` of ``model_type`` ``name``."""
+    if not isinstance(family, ModelFamily):
+        raise ConfigError(f"an r3lab.families entry point names a ModelFamily, got {family!r}")
+    if family.model_type != name:
+        raise ConfigError(f"its model_type is {family.model_type!r}: name the entry point after the model_type")
+    return family
+
+
+#: every family by ``model_type``: r3lab's own (:func:`register_family`), then those of the ``r3lab.families`` entry
+#: points (read on the first lookup)
+FAMILIES: PluginRegistry[ModelFamily] = PluginRegistry("r3lab.families", "model family", _plugin_family)
 
 
 def register_family(family: ModelFamily) -> ModelFamily:
     """Add ``family`` to the table (one entry per ``model_type``)."""
-    if family.model_type in FAMILIES:
-        raise R3LabError(f"model family {family.model_type!r} is registered already")
+    if FAMILIES.peek(family.model_type) is not None:  # peek: r3lab's own families register before plugins are read
+        raise R3LabError(f"model family {family.model_type!r} is registered already (distribution "
+                         f"{FAMILIES.origin(family.model_type)})")
     FAMILIES[family.model_type] = family
     return family
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from r3lab.errors import R3LabError
+from r3lab.vocabulary import COLLAPSE_RULE, LATE_COLLAPSE_RULE, collapse_prose
 
 __all__ = [
     "k3_kl",
@@ -375,8 +376,10 @@ def outlier_layers(per_layer: np.ndarray, *, factor: float = 3.0, floor: float =
 # ---- collapse and its precursors (the RL loop's step log and summary): pure functions on series -----------------
 __all__ += ["effective_sample_size", "RewardCollapse", "reward_collapse", "first_step", "COLLAPSE_DEFINITION"]
 
-COLLAPSE_DEFINITION = ("reward collapse: after a warm-up, the step's mean reward stays below half its running peak "
-                       "for `patience` consecutive steps, the peak being at least `min_peak`; the collapse step is "
+# the rule in words, its threshold from COLLAPSE_RULE (r3lab.vocabulary): what every RL run's summary says it used
+COLLAPSE_DEFINITION = ("reward collapse: after a warm-up, "
+                       + collapse_prose(subject="the step's mean reward stays", streak=False, warm_up=False)
+                       + " for `patience` consecutive steps, the peak being at least `min_peak`; the collapse step is "
                        "the first step of that streak")
 
 
@@ -403,9 +406,11 @@ class RewardCollapse:
     detected: int | None  # the step it reached patience
 
 
-def reward_collapse(rewards: np.ndarray, *, warmup: int = 10, patience: int = 5, fraction: float = 0.5,
-                    min_peak: float = 0.05) -> RewardCollapse:
-    """The reward-collapse detector of :data:`COLLAPSE_DEFINITION` on a per-step reward series.
+def reward_collapse(rewards: np.ndarray, *, warmup: int = COLLAPSE_RULE.warmup, patience: int = COLLAPSE_RULE.patience,
+                    fraction: float = COLLAPSE_RULE.fraction, min_peak: float = COLLAPSE_RULE.min_peak
+                    ) -> RewardCollapse:
+    """The reward-collapse detector of :data:`COLLAPSE_DEFINITION` on a per-step reward series (the defaults:
+    :data:`r3lab.vocabulary.COLLAPSE_RULE`).
 
     Why this definition: a collapse in the R3 and GSPO reports is the outcome (the score falls and stays down),
     while k3, grad-norm and clipping bursts are precursors that runs can recover from; half the running peak for
@@ -450,7 +455,8 @@ def first_step(flags: np.ndarray) -> int | None:
 __all__ += ["K3Trend", "k3_trend", "spike_steps", "spike_aftermath", "late_collapse", "LATE_COLLAPSE",
             "bootstrap_mean_diff", "mann_whitney_exact"]
 
-LATE_COLLAPSE = {"warmup": 50, "patience": 10}  # late_collapse's detector settings (reward_collapse's are 10 / 5)
+# late_collapse's detector settings (r3lab.vocabulary.LATE_COLLAPSE_RULE: a longer warm-up and streak)
+LATE_COLLAPSE = {"warmup": LATE_COLLAPSE_RULE.warmup, "patience": LATE_COLLAPSE_RULE.patience}
 
 
 @dataclass(frozen=True)
@@ -517,10 +523,12 @@ def spike_aftermath(spikes: np.ndarray, series: dict[str, np.ndarray], *, horizo
 
 
 def late_collapse(rewards: np.ndarray) -> RewardCollapse:
-    """The late-collapse variant of :func:`reward_collapse`: a 50-step warm-up and 10 steps below half the
-    running peak (:data:`LATE_COLLAPSE`), so the noisy first tens of steps of a long run neither set a peak that
-    is noise nor count as a collapse."""
-    return reward_collapse(rewards, **LATE_COLLAPSE)
+    """The late-collapse variant of :func:`reward_collapse` (:data:`r3lab.vocabulary.LATE_COLLAPSE_RULE`: a longer
+    warm-up and streak below the running peak), so the noisy first tens of steps of a long run neither set a peak
+    that is noise nor count as a collapse."""
+    rule = LATE_COLLAPSE_RULE
+    return reward_collapse(rewards, warmup=rule.warmup, patience=rule.patience, fraction=rule.fraction,
+                           min_peak=rule.min_peak)
 
 
 def bootstrap_mean_diff(a: np.ndarray, b: np.ndarray, *, n: int = 10000, level: float = 0.95,

@@ -7,7 +7,10 @@ from its id. Every place that asks "which trainer is this?" asks its spec instea
 
 Adding a trainer: one module with a ``load(path, options)`` function returning a
 :class:`~r3lab.trainers.base.Scorer` (or a :class:`~r3lab.trainers.base.Trainer` for RL), and one
-:func:`register_trainer` entry below.
+:func:`register_trainer` entry below. Another distribution adds one without editing r3lab by entry point, in group
+``r3lab.trainers``: the entry point's name is the trainer's name and its object the :class:`TrainerSpec`
+(:mod:`r3lab._plugins`); the group is read into :data:`TRAINER_REGISTRY` on its first lookup, which importing
+:mod:`r3lab.config` makes (the config's trainer choices are the registry's).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from r3lab._plugins import PluginRegistry
 from r3lab.errors import ConfigError
 
 __all__ = ["TrainerSpec", "TrainerOptions", "TRAINER_REGISTRY", "register_trainer", "trainer_spec", "load_trainer",
@@ -135,13 +139,26 @@ class TrainerSpec:
         return fn(path, options)  # type: ignore[operator]
 
 
-TRAINER_REGISTRY: dict[str, TrainerSpec] = {}
+def _plugin_trainer(name: str, spec: Any) -> TrainerSpec:
+    """What an ``r3lab.trainers`` entry point loaded, checked: the :class:`TrainerSpec` named ``name``."""
+    if not isinstance(spec, TrainerSpec):
+        raise ConfigError(f"an r3lab.trainers entry point names a TrainerSpec, got {spec!r}")
+    if spec.name != name:
+        raise ConfigError(f"its trainer is named {spec.name!r}: name the entry point after the trainer")
+    if ":" not in spec.loader:
+        raise ConfigError(f"trainer {spec.name!r}: loader {spec.loader!r} must be 'module:function'")
+    return spec
+
+
+#: every trainer by name: r3lab's own (:func:`register_trainer`), then those of the ``r3lab.trainers`` entry points
+TRAINER_REGISTRY: PluginRegistry[TrainerSpec] = PluginRegistry("r3lab.trainers", "trainer", _plugin_trainer)
 
 
 def register_trainer(spec: TrainerSpec) -> TrainerSpec:
     """Add ``spec`` to the registry (a name registered twice is an error: one spec per name)."""
-    if spec.name in TRAINER_REGISTRY:
-        raise ConfigError(f"a trainer named {spec.name!r} is registered already")
+    if TRAINER_REGISTRY.peek(spec.name) is not None:  # peek: r3lab's own trainers register before plugins are read
+        raise ConfigError(f"a trainer named {spec.name!r} is registered already (distribution "
+                          f"{TRAINER_REGISTRY.origin(spec.name)})")
     if ":" not in spec.loader:
         raise ConfigError(f"trainer {spec.name!r}: loader {spec.loader!r} must be 'module:function'")
     TRAINER_REGISTRY[spec.name] = spec

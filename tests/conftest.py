@@ -54,6 +54,7 @@ TIERS: dict[str, tuple[str, ...]] = {
     "test_browser.py": ("browser",),
     "test_browser_figures.py": ("browser",),
     "test_gpu_recipe.py": ("network",),
+    "test_install.py": ("network",),  # the built wheel installed from the index into fresh venvs (with, without torch)
 }
 
 
@@ -120,12 +121,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start the GPU recipe's pip dry run in the background once the tests are known (tests/gpu_dry_run.py): it
-    waits on the network, so it overlaps the CPU-bound tests instead of adding minutes to the suite."""
+    """Start the GPU recipe's pip dry runs (both environments) in the background once the tests are known
+    (tests/gpu_dry_run.py): they wait on the network, so they overlap the CPU-bound tests instead of adding minutes."""
     if any(item.path.name == "test_gpu_recipe.py" for item in session.items):
         import gpu_dry_run
 
-        gpu_dry_run.start(*gpu_dry_run.requirements_args())
+        gpu_dry_run.start_all()
 
 
 # ---- how many vLLM engines the run started, per test file (printed at the end: the suite's main cost) --------------

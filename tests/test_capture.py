@@ -99,7 +99,7 @@ def test_rl_refuses_an_attached_engine_with_the_reason(tmp_path, monkeypatch):
     def no_trainer(*_a, **_k):
         raise AssertionError("a trainer was loaded for an engine that cannot take its weights")
 
-    monkeypatch.setattr(loop, "load_trainer", no_trainer)
+    monkeypatch.setattr(loop, "start_trainer", no_trainer)
     attached = AttachedServer("http://127.0.0.1:9", model=QWEN, handshake=False)
     with pytest.raises(AttachError, match="RL cannot run on the attached server at http://127.0.0.1:9") as e2:
         loop.run_rl(RLConfig.quick(), engine=attached, runs_root=tmp_path)

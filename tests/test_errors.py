@@ -1,6 +1,6 @@
 """r3lab.errors is the list of every exception r3lab raises on purpose: each subclass of R3LabError anywhere in the
-package is defined there and listed in its __all__; bad input is a ValueError, a failed process a RuntimeError;
-ConfigError carries the fields it names."""
+package is defined there and listed in its __all__; bad input is a ValueError, a failed process a RuntimeError, a
+package of an extra that is not installed an ImportError; ConfigError carries the fields it names."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def test_every_r3lab_exception_is_defined_and_listed_in_errors():
     listed = {getattr(errors, n) for n in errors.__all__ if isinstance(getattr(errors, n), type)}
     assert listed - {R3LabError} == {c for c in found if c.__module__ == "r3lab.errors"}  # and nothing listed twice
     assert {"BatchError", "ImportFormatError", "UnsafeFileError", "MegatronLoadError", "MegatronTrainerError",
-            "LaunchTimeout"} <= set(errors.__all__)
+            "LaunchTimeout", "MissingExtraError"} <= set(errors.__all__)
 
 
 def test_the_check_catches_an_exception_defined_elsewhere():
@@ -52,18 +52,36 @@ def test_the_check_catches_an_exception_defined_elsewhere():
 
 #: what something r3lab ran raises when it fails (a process, an actor, a cluster, a deadline), whatever the input
 FAILURES = {"R3LabFailure", "MegatronTrainerError", "LaunchTimeout", "ClusterError"}
+#: what r3lab raises when the environment lacks a package one of its extras installs: neither input nor a failure
+MISSING = {"MissingExtraError"}
 
 
-def test_bad_input_is_a_value_error_and_a_failure_a_runtime_error_never_both():
+def test_bad_input_is_a_value_error_a_failure_a_runtime_error_a_missing_extra_an_import_error_never_two():
     every = _every_r3lab_exception()
     failures = {c.__name__ for c in every if issubclass(c, errors.R3LabFailure)}
     assert failures == FAILURES, failures
+    assert {c.__name__ for c in every if issubclass(c, ImportError)} == MISSING
     for c in every:
+        kinds = [issubclass(c, k) for k in (ValueError, RuntimeError, ImportError)]
         if c.__name__ in FAILURES:
-            assert issubclass(c, RuntimeError) and not issubclass(c, ValueError), c
+            assert kinds == [False, True, False], c
+        elif c.__name__ in MISSING:
+            assert kinds == [False, False, True], c
         else:
-            assert issubclass(c, ValueError) and not issubclass(c, RuntimeError), c
+            assert kinds == [True, False, False], c
     assert issubclass(errors.LaunchTimeout, TimeoutError)  # what a caller of launch() catches
+
+
+def test_a_missing_extra_is_caught_as_an_import_error_never_as_bad_input():
+    """``try: import ... except ImportError`` (the usual optional-dependency guard) catches it; a handler for bad
+    input does not swallow it."""
+    try:
+        raise errors.MissingExtraError("r3lab figures", "plotly", "lab")
+    except ValueError:  # pragma: no cover - the point: an input handler does not swallow a missing package
+        pytest.fail("a missing extra was caught as bad input")
+    except ImportError as e:
+        assert isinstance(e, R3LabError) and e.name == "plotly"
+        assert str(e) == "r3lab figures needs plotly, which is not installed: pip install 'r3lab[lab]'"
 
 
 def test_a_caller_catches_bad_input_apart_from_a_failed_process():

@@ -1,6 +1,6 @@
-"""What every importer shares: named layouts (recorded in runs, listed by ``r3lab import --formats`` and the README),
-an unknown layout refused as new (not as unsafe), ``-1`` rows read as uncaptured (never as expert 255), and routing
-weights stored beside the ids."""
+"""What every importer shares: named layouts (recorded in runs, listed by ``r3lab import --formats`` and the import
+guide, docs/guides/import-and-doctor.md), an unknown layout refused as new (not as unsafe), ``-1`` rows read as
+uncaptured (never as expert 255), and routing weights stored beside the ids."""
 
 from __future__ import annotations
 
@@ -149,10 +149,10 @@ def test_formats_table_lists_every_layout_of_every_kind_and_the_command_prints_i
     assert out.strip() == table
 
 
-def test_the_readme_carries_the_formats_table_as_the_command_prints_it():
-    text = (ROOT / "README.md").read_text()
+def test_the_import_guide_carries_the_formats_table_as_the_command_prints_it():
+    text = (ROOT / "docs" / "guides" / "import-and-doctor.md").read_text()
     begin, end = "<!-- r3lab import --formats -->\n", "\n<!-- end r3lab import --formats -->"
-    assert begin in text and end in text, "the README's formats table is generated: python -m r3lab import --formats"
+    assert begin in text and end in text, "the guide's formats table is generated: python -m r3lab import --formats"
     assert text.split(begin, 1)[1].split(end, 1)[0].strip() == formats_table()
 
 

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import email
 import os
 import shutil
 import subprocess
 import sys
 import sysconfig
+import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,6 +44,33 @@ def installed(tmp_path_factory):
     work.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "R3LAB_DATA", "VIRTUAL_ENV")}
     return venv, work, env
+
+
+#: what installing r3lab must never bring by itself: only an extra may (canonical names, or their beginnings)
+HEAVY = ("torch", "vllm", "megatron", "mbridge", "transformer-engine", "ray", "jupyter", "notebook", "ipykernel",
+         "ipywidgets", "nvidia-")
+
+
+def test_the_wheel_metadata_keeps_torch_and_the_engines_in_extras(installed):
+    """The built wheel's core requirements are pyproject's, none of them heavy; each extra is declared; the wheel
+    ships py.typed and the console script, and nothing of the checkout but the package."""
+    (wheel,) = installed[0].parent.glob("r3lab-*.whl")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        (info,) = {n.split("/")[0] for n in names if n.split("/")[0].endswith(".dist-info")}
+        meta = email.message_from_bytes(z.read(f"{info}/METADATA"))
+        entry_points = z.read(f"{info}/entry_points.txt").decode()
+    requires = [Requirement(r) for r in meta.get_all("Requires-Dist", [])]
+    core = {str(r) for r in requires if r.marker is None}
+    assert core == {str(Requirement(d)) for d in project["dependencies"]}
+    heavy = sorted(n for n in (canonicalize_name(r.name) for r in requires if r.marker is None) if n.startswith(HEAVY))
+    assert heavy == [], f"core requirements that belong in an extra: {heavy}"
+    assert set(meta.get_all("Provides-Extra", [])) == set(project["optional-dependencies"])
+    replay = {canonicalize_name(r.name) for r in requires if r.marker and r.marker.evaluate({"extra": "replay"})}
+    assert "torch" in replay and "transformers" in replay
+    assert "r3lab/py.typed" in names and "r3lab = r3lab.cli:main" in entry_points
+    assert sorted({n.split("/")[0] for n in names}) == ["r3lab", info]
 
 
 def _run(installed, *args, timeout=900):

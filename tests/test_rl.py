@@ -153,7 +153,7 @@ def test_a_train_step_returns_its_metrics_and_its_token_table_apart(engine):
                                                                              ignore_eos=True))
     batch = rl.RolloutBatch.from_results(results, np.array([0.0, 1.0, 0.5, 0.5]), 2)
     cfg = dataclasses.replace(QUICK, prompts_per_step=2, samples_per_prompt=2, mini_batches=2)
-    out = rl.train_step(rl.load_trainer(cfg, model_dir(cfg.model)), batch, cfg, np.random.default_rng(0))
+    out = rl.train_step(rl.start_trainer(cfg, model_dir(cfg.model)), batch, cfg, np.random.default_rng(0))
     assert isinstance(out, rl.StepResult)
     assert not any(isinstance(v, np.ndarray) for v in out.metrics.values())
     n = batch.logp_infer.size

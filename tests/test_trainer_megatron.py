@@ -298,7 +298,7 @@ def _save_as_checkpoint(weights, src, dst):
 
 
 def test_behaviour_weight_logprobs_equal_a_fresh_trainer_loaded_with_the_snapshot(qwen, tmp_path):
-    from r3lab.experiments.rl import load_trainer, scorer_at
+    from r3lab.experiments.rl import scorer_at, start_trainer
     from r3lab.trainers.base import LoadsWeights
 
     path, batch = model_dir("tiny-qwen3-moe"), qwen["batch"]
@@ -306,7 +306,7 @@ def test_behaviour_weight_logprobs_equal_a_fresh_trainer_loaded_with_the_snapsho
     update = _full_update(batch, qwen["replay"])
     hf = HFTrainer.load(path, lr=LR)
     hf_step = hf.policy_step(batch, update, routes=qwen["routes"])
-    with load_trainer(cfg, path) as t:  # the RL loop's trainer: Megatron at tp2, AdamW
+    with start_trainer(cfg, path) as t:  # the RL loop's trainer: Megatron at tp2, AdamW
         assert isinstance(t, MegatronTrainer) and isinstance(t, LoadsWeights)
         step = t.policy_step(batch, update, routes=qwen["routes"])
         snapshot = t.export_weights()  # the behaviour weights: one step away from the checkpoint

@@ -30,7 +30,7 @@ KNOWN_ERRORS: dict[str, int] = {
     "r3lab/viz/available.py": 17,
     "r3lab/metrics.py": 1,
     "r3lab/rollout/_common.py": 1,
-    "r3lab/rollout/engine.py": 6,
+    "r3lab/rollout/engine.py": 5,
     "r3lab/rollout/server.py": 1,
     "r3lab/staging/driver.py": 1,
     "r3lab/staging/plan.py": 1,

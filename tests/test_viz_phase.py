@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from r3lab.config import PHASE_OBJECTIVES, RLConfig, RLMetric
+from r3lab.config import RLConfig, RLMetric
 from r3lab.errors import R3LabError
 from r3lab.runs import RunWriter, load_runs
-from r3lab.runs.phase import LAST_STEPS, phase_records, phase_summary
+from r3lab.runs.phase import LAST_STEPS, PHASE_OBJECTIVES, phase_records, phase_summary
 from r3lab.viz import OBJECTIVE_STYLES, phase_figure, staleness_figure
 
 STEPS = 5

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from r3lab.config import ENGINE_QUANTS, PHASE_OBJECTIVES, RLConfig, config_overrides
+from r3lab.config import ENGINE_QUANTS, RLConfig, config_overrides
 from r3lab.errors import ConfigError, R3LabError
-from r3lab.runs.phase import phase_objective
+from r3lab.runs.phase import PHASE_OBJECTIVES, phase_objective
 from r3lab.widgets import DialWidget, objective_config
 
 ROOT = Path(__file__).resolve().parent.parent

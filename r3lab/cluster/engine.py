@@ -102,6 +102,13 @@ class RayEngine(Closing):
             self.close()
             raise
 
+    #: ``update_weights`` loads weights in the actor (:attr:`r3lab.rollout.base.Engine.weights_refusal`)
+    weights_refusal: str | None = None
+
+    def facts(self) -> dict[str, Any]:
+        """What a run records about this engine: vLLM in a Ray actor, its node and the resources it asked for."""
+        return {"ray": "r3lab.cluster.RayEngine", "node_id": self.member.node_id, "resources": dict(self.resources)}
+
     # ---- plumbing ------------------------------------------------------------------------------
     @property
     def node_id(self) -> str:
@@ -171,6 +178,14 @@ class RayEngine(Closing):
 
     @staticmethod
     def stack_routes(results: Sequence[Any]) -> Any:
-        from r3lab.rollout import RolloutEngine
+        from r3lab.rollout import stack_routes
 
-        return RolloutEngine.stack_routes(results)
+        return stack_routes(results)
+
+
+def build_engine(config: Any, path: Path, options: dict[str, Any]) -> RayEngine:
+    """The ``ray`` engine placement (:mod:`r3lab.cluster.placement`): a :class:`RayEngine` on the cluster
+    ``config.cluster`` names, placed by ``config.engine_resources``, every call bounded by ``config.cluster_timeout``;
+    ``options`` go to the ``RolloutEngine`` in the actor."""
+    return RayEngine(path, resources=config.engine_resources, cluster=config.cluster, timeout_s=config.cluster_timeout,
+                     **options)

@@ -1,7 +1,9 @@
-"""The Megatron trainer's ranks as Ray actors in one placement group: :class:`RayMegatronTrainer`.
+"""The Megatron trainer's ranks as Ray actors in one placement group: :class:`RayRanks`, a rank transport, and
+:class:`RayMegatronTrainer`, the Megatron trainer on it.
 
-Same driver as :class:`~r3lab.trainers.megatron.trainer.MegatronTrainer` (batches, staging plans, replay checks,
-losses), with the ranks hosted by Ray instead of ``torch.multiprocessing``:
+The driver is :class:`~r3lab.trainers.megatron.trainer.MegatronTrainer` itself (batches, staging plans, replay
+checks, losses); :class:`RayRanks` is its :class:`~r3lab.trainers.megatron.transport.RankTransport`, hosting the
+ranks with Ray instead of ``torch.multiprocessing``:
 
 * **Placement**: one placement group of ``tp * pp * dp`` bundles, each ``--trainer-resources`` (default one CPU),
   strategy ``PACK`` (Megatron puts TP neighbours on one node); rank r is pinned to bundle r.
@@ -12,32 +14,31 @@ losses), with the ranks hosted by Ray instead of ``torch.multiprocessing``:
   call carries the references of every chunk unresolved (nested in a dict, so Ray fetches none of them) and the
   rank gets only its own (:func:`~r3lab.staging.receive`: checksums, identity, the all-or-none tally in
   the backend's coordinator actor).
-* **Weights**: ``export_weights`` leaves the gathered weights in the object store as the driver-owned second
-  return of rank 0's call and returns :class:`RemoteWeights`, a lazy mapping; ``RayEngine.update_weights`` passes
-  its reference on, so the weights go from the rank actor's node to the engine actor without the driver holding
-  them.
+* **Weights**: ``export`` leaves the gathered weights in the object store as the driver-owned second return of rank
+  0's call and returns :class:`RemoteWeights`, a lazy mapping; ``RayEngine.update_weights`` passes its reference on,
+  so the weights go from the rank actor's node to the engine actor without the driver holding them.
 * **All or none, bounded**: every call on the ranks is one :func:`~r3lab.cluster.waits.gather` with a deadline;
   a rank that dies, raises or hangs fails the call with its name and node, and every rank actor, the placement
-  group and the staging coordinator are ended before the error is raised.
+  group and the staging coordinator are ended before the error (a :class:`~r3lab.errors.ClusterError`) is raised.
 """
 
 from __future__ import annotations
 
 import os
-import time
 import uuid
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from r3lab.cluster.connect import actor_options, check_placeable, connect, node_here, parse_resources
 from r3lab.cluster.waits import Member, gather
-from r3lab.errors import ClusterError
+from r3lab.errors import ClusterError, R3LabError
 from r3lab.trainers.megatron.trainer import MegatronTrainer
+from r3lab.trainers.megatron.transport import Fail
 
 if TYPE_CHECKING:
     from r3lab.trainers.megatron.worker import RankState
 
-__all__ = ["RayMegatronTrainer", "RemoteWeights", "RankHost"]
+__all__ = ["RayMegatronTrainer", "RayRanks", "RemoteWeights", "RankHost"]
 
 
 class RankHost:
@@ -126,67 +127,31 @@ class RemoteWeights(Mapping):
         return int(self.info.get("tensors", len(self._get())))
 
 
-class RayMegatronTrainer(MegatronTrainer):
-    """:class:`~r3lab.trainers.megatron.trainer.MegatronTrainer` with its ranks as Ray actors (module docstring).
+class RayRanks:
+    """The Megatron trainer's ranks as Ray actors (module docstring): a
+    :class:`~r3lab.trainers.megatron.transport.RankTransport`.
 
-    ``resources``: one rank's bundle (JSON or a mapping; default one CPU); ``cluster``: as
-    :func:`~r3lab.cluster.connect`. ``timeout_s`` bounds every call (and the ranks' collectives),
-    ``start_timeout_s`` the placement and the ranks' start.
+    ``resources``: one rank's bundle (JSON or a mapping; default one CPU), checked against the cluster before anything
+    waits; ``cluster``: as :func:`~r3lab.cluster.connect` (joined here, when the transport is made).
     """
 
-    def __init__(self, model_dir: str | os.PathLike, *, tp: int = 1, pp: int = 1, ep: int = 1, dp: int | None = None,
-                 dtype: str = "float32", lr: float | None = None, codec: str = "raw", timeout_s: float = 180.0,
-                 start_timeout_s: float = 300.0, resources: str | Mapping[str, Any] | None = None,
-                 cluster: str = "ray", megatron_loader: str | None = None):
+    label = "Megatron trainer on Ray"
+    ended = "every rank actor was ended"
+    error: type[R3LabError] = ClusterError
+
+    def __init__(self, *, resources: str | Mapping[str, Any] | None = None, cluster: str = "ray"):
         connect(cluster)
         self.resources = parse_resources(resources, what="--trainer-resources")
         self._members: list[Member] = []
         self._pg: Any = None
-        self._configure(model_dir, tp=tp, pp=pp, ep=ep, dp=dp, dtype=dtype, codec=codec, timeout_s=timeout_s,
-                        megatron_loader=megatron_loader)
-        self._start_ranks(lr, start_timeout_s)
+        self._backend: Any = None
+        self._closed = False
+        self.master: str | None = None
 
-    # ---- start ---------------------------------------------------------------------------------
-    def _start_ranks(self, lr: float | None, start_timeout_s: float) -> None:
-        import ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    @property
+    def backend(self) -> Any:
+        return self._backend
 
-        from r3lab.staging import RayBackend
-
-        world = self.layout.world_size
-        check_placeable(self.resources, what="a trainer rank", count=world)
-        tag = uuid.uuid4().hex[:8]
-        self._backend = RayBackend(coordinator_name=f"r3lab-staging-{tag}")
-        try:
-            self._pg = placement_group([dict(self.resources)] * world, strategy="PACK", name=f"r3lab-ranks-{tag}")
-            try:
-                ray.get(self._pg.ready(), timeout=start_timeout_s)
-            except ray.exceptions.GetTimeoutError:
-                raise self._fail(f"the placement group of {world} bundles {self.resources} was not placed within "
-                                 f"{start_timeout_s:.0f} s (the cluster is busy or short of them)") from None
-            opts = actor_options(self.resources)
-            for r in range(world):
-                name = f"r3lab-megatron-rank{r}-{tag}"
-                handle = ray.remote(RankHost).options(
-                    name=name, max_restarts=0, max_concurrency=1, **opts,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=r),
-                ).remote(r, world)
-                self._members.append(Member(handle, name))
-            spec = self._rank_spec(lr)
-            hold_s = float(spec["collective_timeout_s"])
-            where = self._gather([m.handle.where.remote(hold_s) for m in self._members], "placement", start_timeout_s)
-            for m, w in zip(self._members, where, strict=True):
-                m.node_id, m.ip, m.pid = w["node_id"], w["ip"], w["pid"]
-            master, port = where[0]["ip"], where[0]["port"]  # the world's master: rank 0's node, its store's port
-            self.ranks = self._gather([m.handle.start.remote(master, port, spec) for m in self._members], "start",
-                                      start_timeout_s)
-            self.master = f"{master}:{port}"
-        except BaseException:
-            self.close()
-            raise
-
-    # ---- plumbing ------------------------------------------------------------------------------
     @property
     def pids(self) -> list[int]:
         return [m.pid for m in self._members if m.pid is not None]
@@ -201,30 +166,61 @@ class RayMegatronTrainer(MegatronTrainer):
         """The rank actors (handle, name, node), by rank."""
         return list(self._members)
 
-    def _fail(self, message: str) -> ClusterError:
-        self.close()
-        return ClusterError(f"Megatron trainer on Ray ({self._describe()}): {message}; every rank actor was ended")
+    def start(self, spec: dict[str, Any], world: int, timeout: float, fail: Fail) -> list[Any]:
+        """The placement group, one actor per rank pinned to its bundle, rank 0's rendezvous, every rank's shard."""
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    def _gather(self, refs: list[Any], what: str, timeout: float) -> list[Any]:
-        return gather(refs, self._members, what, timeout, self._fail)
+        from r3lab.staging import RayBackend
 
-    def _call(self, cmd: str, **kwargs: Any) -> list[Any]:
-        if self._closed:
-            raise ClusterError(f"the Megatron trainer on Ray ({self._describe()}) is closed")
-        return self._gather([m.handle.call.remote(cmd, kwargs) for m in self._members], cmd, self.timeout_s)
+        check_placeable(self.resources, what="a trainer rank", count=world)
+        tag = uuid.uuid4().hex[:8]
+        self._backend = RayBackend(coordinator_name=f"r3lab-staging-{tag}")
+        self._pg = placement_group([dict(self.resources)] * world, strategy="PACK", name=f"r3lab-ranks-{tag}")
+        try:
+            ray.get(self._pg.ready(), timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise fail(f"the placement group of {world} bundles {self.resources} was not placed within "
+                       f"{timeout:.0f} s (the cluster is busy or short of them)") from None
+        opts = actor_options(self.resources)
+        for r in range(world):
+            name = f"r3lab-megatron-rank{r}-{tag}"
+            handle = ray.remote(RankHost).options(
+                name=name, max_restarts=0, max_concurrency=1, **opts,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=r),
+            ).remote(r, world)
+            self._members.append(Member(handle, name))
+        hold_s = float(spec["collective_timeout_s"])
+        where = gather([m.handle.where.remote(hold_s) for m in self._members], self._members, "placement", timeout,
+                       fail)
+        for m, w in zip(self._members, where, strict=True):
+            m.node_id, m.ip, m.pid = w["node_id"], w["ip"], w["pid"]
+        master, port = where[0]["ip"], where[0]["port"]  # the world's master: rank 0's node, its store's port
+        ranks = gather([m.handle.start.remote(master, port, spec) for m in self._members], self._members, "start",
+                       timeout, fail)
+        self.master = f"{master}:{port}"
+        return ranks
 
-    def _stage(self, batch: Any, routes: Any, total: int, weights: str | None = None) -> tuple[dict | None, Any]:
-        info, staged = super()._stage(batch, routes, total, weights)
-        if info is not None:
-            info["coordinator"] = staged.coordinator  # the ranks report to the backend's coordinator actor
-        return info, staged
+    def call(self, cmd: str, kwargs: dict[str, Any], timeout: float, fail: Fail) -> list[Any]:
+        return gather([m.handle.call.remote(cmd, kwargs) for m in self._members], self._members, cmd, timeout, fail)
 
-    def _release(self, staged: Any) -> None:
-        if staged is not None:
-            try:
-                staged.release()
-            except Exception:  # noqa: BLE001 - the coordinator is gone with a failed job; the chunks go with it
-                pass
+    def export(self, timeout: float, fail: Fail) -> RemoteWeights:
+        """Every shard gathered on rank 0, left in the object store (:class:`RemoteWeights`); the driver waits for
+        every rank's status within the deadline, never for the weights' bytes."""
+        calls = [m.handle.export_weights.options(num_returns=2).remote() for m in self._members]
+        status = gather([c[0] for c in calls], self._members, "export", timeout, fail)
+        return RemoteWeights(calls[0][1], status[0] or {}, timeout)
+
+    def stage_info(self, info: dict[str, Any], staged: Any) -> dict[str, Any]:
+        info["coordinator"] = staged.coordinator  # the ranks report to the backend's coordinator actor
+        return info
+
+    def release(self, staged: Any) -> None:
+        try:
+            staged.release()
+        except Exception:  # noqa: BLE001 - the coordinator is gone with a failed job; the chunks go with it
+            pass
 
     def close(self) -> None:
         """End every rank actor, the placement group and the staging coordinator; idempotent."""
@@ -241,7 +237,7 @@ class RayMegatronTrainer(MegatronTrainer):
                 ray.kill(m.handle, no_restart=True)
             except Exception:  # noqa: BLE001 - already gone
                 pass
-        coordinator = getattr(self._backend, "coordinator", None) if hasattr(self, "_backend") else None
+        coordinator = getattr(self._backend, "coordinator", None)
         if coordinator is not None:
             try:
                 ray.kill(coordinator, no_restart=True)
@@ -253,22 +249,41 @@ class RayMegatronTrainer(MegatronTrainer):
             except Exception:  # noqa: BLE001 - already removed
                 pass
 
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
 
-    # ---- weights ---------------------------------------------------------------------------------
-    def export_weights(self) -> RemoteWeights:
-        """Every shard gathered on rank 0, left in the object store (:class:`RemoteWeights`); the driver waits for
-        every rank's status within the deadline, never for the weights' bytes."""
-        if self._closed:
-            raise ClusterError(f"the Megatron trainer on Ray ({self._describe()}) is closed")
-        t0 = time.perf_counter()
-        calls = [m.handle.export_weights.options(num_returns=2).remote() for m in self._members]
-        status = self._gather([c[0] for c in calls], "export", self.timeout_s)
-        out = RemoteWeights(calls[0][1], status[0] or {}, self.timeout_s)
-        self.timings["export"].append(time.perf_counter() - t0)
-        return out
+class RayMegatronTrainer(MegatronTrainer):
+    """:class:`~r3lab.trainers.megatron.trainer.MegatronTrainer` on :class:`RayRanks`: its ranks as Ray actors.
 
+    Only the transport differs: ``resources`` (one rank's bundle) and ``cluster`` make the :class:`RayRanks`;
+    ``timeout_s`` bounds every call (and the ranks' collectives), ``start_timeout_s`` the placement and the ranks'
+    start. :attr:`members`, :attr:`node_ids` and :attr:`master` are the transport's.
+    """
+
+    transport: RayRanks
+
+    def __init__(self, model_dir: str | os.PathLike, *, tp: int = 1, pp: int = 1, ep: int = 1, dp: int | None = None,
+                 dtype: str = "float32", lr: float | None = None, codec: str = "raw", timeout_s: float = 180.0,
+                 start_timeout_s: float = 300.0, resources: str | Mapping[str, Any] | None = None,
+                 cluster: str = "ray", megatron_loader: str | None = None):
+        super().__init__(model_dir, tp=tp, pp=pp, ep=ep, dp=dp, dtype=dtype, lr=lr, codec=codec, timeout_s=timeout_s,
+                         start_timeout_s=start_timeout_s, megatron_loader=megatron_loader,
+                         transport=RayRanks(resources=resources, cluster=cluster))
+
+    @property
+    def resources(self) -> dict[str, float]:
+        """One rank's bundle."""
+        return self.transport.resources
+
+    @property
+    def members(self) -> list[Member]:
+        """The rank actors (handle, name, node), by rank."""
+        return self.transport.members
+
+    @property
+    def node_ids(self) -> list[str]:
+        """The Ray node of each rank actor, by rank."""
+        return self.transport.node_ids
+
+    @property
+    def master(self) -> str | None:
+        """The world's rendezvous, ``IP:PORT`` on rank 0's node."""
+        return self.transport.master

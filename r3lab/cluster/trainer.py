@@ -1,5 +1,6 @@
-"""A one-process trainer (transformers) in one Ray actor: :class:`RayTrainer`, and :func:`load_trainer`, which
-places any registered trainer on the cluster (Megatron: rank actors, :mod:`r3lab.cluster.megatron`).
+"""A one-process trainer (transformers) in one Ray actor: :class:`RayTrainer`, and :func:`build_trainer`, the ``ray``
+trainer placement (:mod:`r3lab.cluster.placement`), which places any registered trainer on the cluster (Megatron:
+rank actors, :mod:`r3lab.cluster.megatron`).
 
 The actor loads the trainer with the registry's own loader (:func:`r3lab.trainer_registry.load_trainer`), so it
 runs the local code on the same inputs; every call waits at most ``timeout_s`` and a dead or hung actor raises
@@ -12,6 +13,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from r3lab._process import Closing
@@ -23,7 +25,7 @@ from r3lab.trainer_registry import TrainerOptions, trainer_spec
 if TYPE_CHECKING:
     from r3lab.cluster.megatron import RemoteWeights
 
-__all__ = ["RayTrainer", "TrainerHost", "load_trainer"]
+__all__ = ["RayTrainer", "TrainerHost"]
 
 
 class TrainerHost:
@@ -38,7 +40,8 @@ class TrainerHost:
         self.trainer = load_registered(name, path, options)
 
     def info(self) -> dict[str, Any]:
-        return {**node_here(), "name": self.trainer.name, "batch_forward": bool(self.trainer.batch_forward)}
+        return {**node_here(), "name": self.trainer.name, "batch_forward": bool(self.trainer.batch_forward),
+                "records_weights": bool(getattr(self.trainer, "records_weights", False))}
 
     def call(self, method: str, args: tuple, kwargs: dict[str, Any]) -> Any:
         return getattr(self.trainer, method)(*args, **kwargs)
@@ -74,6 +77,7 @@ class RayTrainer(Closing):
             raise
         self.member.node_id, self.member.ip, self.member.pid = info["node_id"], info["ip"], info["pid"]
         self.name, self.batch_forward = info["name"], info["batch_forward"]
+        self.records_weights = bool(info["records_weights"])  # score(record_weights=True), as the trainer it hosts
 
     @property
     def node_ids(self) -> list[str]:
@@ -91,11 +95,14 @@ class RayTrainer(Closing):
             raise ClusterError(f"the trainer actor {self.member.name} is closed")
         return self._get(self.member.handle.call.remote(method, args, kwargs), method)
 
-    def score(self, batch: Any, *, routes: Any = None, record: bool = False, entropy: bool = False) -> Any:
-        return self._call("score", batch, routes=routes, record=record, entropy=entropy)
+    def score(self, batch: Any, *, routes: Any = None, record: bool = False, entropy: bool = False,
+              weights: str | None = None, **options: Any) -> Any:
+        """The hosted trainer's ``score``; its own options (``record_weights``) pass through as given."""
+        return self._call("score", batch, routes=routes, record=record, entropy=entropy, weights=weights, **options)
 
-    def policy_step(self, batch: Any, update: Any, *, routes: Any = None) -> Any:
-        return self._call("policy_step", batch, update, routes=routes)
+    def policy_step(self, batch: Any, update: Any, *, routes: Any = None, **options: Any) -> Any:
+        """The hosted trainer's ``policy_step``; ``weights`` (R3W) and its other options pass through as given."""
+        return self._call("policy_step", batch, update, routes=routes, **options)
 
     def export_weights(self) -> RemoteWeights:
         from r3lab.cluster.megatron import RemoteWeights  # with torch and the Megatron trainer: only when used
@@ -125,15 +132,15 @@ class RayTrainer(Closing):
             pass
 
 
-def load_trainer(name: str, path: str | os.PathLike, options: TrainerOptions, *, cluster: str = "ray",
-                 resources: str | Mapping[str, Any] | None = None, timeout_s: float = 300.0) -> Any:
-    """Trainer ``name`` on the cluster: Megatron's ranks as actors in one placement group (each ``resources``),
-    any other registered trainer in one actor (``resources``)."""
-    spec = trainer_spec(name)
-    if spec.parallel_layout:
+def build_trainer(config: Any, path: Path, options: TrainerOptions) -> Any:
+    """The ``ray`` trainer placement (:mod:`r3lab.cluster.placement`): trainer ``config.trainer`` on the cluster
+    ``config.cluster`` names, each call bounded by ``config.cluster_timeout``. Megatron's ranks are actors in one
+    placement group (one bundle of ``config.trainer_resources`` each); any other registered trainer is one actor."""
+    name, resources, timeout_s = config.trainer, config.trainer_resources, config.cluster_timeout
+    if trainer_spec(name).parallel_layout:
         from r3lab.cluster.megatron import RayMegatronTrainer  # torch and the Megatron trainer: only when used
 
         return RayMegatronTrainer(path, tp=options.tp, pp=options.pp, ep=options.ep, dp=options.dp,
-                                  dtype=options.dtype, lr=options.lr, cluster=cluster, resources=resources,
+                                  dtype=options.dtype, lr=options.lr, cluster=config.cluster, resources=resources,
                                   timeout_s=timeout_s, megatron_loader=options.megatron_loader)
-    return RayTrainer(name, path, options, cluster=cluster, resources=resources, timeout_s=timeout_s)
+    return RayTrainer(name, path, options, cluster=config.cluster, resources=resources, timeout_s=timeout_s)

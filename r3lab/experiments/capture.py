@@ -31,12 +31,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from r3lab.cluster import place
 from r3lab.config import CaptureConfig
 from r3lab.errors import ConfigError, R3LabError
 from r3lab.paths import model_dir
-from r3lab.rollout import RolloutEngine, RolloutResult, SamplingConfig
+from r3lab.rollout import Engine, RolloutResult, SamplingConfig, stack_routes
 from r3lab.runs import RunWriter, Samples, load, mark_stopped
 from r3lab.runs.format import CAPTURE_KIND
+from r3lab.vocabulary import RLMetric
 
 __all__ = ["Captured", "read_prompts", "run_capture", "capture_results",
            "sample_or_load"]
@@ -89,15 +91,6 @@ def _sampling(config: CaptureConfig) -> SamplingConfig:
                           n=config.samples)
 
 
-def _engine(config: CaptureConfig, path: Path) -> Any:
-    """The attached server at ``config.engine_url`` (handshake against ``path``), else a local engine."""
-    if config.engine_url is not None:
-        from r3lab.rollout import connect
-
-        return connect(config.engine_url, model=path)
-    return RolloutEngine(path, seed=0)
-
-
 def _model_path(config: CaptureConfig) -> Path:
     """The local checkpoint: ``config.model``, else the served model's name when that names one here."""
     if config.model is not None:
@@ -120,7 +113,7 @@ def capture_results(engine: Any, prompts: Sequence[Prompt], sampling: SamplingCo
 
     out: list[RolloutResult] = []
     starts = range(0, len(prompts), max(1, int(batch)))
-    for a in tqdm(starts, desc="capture", unit="request", disable=not progress):
+    for a in tqdm(starts, desc=CAPTURE_KIND, unit="request", disable=not progress):
         for r in engine.generate(list(prompts[a:a + batch]), sampling):
             out.append(RolloutResult(a + r.prompt_index, r.sample_index, r.prompt_ids, r.response_ids, r.logprobs,
                                      r.routes, r.finish_reason, r.routes_start))
@@ -148,10 +141,10 @@ def run_capture(config: CaptureConfig, prompts: str | os.PathLike[str] | Sequenc
             raise ConfigError("no prompts to capture")
     path = _model_path(config)
     sampling = _sampling(config)
-    with _engine(config, path) as engine:
+    with place(config, path).start_engine(seed=0) as engine:  # the attached server at engine_url, or a local engine
         _check_known_words(engine, items)
-        cfg = {**config.to_dict(), "model": str(path), **source, "prompts": len(items),
-               "engine": _engine_facts(config, engine), "trainer": None}
+        cfg = {**config.to_dict(), "model": str(path), **source, "prompts": len(items), "engine": engine.facts(),
+               "trainer": None}
         writer = RunWriter(out.parent, out.name, CAPTURE_KIND, cfg)
         try:
             t0 = time.perf_counter()
@@ -159,7 +152,7 @@ def run_capture(config: CaptureConfig, prompts: str | os.PathLike[str] | Sequenc
             seconds = time.perf_counter() - t0
             write_capture(writer, results, model=str(path), seed=config.seed, seconds=seconds)
             writer.finish({"samples": len(results), "prompts": len(items),
-                           "tokens": sum(len(r.response_ids) for r in results), "time_generate_s": seconds})
+                           "tokens": sum(len(r.response_ids) for r in results), RLMetric.TIME_GENERATE: seconds})
         except BaseException as e:  # the server gone, Ctrl-C: the folder says stopped and why, never half-done
             writer.close()
             if not writer.finished:
@@ -168,23 +161,16 @@ def run_capture(config: CaptureConfig, prompts: str | os.PathLike[str] | Sequenc
     return writer.path
 
 
-def _check_known_words(engine: Any, prompts: Sequence[Prompt]) -> None:
+def _check_known_words(engine: Engine, prompts: Sequence[Prompt]) -> None:
     """A text prompt the tokenizer reads as unknown tokens only would sample from nothing: an error naming it."""
-    tok = getattr(engine, "tokenizer", None)
-    unk = getattr(tok, "unk_token_id", None)
+    tok = engine.tokenizer
+    unk = getattr(tok, "unk_token_id", None)  # a tokenizer's own attribute (None: it has no unknown token)
     if tok is None or unk is None:
         return
     for i, p in enumerate(prompts):
         if isinstance(p, str) and set(tok.encode(p, add_special_tokens=False)) <= {unk}:
-            raise ConfigError(f"prompt {i} ({p[:60]!r}) is all unknown tokens to {getattr(engine, 'model_dir', '')}'s "
+            raise ConfigError(f"prompt {i} ({p[:60]!r}) is all unknown tokens to {engine.model_dir}'s "
                               "tokenizer: is it text of this model's vocabulary?")
-
-
-def _engine_facts(config: CaptureConfig, engine: Any) -> dict[str, Any]:
-    """Which engine sampled (never an API key): the server's URL, name and max length, or the local engine."""
-    if config.engine_url is not None:
-        return {"url": engine.url, "served_model": engine.served_name, "max_model_len": engine.max_model_len}
-    return {"local": "r3lab.rollout.RolloutEngine"}
 
 
 def write_capture(writer: RunWriter, results: Sequence[RolloutResult], *, model: str, seed: int,
@@ -196,13 +182,13 @@ def write_capture(writer: RunWriter, results: Sequence[RolloutResult], *, model:
         raise R3LabError("no samples to write")
     n = [len(r.response_ids) for r in results]
     writer.log_step({"step": 0, "model": model, "seed": int(seed), "samples": len(results), "tokens": int(sum(n)),
-                     "time_generate_s": seconds})
+                     RLMetric.TIME_GENERATE: seconds})
     writer.write_tokens(0, {"sample": np.repeat(np.arange(len(results)), n),
                             "position": np.concatenate([np.arange(k) for k in n]),
                             "logp_infer": np.concatenate([np.asarray(r.logprobs, np.float64) for r in results])})
     writer.write_samples(0, Samples.from_ids([r.prompt_ids for r in results], [r.response_ids for r in results],
                                              [r.logprobs for r in results]))
-    writer.write_routes(0, "engine", RolloutEngine.stack_routes(results))
+    writer.write_routes(0, "engine", stack_routes(results))
 
 
 def sample_or_load(run: str | os.PathLike[str] | None, model: str | os.PathLike[str], prompts: Sequence[Prompt],
@@ -222,10 +208,6 @@ def sample_or_load(run: str | os.PathLike[str] | None, model: str | os.PathLike[
             raise ConfigError(f"run {r.name!r} captured {r.config['model']}, not {path}: set model to its checkpoint",
                               field="model")
         return Captured(stored_results(r, 0)[0], AutoTokenizer.from_pretrained(str(path)), Path(run))
-    if engine_url is not None:
-        from r3lab.rollout import connect
-
-        with connect(engine_url, model=path) as engine:
-            return Captured(engine.generate(list(prompts), sampling), engine.tokenizer)
-    with RolloutEngine(path, seed=seed) as engine:
+    config = CaptureConfig(model=str(path), engine_url=engine_url)  # where run_capture would sample them
+    with place(config, path).start_engine(seed=seed) as engine:
         return Captured(engine.generate(list(prompts), sampling), engine.tokenizer)

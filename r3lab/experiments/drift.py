@@ -14,23 +14,24 @@ import os
 import platform
 import time
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from r3lab import metrics
+from r3lab.cluster import place
 from r3lab.config import TRAINER_DTYPES, DriftConfig
 from r3lab.corpus import corpus_prompts
 from r3lab.errors import ConfigError, R3LabError
 from r3lab.families import group_routing_note, model_group_routing
 from r3lab.paths import model_dir
-from r3lab.rollout import RolloutEngine, RolloutResult, SamplingConfig, append_last_row
+from r3lab.rollout import Engine, RolloutResult, SamplingConfig, append_last_row, stack_routes
 from r3lab.routes import Routes
 from r3lab.runs import RunWriter, Samples, mark_stopped
-from r3lab.trainer_registry import TrainerOptions, load_trainer, trainer_spec
+from r3lab.trainer_registry import TrainerOptions, trainer_spec
 from r3lab.trainers import Scorer, TokenBatch
+from r3lab.vocabulary import DriftMetric, RunKind
 
 __all__ = [
     "DriftSample",
@@ -125,11 +126,12 @@ def drift_summary(samples: Sequence[DriftSample]) -> dict[str, float]:
     none = np.concatenate([s.logp_none for s in samples])
     r3 = np.concatenate([s.logp_r3 for s in samples])
     flip = np.concatenate([s.flipped for s in samples])
-    out = {"tokens": int(inf.size), "flipped_share": float(flip.mean()),
-           "k3_none": metrics.k3_kl(none, inf), "k3_r3": metrics.k3_kl(r3, inf),
-           "f2_none": metrics.extreme_token_fraction(none, inf, 2.0),
-           "f2_r3": metrics.extreme_token_fraction(r3, inf, 2.0),
-           "abs_diff_none": float(np.mean(np.abs(none - inf))), "abs_diff_r3": float(np.mean(np.abs(r3 - inf)))}
+    out = {"tokens": int(inf.size), DriftMetric.FLIPPED_SHARE: float(flip.mean()),
+           DriftMetric.K3_NONE: metrics.k3_kl(none, inf), DriftMetric.K3_R3: metrics.k3_kl(r3, inf),
+           DriftMetric.F2_NONE: metrics.extreme_token_fraction(none, inf, 2.0),
+           DriftMetric.F2_R3: metrics.extreme_token_fraction(r3, inf, 2.0),
+           DriftMetric.ABS_DIFF_NONE: float(np.mean(np.abs(none - inf))),
+           DriftMetric.ABS_DIFF_R3: float(np.mean(np.abs(r3 - inf)))}
     split = {mode: metrics.k3_by_flip(logp, inf, flip) for mode, logp in (("none", none), ("r3", r3))}
     for name in ("flipped", "agreeing"):  # absent when the sample has no such token
         if split["none"][name] is not None:
@@ -144,24 +146,18 @@ def drift_summary(samples: Sequence[DriftSample]) -> dict[str, float]:
             if sw[name] is not None:
                 out[f"k3_{name}_r3w"] = sw[name]
     if all(s.logp_none_batched is not None for s in samples):
-        out["k3_trainer_floor"] = metrics.k3_kl(np.concatenate([s.logp_none_batched for s in samples]), none)
+        out[DriftMetric.K3_TRAINER_FLOOR] = metrics.k3_kl(np.concatenate([s.logp_none_batched for s in samples]), none)
     if all(s.logp_engine_again is not None for s in samples):
-        out["k3_engine_floor"] = metrics.k3_kl(np.concatenate([s.logp_engine_again for s in samples]), inf)
+        out[DriftMetric.K3_ENGINE_FLOOR] = metrics.k3_kl(np.concatenate([s.logp_engine_again for s in samples]), inf)
     return out
 
 
 def load_scorer(config: DriftConfig, path: str | os.PathLike, dtype: str) -> Scorer:
-    """The trainer ``config.trainer`` names (:mod:`r3lab.trainer_registry`), loaded from ``path`` in ``dtype``;
-    with ``config.cluster``, placed on the Ray cluster (:func:`r3lab.cluster.load_trainer`: Megatron's ranks as
-    actors in one placement group, each ``config.trainer_resources``)."""
+    """The trainer ``config.trainer`` names (:mod:`r3lab.trainer_registry`), loaded from ``path`` in ``dtype``, where
+    the config places it (:func:`r3lab.cluster.place`: this process, or Ray actors)."""
     options = TrainerOptions(dtype=dtype, tp=config.tp, pp=config.pp, ep=config.ep,
                              megatron_loader=config.megatron_loader)
-    if config.cluster is not None:
-        from r3lab.cluster import load_trainer as load_on_cluster
-
-        return load_on_cluster(config.trainer, path, options, cluster=config.cluster,
-                               resources=config.trainer_resources, timeout_s=config.cluster_timeout)
-    return load_trainer(config.trainer, path, options)
+    return place(config, path).start_trainer(options)
 
 
 def _engine_options(config: DriftConfig) -> dict[str, Any]:
@@ -179,32 +175,14 @@ def _engine_options(config: DriftConfig) -> dict[str, Any]:
     return opts
 
 
-def _engine(config: DriftConfig, path: Any) -> Any:
-    """The local engine, the attached server at ``config.engine_url`` (handshake against ``path``), or the engine in
-    a Ray actor (``config.cluster``)."""
-    if config.engine_url is not None:
-        from r3lab.rollout import connect
-
-        return connect(config.engine_url, model=path)
-    if config.cluster is not None:  # the same engine in a Ray actor placed by config.engine_resources
-        from r3lab.cluster import RayEngine
-
-        return RayEngine(path, resources=config.engine_resources, cluster=config.cluster,
-                         timeout_s=config.cluster_timeout, **_engine_options(config))
-    return RolloutEngine(path, **_engine_options(config))
-
-
-def _given_engine(engines: Mapping[str, Any] | None, name: str, path: Any, config: DriftConfig) -> Any:
+def _given_engine(engines: Mapping[str, Engine] | None, name: str, path: Any, config: DriftConfig) -> Engine | None:
     """The caller's engine for ``name``, checked against the run (same model folder, same ``engine_quant``)."""
     eng = (engines or {}).get(name)
     if eng is None:
         return None
-    if config.engine_url is not None:
-        raise ConfigError("run_drift: engines= and --engine-url both name the engine; give one")
-    held = getattr(eng, "model_dir", None)
-    if held is not None and os.path.realpath(str(held)) != os.path.realpath(str(path)):
-        raise ConfigError(f"run_drift: the engine given for {name!r} holds {str(held)!r}, not {str(path)!r}")
-    if getattr(eng, "engine_quant", "none") != config.engine_quant:
+    if os.path.realpath(str(eng.model_dir)) != os.path.realpath(str(path)):
+        raise ConfigError(f"run_drift: the engine given for {name!r} holds {str(eng.model_dir)!r}, not {str(path)!r}")
+    if eng.engine_quant != config.engine_quant:
         raise ConfigError(f"run_drift: the engine given for {name!r} has engine_quant={eng.engine_quant!r}, the "
                           f"run asks for {config.engine_quant!r}")
     return eng
@@ -225,7 +203,7 @@ def run_drift(
     runs_root: Any = None,
     run_name: str | None = None,
     on_trainer: Callable[[str, Scorer, list[RolloutResult]], None] | None = None,
-    engines: Mapping[str, RolloutEngine] | None = None,
+    engines: Mapping[str, Engine] | None = None,
 ) -> list[DriftRow]:
     """Run the drift experiment: per model, one engine sampling pass, then one scoring pass per trainer dtype.
 
@@ -247,13 +225,13 @@ def run_drift(
     rows: list[DriftRow] = []
     writer = None
     if runs_root is not None:
-        writer = RunWriter(runs_root, run_name or f"drift-{time.strftime('%Y%m%d-%H%M%S')}", "drift",
+        writer = RunWriter(runs_root, run_name or f"drift-{time.strftime('%Y%m%d-%H%M%S')}", RunKind.DRIFT,
                            config.to_dict())
     try:
         for name in tqdm(config.models, desc="models", unit="model", disable=not progress):
             path = model_dir(name, config.data)
-            given = _given_engine(engines, name, path, config)
-            with nullcontext(given) if given is not None else _engine(config, path) as engine:
+            placed = place(config, path, engine=_given_engine(engines, name, path, config))
+            with placed.engine(**_engine_options(config)) as engine:
                 results = {s: engine.generate(*seed_inputs(config, s)) for s in config.seeds}
                 again = {s: engine.score([r.token_ids for r in res], start=[len(r.prompt_ids) for r in res])
                          for s, res in results.items()}
@@ -314,7 +292,7 @@ def write_drift_cell(writer: RunWriter, step: int, row: DriftRow, samples: Seque
     # ids only: the run format's routes files stay what they were (routing weights live in the token table's R3W
     # log-probs; a run that keeps them is a run-format change, not made here)
     # every cell: each scores again alone
-    writer.write_routes(step, "engine", RolloutEngine.stack_routes(results).without_weights())
+    writer.write_routes(step, "engine", stack_routes(results).without_weights())
     if all(s.trainer_routes is not None for s in samples):  # the trainer's own routes, row for row, every cell
         writer.write_routes(step, "trainer", Routes.concat([s.trainer_routes for s in samples]))
 
@@ -360,11 +338,13 @@ def drift_spread(rows: Sequence[DriftRow]) -> list[dict[str, Any]]:
     out = []
     for (model, dtype), rs in groups.items():
         ratios = {
-            "cut_overall": [_ratio(r.summary["k3_none"], r.summary["k3_r3"]) for r in rs],
-            "cut_flipped": [_ratio(r.summary.get("k3_flipped_none"), r.summary.get("k3_flipped_r3")) for r in rs],
-            "agreeing_r3_over_none": [_ratio(r.summary.get("k3_agreeing_r3"), r.summary.get("k3_agreeing_none"))
+            DriftMetric.CUT_OVERALL: [_ratio(r.summary[DriftMetric.K3_NONE], r.summary[DriftMetric.K3_R3])
                                       for r in rs],
-            "flipped_share": [r.summary["flipped_share"] for r in rs],
+            DriftMetric.CUT_FLIPPED: [_ratio(r.summary.get(DriftMetric.K3_FLIPPED_NONE),
+                                             r.summary.get(DriftMetric.K3_FLIPPED_R3)) for r in rs],
+            DriftMetric.AGREEING_R3_OVER_NONE: [_ratio(r.summary.get(DriftMetric.K3_AGREEING_R3),
+                                                       r.summary.get(DriftMetric.K3_AGREEING_NONE)) for r in rs],
+            DriftMetric.FLIPPED_SHARE: [r.summary[DriftMetric.FLIPPED_SHARE] for r in rs],
         }
         rec: dict[str, Any] = {"model": model, "trainer_dtype": dtype, "seeds": len(rs),
                                "tokens": int(sum(r.summary["tokens"] for r in rs))}
@@ -411,8 +391,9 @@ def drift_table(rows: Sequence[DriftRow], config: DriftConfig, *, command: str =
     for g in drift_spread(rows):
         lines.append(
             f"| {g['model']} | {TRAINER_DTYPES[g['trainer_dtype']]} | {g['seeds']} | {g['tokens']} | "
-            f"{span(tuple(100 * x for x in g['flipped_share']), '.1f')} % | {span(g['cut_overall'], '.1f')} x | "
-            f"{span(g['cut_flipped'], '.0f')} x | {span(g['agreeing_r3_over_none'], '.2f')} |"
+            f"{span(tuple(100 * x for x in g[DriftMetric.FLIPPED_SHARE]), '.1f')} % | "
+            f"{span(g[DriftMetric.CUT_OVERALL], '.1f')} x | {span(g[DriftMetric.CUT_FLIPPED], '.0f')} x | "
+            f"{span(g[DriftMetric.AGREEING_R3_OVER_NONE], '.2f')} |"
         )
     lines += notes
     lines += [
@@ -426,11 +407,12 @@ def drift_table(rows: Sequence[DriftRow], config: DriftConfig, *, command: str =
     for r in rows:
         s = r.summary
         lines.append(
-            f"| {r.model} | {TRAINER_DTYPES[r.trainer_dtype]} | {r.seed} | {s['tokens']} | {s['flipped_share']:.1%} | "
-            f"{s['k3_none']:.2e} | {s['k3_r3']:.2e} | {s.get('k3_flipped_none', nan):.2e} | "
-            f"{s.get('k3_flipped_r3', nan):.2e} | {s.get('k3_agreeing_none', nan):.2e} | "
-            f"{s.get('k3_agreeing_r3', nan):.2e} | {s['f2_none']:.2%} | {s['f2_r3']:.2%} | "
-            f"{s.get('k3_trainer_floor', nan):.1e} | {s.get('k3_engine_floor', nan):.1e} |"
+            f"| {r.model} | {TRAINER_DTYPES[r.trainer_dtype]} | {r.seed} | {s['tokens']} | "
+            f"{s[DriftMetric.FLIPPED_SHARE]:.1%} | {s[DriftMetric.K3_NONE]:.2e} | {s[DriftMetric.K3_R3]:.2e} | "
+            f"{s.get(DriftMetric.K3_FLIPPED_NONE, nan):.2e} | {s.get(DriftMetric.K3_FLIPPED_R3, nan):.2e} | "
+            f"{s.get(DriftMetric.K3_AGREEING_NONE, nan):.2e} | {s.get(DriftMetric.K3_AGREEING_R3, nan):.2e} | "
+            f"{s[DriftMetric.F2_NONE]:.2%} | {s[DriftMetric.F2_R3]:.2%} | "
+            f"{s.get(DriftMetric.K3_TRAINER_FLOOR, nan):.1e} | {s.get(DriftMetric.K3_ENGINE_FLOOR, nan):.1e} |"
         )
     lines += [
         "",

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from r3lab import metrics
-from r3lab.config import TRAINER_DTYPES, TRAINERS, DriftConfig, RLMetric
+from r3lab.config import TRAINER_DTYPES, TRAINERS, DriftConfig
 from r3lab.errors import ConfigError, R3LabError, RunFormatError
 from r3lab.experiments.drift import (
     DriftRow,
@@ -43,12 +43,14 @@ from r3lab.routes import Routes
 from r3lab.runs import Run, RunWriter, load
 from r3lab.runs.format import CAPTURE_KIND, check_run_name
 from r3lab.trainer_registry import TRAINER_REGISTRY, trainer_spec
+from r3lab.vocabulary import DriftMetric, RLMetric, RunKind
 
 __all__ = ["rescore_run", "rescore_table", "stored_results", "RESCORE_KINDS"]
 
-RESCORE_KINDS = ("drift", "rl", CAPTURE_KIND)  # the runs whose samples can be scored again
+RESCORE_KINDS = (RunKind.DRIFT, RunKind.RL, CAPTURE_KIND)  # the runs whose samples can be scored again
 CAPTURE_DTYPE = "float32"  # a capture run's trainer dtype when none is given (it has no trainer of its own)
-_COMPARED = ("tokens", "flipped_share", "k3_none", "k3_r3", RLMetric.ENGINE_TRAINER_DISAGREEMENT)
+_COMPARED = ("tokens", DriftMetric.FLIPPED_SHARE, DriftMetric.K3_NONE, DriftMetric.K3_R3,
+             RLMetric.ENGINE_TRAINER_DISAGREEMENT)
 
 
 @dataclass(frozen=True)
@@ -111,7 +113,7 @@ def _trainer_label(cfg: dict[str, Any]) -> str:
 def _source_cells(run: Run, steps: Sequence[int] | None, trainer_dtype: str | None) -> list[_Cell]:
     records = {int(r["step"]): r for r in run.step_records}
     cfg = run.config
-    if run.kind == "rl":
+    if run.kind == RunKind.RL:
         want = [0] if steps is None else [int(s) for s in steps]
         later = [s for s in want if s != 0]
         if later:
@@ -121,9 +123,9 @@ def _source_cells(run: Run, steps: Sequence[int] | None, trainer_dtype: str | No
         rec = records.get(0)
         if rec is None:
             raise RunFormatError(f"run {run.name!r} has no step 0")
-        if rec.get("engine_weight_version", 0) != 0:
+        if rec.get(RLMetric.ENGINE_WEIGHT_VERSION, 0) != 0:
             raise RunFormatError(f"run {run.name!r} step 0 was sampled with engine weight version "
-                                 f"{rec['engine_weight_version']}, not the starting checkpoint")
+                                 f"{rec[RLMetric.ENGINE_WEIGHT_VERSION]}, not the starting checkpoint")
         dtype = trainer_dtype or str(cfg.get("trainer_dtype", "float32"))
         return [_Cell(0, str(cfg["model"]), int(cfg.get("seed", 0)), dtype, _rl_source(run, 0, rec))]
     want = sorted(records) if steps is None else [int(s) for s in steps]
@@ -160,10 +162,10 @@ def _rl_source(run: Run, step: int, rec: dict[str, Any]) -> dict[str, Any]:
     keep = t["loss_mask"].to_numpy(bool) if "loss_mask" in t else np.ones(len(t), bool)
     infer = t["logp_infer"].to_numpy()[keep]
     src["tokens"] = int(keep.sum())
-    src["flipped_share"] = float(t["flipped"].to_numpy()[keep].mean())
-    src["k3_none"] = metrics.k3_kl(t["logp_native"].to_numpy()[keep], infer)
+    src[DriftMetric.FLIPPED_SHARE] = float(t["flipped"].to_numpy()[keep].mean())
+    src[DriftMetric.K3_NONE] = metrics.k3_kl(t["logp_native"].to_numpy()[keep], infer)
     if run.config.get("mode") == "R3":
-        src["k3_r3"] = metrics.k3_kl(t["logp_old"].to_numpy()[keep], infer)
+        src[DriftMetric.K3_R3] = metrics.k3_kl(t["logp_old"].to_numpy()[keep], infer)
     return src
 
 
@@ -173,7 +175,7 @@ def _source_logps(run: Run, step: int) -> dict[str, np.ndarray]:
         return {}
     t = run.tokens([step])
     keep = t["loss_mask"].to_numpy(bool) if "loss_mask" in t else np.ones(len(t), bool)
-    if run.kind == "drift":
+    if run.kind == RunKind.DRIFT:
         return {"none": t["logp_none"].to_numpy()[keep], "r3": t["logp_r3"].to_numpy()[keep]}
     out = {"none": t["logp_native"].to_numpy()[keep]}
     if run.config.get("mode") == "R3":
@@ -183,7 +185,7 @@ def _source_logps(run: Run, step: int) -> dict[str, np.ndarray]:
 
 def _engine_again(run: Run, step: int, results: Sequence[RolloutResult]) -> list[np.ndarray] | None:
     """The engine's prefill scores of the samples (the engine floor), if the run stored them (drift runs)."""
-    if run.kind != "drift" or step not in run.token_steps():
+    if run.kind != RunKind.DRIFT or step not in run.token_steps():
         return None
     t = run.tokens([step])
     if "logp_engine_again" not in t:
@@ -237,7 +239,7 @@ def rescore_run(run_path: str | os.PathLike[str], *, trainer: str = "hf", tp: in
                          trainer_resources=trainer_resources, cluster_timeout=cluster_timeout)  # validates them
     stored = {c.source_step: stored_results(source, c.source_step) for c in cells}  # every file read before scoring
     paths = {m: model_dir(m, data) for m in layout.models}
-    if source.kind == "rl":
+    if source.kind == RunKind.RL:
         weights = (f"the run's starting checkpoint {paths[cells[0].model]}: the run kept no weights, so only step 0 "
                    "(sampled and scored at those weights) is scored")
     else:
@@ -252,7 +254,7 @@ def rescore_run(run_path: str | os.PathLike[str], *, trainer: str = "hf", tp: in
     torch.set_num_threads(1)  # as the drift experiment scores: same threads, same sums
     rows: list[DriftRow] = []
     try:
-        with RunWriter(src_path.parent, name, "drift", config) as writer:
+        with RunWriter(src_path.parent, name, RunKind.DRIFT, config) as writer:
             for model in layout.models:
                 for dtype in layout.trainer_dtypes:
                     todo = [c for c in cells if c.model == model and c.dtype == dtype]
@@ -323,8 +325,8 @@ def rescore_table(run: Run | str | os.PathLike[str]) -> str:
         lines.append(
             f"| {s['source_step']} | {s['model']} | {s['seed']} | {TRAINER_DTYPES.get(s['trainer_dtype'], '?')} "
             f"({TRAINER_DTYPES.get(str(s.get('source/trainer_dtype')), '?')}) | {s['tokens']} | "
-            f"{pair(s, 'flipped_share', '.2%')} | {pair(s, RLMetric.ENGINE_TRAINER_DISAGREEMENT, '.2%')} | "
-            f"{pair(s, 'k3_none', '.3e')} | {pair(s, 'k3_r3', '.3e')} | "
+            f"{pair(s, DriftMetric.FLIPPED_SHARE, '.2%')} | {pair(s, RLMetric.ENGINE_TRAINER_DISAGREEMENT, '.2%')} | "
+            f"{pair(s, DriftMetric.K3_NONE, '.3e')} | {pair(s, DriftMetric.K3_R3, '.3e')} | "
             f"{_fmt(s.get('vs_source/max_abs_dlogp_none'), '.1e')} | "
             f"{_fmt(s.get('vs_source/max_abs_dlogp_r3'), '.1e')} |")
     lines += ["", "source -> rescored. route-flipped: sampled tokens whose input position the engine and the trainer "

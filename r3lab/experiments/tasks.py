@@ -42,9 +42,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from r3lab.config import TASKS as TASK_NAMES
 from r3lab.errors import R3LabError
 from r3lab.paths import corpus_path
+from r3lab.vocabulary import TASKS as TASK_REWARDS
+from r3lab.vocabulary import TaskName
 
 __all__ = ["Task", "LetterTask", "EdgeTask", "LadderTask", "ChainTask", "TASKS", "make_task"]
 
@@ -168,15 +169,15 @@ class ChainTask(LadderTask):
         return float(np.unique(ids[1:][hit]).size / (ids.size - 1))
 
 
-# the registry: task name -> its builder from (tokenizer, config); names and help texts live in r3lab.config.TASKS
+# the registry: task name -> its builder from (tokenizer, config); names and help texts live in r3lab.vocabulary.TASKS
 TASKS: dict[str, Callable[[Any, Any], Task]] = {
-    "letter": lambda tokenizer, config: LetterTask(tokenizer, config.target_letter),
-    "edges": lambda tokenizer, config: EdgeTask(tokenizer, data=config.data),
-    "ladder": lambda tokenizer, config: LadderTask(tokenizer),
-    "chain": lambda tokenizer, config: ChainTask(tokenizer),
+    TaskName.LETTER: lambda tokenizer, config: LetterTask(tokenizer, config.target_letter),
+    TaskName.EDGES: lambda tokenizer, config: EdgeTask(tokenizer, data=config.data),
+    TaskName.LADDER: lambda tokenizer, config: LadderTask(tokenizer),
+    TaskName.CHAIN: lambda tokenizer, config: ChainTask(tokenizer),
 }
-if set(TASKS) != set(TASK_NAMES):
-    raise R3LabError(f"the task registry {sorted(TASKS)} and r3lab.config.TASKS {sorted(TASK_NAMES)} disagree")
+if set(TASKS) != set(TASK_REWARDS):
+    raise R3LabError(f"the task registry {sorted(TASKS)} and r3lab.vocabulary.TASKS {sorted(TASK_REWARDS)} disagree")
 
 
 def make_task(tokenizer: Any, config: Any) -> Task:

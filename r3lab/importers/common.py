@@ -32,10 +32,12 @@ from typing import Any
 import numpy as np
 
 from r3lab import metrics
+from r3lab._extras import importing
 from r3lab.errors import ImportFormatError, UnsafeFileError
 from r3lab.moe_layout import MoELayout
 from r3lab.routes import SENTINEL, Routes
 from r3lab.runs import IMPORT_KIND, RunWriter
+from r3lab.vocabulary import CAPTURE_LOG_KEY, RLMetric
 
 __all__ = ["NUMPY_ALLOWLIST", "safe_torch_load", "refuse_pickles",
            "read_jsonl", "file_sha256", "file_hashes", "LayerMap", "Sample", "CaptureLog", "write_run",
@@ -76,7 +78,8 @@ def refuse_pickles(path: Path) -> None:
 
 def safe_torch_load(path: str | os.PathLike, *, numpy_arrays: bool = False) -> Any:
     """``torch.load(weights_only=True)``: tensors, containers and scalars only (plus numpy arrays if asked)."""
-    import torch
+    with importing("torch", for_=f"reading the torch file {str(path)!r}"):
+        import torch
 
     p = Path(path)
     refuse_pickles(p)
@@ -408,7 +411,7 @@ def write_run(samples: Iterable[Sample], out: str | os.PathLike, *, source_forma
             acc.finish(writer, totals)
         if totals["samples"] == 0:
             raise ImportFormatError(f"no samples in {[str(f) for f in files]}")
-        writer.add_config({"capture": log.to_dict()})
+        writer.add_config({CAPTURE_LOG_KEY: log.to_dict()})
         if late_config is not None:  # what the importer learnt only by reading every sample (slime's weight versions)
             writer.add_config(late_config())
         if layouts is not None:  # read once every sample is: importers fill it while they iterate
@@ -577,7 +580,7 @@ class _StepAccumulator:
         rec: dict[str, Any] = {"step": self.step, "samples": self.n, "tokens": self.ntok}
         finite = [r for r in self.rewards if np.isfinite(r)]  # NaN: a sample the dump gives no reward (prime-rl)
         if finite:
-            rec["reward_mean"] = float(np.mean(finite))
+            rec[RLMetric.REWARD] = float(np.mean(finite))
         for flag, k in sorted(self.flags.items()):
             rec[f"samples_{flag}"] = k
             totals[f"samples_{flag}"] = totals.get(f"samples_{flag}", 0) + k
@@ -595,6 +598,7 @@ class _StepAccumulator:
 
 def sample_tokens(run_path: str | os.PathLike, step: int) -> list[np.ndarray]:
     """The full token sequence (prompt + response) of every sample of an imported run's step, in sample order."""
+    import pandas  # noqa: F401  (what to_pandas below needs)
     import pyarrow.parquet as pq
 
     p = Path(run_path)

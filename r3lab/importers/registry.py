@@ -6,7 +6,9 @@ Path``, ``detect(path) -> str | None`` (a short reason when a folder looks like 
 :class:`r3lab.importers.layouts.Layout`, recognised from the bytes and recorded in the run). Modules are imported
 only when an entry is used, so an entry whose module is not in this r3lab is a clear error
 (:class:`ImporterMissingError`), not a broken package. Adding an importer = one module + one :data:`REGISTRY`
-entry; nothing else lists kinds.
+entry; nothing else lists kinds. Another distribution adds one without editing r3lab by entry point, in group
+``r3lab.importers``: the entry point's name is the kind and its object the kind's :class:`ImporterSpec`
+(:mod:`r3lab._plugins`); the group is read into :data:`REGISTRY` on its first lookup.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from r3lab.errors import ImporterMissingError, ImportFormatError
+from r3lab._plugins import PluginRegistry
+from r3lab.errors import ConfigError, ImporterMissingError, ImportFormatError
 
 __all__ = ["ImporterSpec", "REGISTRY", "spec", "detect_kind", "AUTO"]
 
@@ -78,7 +81,22 @@ def _entry(kind: str, module: str, description: str, reads: str) -> ImporterSpec
     return ImporterSpec(kind, f"r3lab.importers.{module}", f"import_{module}", description, reads)
 
 
-REGISTRY: dict[str, ImporterSpec] = {s.kind: s for s in (
+def _plugin_importer(name: str, spec: Any) -> ImporterSpec:
+    """What an ``r3lab.importers`` entry point loaded, checked: the :class:`ImporterSpec` of kind ``name``, whose
+    module can be found."""
+    if not isinstance(spec, ImporterSpec):
+        raise ConfigError(f"an r3lab.importers entry point names an ImporterSpec, got {spec!r}")
+    if spec.kind != name or name == AUTO:
+        raise ConfigError(f"its kind is {spec.kind!r}: name the entry point after the kind (any but {AUTO!r})")
+    if not spec.available:
+        raise ConfigError(f"its importer module {spec.module!r} cannot be found")
+    return spec
+
+
+REGISTRY: PluginRegistry[ImporterSpec] = PluginRegistry("r3lab.importers", "importer", _plugin_importer)
+"""Every dump kind r3lab knows, by name (the CLI's ``r3lab import KIND`` choices, in this order): r3lab's own, then
+those of the ``r3lab.importers`` entry points (read on the first lookup)."""
+for _spec in (
     _entry("slime", "slime", "slime (THUDM/slime) rollout dumps, with routes, and their train dumps",
            "the --save-debug-rollout-data folder (or one .pt file)"),
     _entry("miles", "miles", "Miles (radixark/miles) rollout dumps (numpy routes) and train_data/ dumps",
@@ -96,8 +114,9 @@ REGISTRY: dict[str, ImporterSpec] = {s.kind: s for s in (
     ImporterSpec("megatron-trace", "r3lab.importers.megatron_trace", "import_megatron_trace",
                  "Megatron-LM (NVIDIA/Megatron-LM) --moe-routing-trace-path: trainer-side expert load per step, layer "
                  "and rank (no tokens or samples)", "the trace folder of router_trace_rank<R>.jsonl files"),
-)}
-"""Every dump kind r3lab knows, by name (the CLI's ``r3lab import KIND`` choices, in this order)."""
+):
+    REGISTRY[_spec.kind] = _spec
+del _spec
 
 
 def spec(kind: str) -> ImporterSpec:

@@ -75,6 +75,7 @@ from typing import Any
 
 import numpy as np
 
+from r3lab._extras import importing
 from r3lab.errors import ImportFormatError, UnsafeFileError
 from r3lab.importers.common import LayerMap, Sample, write_run
 from r3lab.importers.layouts import Layout, LayoutsSeen, unknown_layout
@@ -255,7 +256,8 @@ def _tensor(v: Any, where: str, path: Path) -> np.ndarray | Packed | None:
                                     f"{getattr(arr, 'dtype', type(arr).__name__)}, not a numeric array")
         return arr
     if fmt == "torch":
-        import torch
+        with importing("torch", for_=f"{where}: reading torch.save bytes"):
+            import torch
 
         try:
             t = torch.load(io.BytesIO(v["data"]), map_location="cpu", weights_only=True)

@@ -68,7 +68,7 @@ from typing import Any
 
 import numpy as np
 
-from r3lab.errors import ImportFormatError, R3LabError
+from r3lab.errors import ImportFormatError, MissingExtraError, R3LabError
 from r3lab.importers.common import LayerMap, Sample, write_run
 from r3lab.importers.layouts import Layout, LayoutsSeen, unknown_layout
 from r3lab.importers.train_dumps import TrainDumps, TrainRollout, TrainRow, load_dump, to_numpy
@@ -487,6 +487,8 @@ def _detect(p: Path, kind: str) -> str | None:
 def _probe(f: Path) -> tuple[str, str] | None:
     try:
         obj = load_dump(f)
+    except MissingExtraError:  # no torch to open a .pt: saying so beats "not recognised"
+        raise
     except (R3LabError, OSError):  # detection never raises: a file it cannot read is simply not recognised
         return None
     if not isinstance(obj, dict):

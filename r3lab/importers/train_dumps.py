@@ -51,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from r3lab._extras import importing
 from r3lab.errors import ImportFormatError
 from r3lab.importers.common import safe_torch_load
 from r3lab.importers.layouts import Layout, unknown_layout
@@ -80,7 +81,8 @@ def load_dump(path: str | Path, *, numpy_arrays: bool = True) -> Any:
     A reward function returning ``np.float64`` puts a numpy scalar in ``Sample.reward``; numpy's ``scalar``
     rebuilds one from a dtype and its bytes (nothing else runs), so it joins the numpy allowlist here.
     """
-    import torch
+    with importing("torch", for_=f"reading the torch file {str(path)!r}"):
+        import torch
 
     if not numpy_arrays:
         return safe_torch_load(path)

@@ -75,6 +75,7 @@ from typing import Any
 
 import numpy as np
 
+from r3lab._extras import importing
 from r3lab.errors import ImportFormatError, UnsafeFileError
 from r3lab.importers.common import LayerMap, Sample, write_run
 from r3lab.importers.layouts import Layout, LayoutsSeen, unknown_layout
@@ -262,8 +263,9 @@ _TQ_GLOBALS = ((_make_td, _TD_NAMES["_make_td"]), (_TensorDictMarker, _TD_NAMES[
 def _torch_load_tq(path: Path) -> Any:
     """``torch.load(weights_only=True)`` with tensordict's four names mapped to the stand-ins above (only for this
     call: a same-named global registered elsewhere, tensordict's own, is set aside and put back)."""
-    import torch
-    import torch.serialization as ts
+    with importing("torch", for_=f"reading verl's {path.name}"):
+        import torch
+        import torch.serialization as ts
 
     try:  # newer torch pickles a dynamo marker in a nested tensor's metadata cache; its own safe list needs it loaded
         import torch._dynamo.decorators  # noqa: F401
@@ -298,7 +300,8 @@ def _torch_load_tq(path: Path) -> Any:
 
 def _per_sample(value: Any, n: int, key: str, where: str) -> list[np.ndarray] | list[Any]:
     """One field of the TensorDict as ``n`` per-trajectory values (numpy arrays for tensors)."""
-    import torch
+    with importing("torch", for_=f"{where}: reading verl's tensors"):
+        import torch
 
     if isinstance(value, NonTensorStackStandIn):
         if len(value.data) != n:

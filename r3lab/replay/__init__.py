@@ -12,9 +12,15 @@ both in :mod:`r3lab.replay.common`:
   (:func:`hf_token_logprobs` one sequence of it), :func:`recompute_routes` the engine-convention recomputation,
   :func:`load_hf_model` a checkpoint with fp32 routers.
 
-Importing this package imports torch, not megatron-core or transformers (each is imported when used).
+Importing this package imports torch, not megatron-core or transformers (each is imported when used); without
+torch it raises :class:`~r3lab.errors.MissingExtraError` naming the ``replay`` extra.
 Layer ids are the 0-based global decoder-layer index everywhere (as in :class:`r3lab.routes.Routes`).
 """
+
+from r3lab._extras import importing
+
+with importing("torch", for_="r3lab.replay"):
+    import torch  # noqa: F401  (every module below needs it)
 
 from r3lab.errors import ReplayError  # noqa: F401  (importable here as before; exported by r3lab.errors)
 from r3lab.replay.common import check_route_tensor

@@ -5,9 +5,10 @@
     with RolloutEngine("data/models/tiny-qwen3-moe", seed=0) as eng:
         results = eng.generate(["ka lo mi"], SamplingConfig(max_tokens=32, seed=0))
 
-Modules: :mod:`~r3lab.rollout.engine` (vLLM in this process), :mod:`~r3lab.rollout.server` (vLLM's
-OpenAI-compatible server on loopback, and the client that decodes its routes), :mod:`~r3lab.rollout.types`
-(sampling settings, one sample's result, the checks on engine routes; shared by both paths).
+Modules: :mod:`~r3lab.rollout.base` (:class:`Engine`, the protocol every engine class meets, wherever it runs),
+:mod:`~r3lab.rollout.engine` (vLLM in this process), :mod:`~r3lab.rollout.server` (vLLM's OpenAI-compatible server
+on loopback), :mod:`~r3lab.rollout.attach` (a server the user started, and the client that decodes its routes),
+:mod:`~r3lab.rollout.types` (sampling settings, one sample's result, the checks on engine routes; shared by all).
 Importing this package does not import vLLM (the engine and the server import it when they start),
 and nothing here imports the trainer side (slicing, replay).
 """
@@ -20,6 +21,7 @@ from r3lab.errors import (
 )
 from r3lab.moe_layout import MoELayout  # noqa: F401  (importable here as before; exported by r3lab.moe_layout)
 from r3lab.rollout.attach import API_KEY_ENV, AttachedServer, connect, parse_completion, served_model
+from r3lab.rollout.base import Engine
 from r3lab.rollout.engine import RolloutEngine
 from r3lab.rollout.server import RolloutServer
 from r3lab.rollout.types import (
@@ -28,16 +30,19 @@ from r3lab.rollout.types import (
     append_last_row,
     assemble_turns,
     split_turn_routes,
+    stack_routes,
     validate_engine_routes,
 )
 
 __all__ = [
+    "Engine",
     "RolloutEngine",
     "RolloutServer",
     "RolloutResult",
     "SamplingConfig",
     "validate_engine_routes",
     "append_last_row",
+    "stack_routes",
     "assemble_turns",
     "split_turn_routes",
     "parse_completion",

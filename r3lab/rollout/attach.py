@@ -25,7 +25,8 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -50,6 +51,7 @@ class CompletionsClient(Closing):
 
     url: str
     served_name: str
+    model_dir: Path
     layout: MoELayout
     max_model_len: int
     max_routes_bytes: int = DEFAULT_MAX_BYTES
@@ -57,6 +59,11 @@ class CompletionsClient(Closing):
     timeout_s: float = 600.0
     retries: int = 0
     _slots: threading.BoundedSemaphore | None = None
+    # what the Engine protocol asks (r3lab.rollout.base): a server samples with the weights it started with, exact
+    # (r3lab simulates no quantization on it), and its HTTP API returns expert ids only, never routing weights
+    engine_quant: str = "none"
+    captures_weights: bool = False
+    weight_version: int = 0
 
     def _headers(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         h = {"Content-Type": "application/json"}
@@ -116,8 +123,23 @@ class CompletionsClient(Closing):
         return check_prompts(prompts, max_tokens=max_tokens, max_model_len=self.max_model_len,
                              tokenize=self._tokenize())
 
+    @property
+    def tokenizer(self) -> Any:
+        """The local checkpoint's tokenizer (the trainer's copy; None if it ships none), loaded on first use."""
+        tok = self.__dict__.get("_tokenizer")
+        if tok is None:
+            if not (self.model_dir / "tokenizer.json").is_file() and not (self.model_dir / "tokenizer_config.json"
+                                                                          ).is_file():
+                return None
+            from transformers import AutoTokenizer
+
+            tok = self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        return tok
+
     def _tokenize(self) -> Any:
-        return None
+        """Text prompts are encoded with the local checkpoint's tokenizer (no special tokens, as the engines do)."""
+        tok = self.tokenizer
+        return None if tok is None else (lambda text: tok.encode(text, add_special_tokens=False))
 
     def generate(self, prompts: Sequence[str | Sequence[int]], sampling: SamplingConfig | None = None, *,
                  routes_prompt_start: int = 0, omit_prefix: bool = False,
@@ -173,10 +195,24 @@ class CompletionsClient(Closing):
             out.append(row)
         return out
 
-    def update_weights(self, *_: Any, **__: Any) -> None:
-        """An attached server has no weight-update path r3lab drives: refuse with the reason."""
-        raise AttachError(f"the engine at {self.url} was started outside r3lab; r3lab cannot push the trainer's "
-                          f"weights into it: {ATTACHED_RL_REASON}")
+    @property
+    def weights_refusal(self) -> str:
+        """Why ``update_weights`` refuses: r3lab drives no weight update over vLLM's HTTP API."""
+        return (f"the vLLM server at {self.url}: r3lab has no weight-update path over its HTTP API (vLLM 0.30's "
+                "dev-mode /update_weights moves weights over NCCL or CUDA IPC only, GPU to GPU); run RL with a local "
+                "engine")
+
+    def update_weights(self, *_: Any, **__: Any) -> NoReturn:
+        """A server has no weight-update path r3lab drives: refuse with the reason (:attr:`weights_refusal`)."""
+        raise AttachError(f"r3lab cannot push the trainer's weights into {self.weights_refusal}")
+
+    def prefix_cache(self) -> dict[str, Any]:
+        """A server's prefix cache is its own: unknown here (None for both)."""
+        return {"enabled": None, "block_size": None}
+
+    def facts(self) -> dict[str, Any]:
+        """What a run records about the server (never its API key): its URL, served name and max length."""
+        return {"url": self.url, "served_model": self.served_name, "max_model_len": self.max_model_len}
 
 
 class AttachedServer(CompletionsClient):
@@ -203,22 +239,9 @@ class AttachedServer(CompletionsClient):
         pass
 
     @property
-    def tokenizer(self) -> Any:
-        """The local checkpoint's tokenizer (the trainer's copy; None if it ships none), loaded on first use."""
-        tok = self.__dict__.get("_tokenizer")
-        if tok is None:
-            if not (self.model_dir / "tokenizer.json").is_file() and not (self.model_dir / "tokenizer_config.json"
-                                                                          ).is_file():
-                return None
-            from transformers import AutoTokenizer
-
-            tok = self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
-        return tok
-
-    def _tokenize(self) -> Any:
-        """Text prompts are encoded with the local checkpoint's tokenizer (no special tokens, as the engines do)."""
-        tok = self.tokenizer
-        return None if tok is None else (lambda text: tok.encode(text, add_special_tokens=False))
+    def weights_refusal(self) -> str:
+        """Why ``update_weights`` refuses: r3lab did not start this server and cannot push weights into it."""
+        return f"the attached server at {self.url}: {ATTACHED_RL_REASON}"
 
     def handshake(self) -> None:
         """Served model and max length from ``/v1/models``; one probe completion whose routes fit ``model``."""

@@ -47,7 +47,7 @@ from r3lab.rollout._common import (
     vllm_env,
 )
 from r3lab.rollout.quant import QUANT_SETTINGS, is_quantized_weight, quantize_state_dict
-from r3lab.rollout.types import RolloutError, RolloutResult, SamplingConfig, validate_engine_routes
+from r3lab.rollout.types import RolloutError, RolloutResult, SamplingConfig, stack_routes, validate_engine_routes
 from r3lab.routes import Routes
 
 __all__ = ["RolloutEngine"]
@@ -161,6 +161,13 @@ class RolloutEngine(Closing):
         """Whether this engine records its routers' top-k weights beside the ids (``capture_weights=True``)."""
         return self._weights is not None
 
+    #: ``update_weights`` loads weights in place (:attr:`r3lab.rollout.base.Engine.weights_refusal`)
+    weights_refusal: str | None = None
+
+    def facts(self) -> dict[str, Any]:
+        """What a run records about this engine: vLLM in this process."""
+        return {"local": "r3lab.rollout.RolloutEngine"}
+
     # ---- generation -----------------------------------------------------------------------------
     def encode_prompts(self, prompts: Sequence[str | Sequence[int]], max_tokens: int = 1) -> list[list[int]]:
         """Token ids of each prompt, checked: non-empty, plain ints in the vocabulary, fits the context."""
@@ -253,10 +260,8 @@ class RolloutEngine(Closing):
 
     @staticmethod
     def stack_routes(results: Sequence[RolloutResult]) -> Routes:
-        """Pack the routes of many results into one Routes (one sequence per result)."""
-        if not results:
-            raise RolloutError("stack_routes needs at least one result")
-        return Routes.concat([r.routes for r in results])
+        """Pack the routes of many results into one Routes (one sequence per result): :func:`stack_routes`."""
+        return stack_routes(results)
 
     # ---- weights --------------------------------------------------------------------------------
     def update_weights(self, state_dict: Mapping[str, Any], *, version: int | None = None) -> int:

@@ -30,6 +30,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from r3lab._process import end_process_group, free_port
 from r3lab.compaction import DEFAULT_MAX_BYTES
@@ -114,6 +115,17 @@ class RolloutServer(CompletionsClient):
                 pass
             time.sleep(0.5)
         raise RolloutError(f"vLLM server not ready after {timeout:.0f} s; last log lines:\n{self.log_tail()}")
+
+    @property
+    def weights_refusal(self) -> str:
+        """Why ``update_weights`` refuses: r3lab starts this server but drives no weight update into it."""
+        return (f"the vLLM server r3lab started at {self.url}: r3lab has no weight-update path over its HTTP API "
+                "(vLLM 0.30's dev-mode /update_weights moves weights over NCCL or CUDA IPC only, GPU to GPU); run RL "
+                "with the in-process engine (RolloutEngine)")
+
+    def facts(self) -> dict[str, Any]:
+        """What a run records about the server: that r3lab launched it, its URL, served name and max length."""
+        return {"launched": "r3lab.rollout.RolloutServer", **super().facts()}
 
     def log_tail(self, n: int = 30) -> str:
         try:

@@ -24,6 +24,7 @@ __all__ = [
     "RolloutResult",
     "validate_engine_routes",
     "append_last_row",
+    "stack_routes",
     "assemble_turns",
     "split_turn_routes",
 ]
@@ -162,6 +163,17 @@ def append_last_row(routes: Routes) -> Routes:
     w = [np.concatenate([routes.weights[routes.cu_seqlens[i]:routes.cu_seqlens[i + 1]], wpad])
          for i in range(len(routes))]
     return out.with_weights(np.concatenate(w))
+
+
+def stack_routes(results: Sequence[RolloutResult]) -> Routes:
+    """The routes of many results packed into one Routes (one sequence per result, in order); every result must
+    carry routes (an engine started without route capture returns none)."""
+    if not results:
+        raise RolloutError("stack_routes needs at least one result")
+    missing = [i for i, r in enumerate(results) if r.routes is None]
+    if missing:
+        raise RolloutError(f"stack_routes: results {missing[:5]} carry no routes (engine started without capture)")
+    return Routes.concat([r.routes for r in results if r.routes is not None])
 
 
 def assemble_turns(turns: Sequence[RolloutResult]) -> Routes:

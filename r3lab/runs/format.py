@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 from r3lab.errors import RunFormatError
+from r3lab.vocabulary import RunKind
 
 __all__ = [
     "RUN_FORMAT", "RUN_FORMAT_VERSION", "READABLE_VERSIONS", "SAMPLES_VERSION", "STOPPED_FILE", "CAPTURE_KIND",
@@ -19,10 +20,10 @@ RUN_FORMAT = "r3lab-run"
 RUN_FORMAT_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)  # a version-1 run has no stopped.json: unfinished means running, stopped or killed
 SAMPLES_VERSION = 3  # the first version with per-sample tables (older runs cannot be scored again)
-IMPORT_KIND = "imported"  # the kind of a run r3lab.importers wrote from another framework's dump
+IMPORT_KIND = RunKind.IMPORTED  # the kind of a run r3lab.importers wrote from another framework's dump
 STOPPED_FILE = "stopped.json"  # {"state": "stopped", "at": ISO time, "steps": complete steps, "reason": str}
 # an engine-only run (r3lab capture): the files of version 3, step 0 only, no trainer's tables or routes
-CAPTURE_KIND = "capture"
+CAPTURE_KIND = RunKind.CAPTURE
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _WHAT = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
 

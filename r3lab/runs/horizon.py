@@ -15,10 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from r3lab.config import RLMetric
 from r3lab.errors import R3LabError
 from r3lab.metrics import (
-    LATE_COLLAPSE,
     bootstrap_mean_diff,
     k3_trend,
     late_collapse,
@@ -30,18 +28,19 @@ from r3lab.metrics import (
 from r3lab.paths import results_dir
 from r3lab.runs.phase import phase_objective
 from r3lab.runs.reader import Run
+from r3lab.vocabulary import LATE_COLLAPSE_RULE, RLMetric, RunKind, TaskName, collapse_prose
 
 __all__ = ["HORIZON_BASE", "TREND_WINDOW", "SPIKE_FACTOR", "AFTERMATH_STEPS", "AFTERMATH_SERIES", "horizon_setting",
            "horizon_record", "horizon_records", "horizon_bands", "horizon_table", "horizon_runs_dir",
            "mode_comparison", "curve_at"]
 
 # the sweep's base config (bench/bench_horizon.py's base_config): a run differing in these is a search setting
-HORIZON_BASE = {"task": "chain", "lr": 3e-4, "mini_batches": 2, "max_tokens": 32, "staleness": 0,
+HORIZON_BASE = {"task": TaskName.CHAIN, "lr": 3e-4, "mini_batches": 2, "max_tokens": 32, "staleness": 0,
                 "old_logprobs": "current"}
 TREND_WINDOW = 50  # k3 medians over the first and last 50 steps
 SPIKE_FACTOR = 10.0  # a k3 spike: a step above 10x the run's median k3
 AFTERMATH_STEPS = 10  # what follows a spike: the means over the next 10 steps
-AFTERMATH_SERIES = {"grad_norm": "train/grad_norm", "is_ess": RLMetric.IS_ESS, "clip_frac": "train/clip_frac",
+AFTERMATH_SERIES = {"grad_norm": RLMetric.GRAD_NORM, "is_ess": RLMetric.IS_ESS, "clip_frac": RLMetric.CLIP_FRAC,
                     "reward": RLMetric.REWARD}  # name -> step key
 CURVE_STEPS = (0, 50, 100, 200, 300)  # the reward curve the table quotes (means of the 10 steps from each)
 
@@ -75,7 +74,7 @@ def curve_at(reward: np.ndarray, step: int, width: int = 10) -> float | None:
 
 def horizon_record(run: Run) -> dict[str, Any]:
     """One finished RL run's long-horizon numbers (``None`` where it is too short or did not log them)."""
-    run.require_kind("rl")
+    run.require_kind(RunKind.RL)
     if not run.finished:
         raise R3LabError(f"run {run.name!r} is {run.state}: the horizon table reads finished runs only")
     cfg = run.config
@@ -97,8 +96,8 @@ def horizon_record(run: Run) -> dict[str, Any]:
                             horizon=AFTERMATH_STEPS)
     rec.update({f"after_{n}": (v if np.isfinite(v) else None) for n, v in after.items()})
     rec["collapse_step"] = reward_collapse(reward).step
-    rec["late_collapse_step"] = late_collapse(reward).step if reward.size > LATE_COLLAPSE["warmup"] else None
-    rec["s_per_step"] = float(np.nanmedian(_series(run, "time_step_s")))
+    rec["late_collapse_step"] = late_collapse(reward).step if reward.size > LATE_COLLAPSE_RULE.warmup else None
+    rec["s_per_step"] = float(np.nanmedian(_series(run, RLMetric.TIME_STEP)))
     return rec
 
 
@@ -182,9 +181,9 @@ def horizon_table(runs: Iterable[Run], *, header: str = "") -> str:
              "ratio: last / first; slope: the least-squares slope of log10 k3 per 100 steps. Spikes: steps with k3 "
              f"above {SPIKE_FACTOR:g}x the run's median; after a spike: the mean over the next {AFTERMATH_STEPS} "
              "steps minus the run's mean, averaged over spikes (grad norm, IS effective sample size of "
-             "pi_old / pi_engine, PPO clip fraction, reward). Collapse: reward below half its running peak for 5 "
-             "steps after a 10-step warm-up (r3lab.metrics.reward_collapse); late collapse: for "
-             f"{LATE_COLLAPSE['patience']} steps after a {LATE_COLLAPSE['warmup']}-step warm-up "
+             f"pi_old / pi_engine, PPO clip fraction, reward). Collapse: {collapse_prose()} "
+             "(r3lab.metrics.reward_collapse); late collapse: "
+             f"{collapse_prose(LATE_COLLAPSE_RULE, subject='', threshold=False)} "
              "(r3lab.metrics.late_collapse); seeds flagged, of all seeds.", ""]
     head = ("| engine | setting | objective | seeds | steps | reward at " + curve + " | reward last 50 | k3 first "
             "| k3 last | k3 ratio | k3 slope (log10 / 100 steps) | spikes | after spike: grad norm / IS ESS / "

@@ -14,18 +14,29 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from r3lab.config import ENGINE_QUANTS, MODES, PHASE_OBJECTIVES, RLMetric
+from r3lab.config import ENGINE_QUANTS, MODES
 from r3lab.errors import R3LabError
 from r3lab.paths import results_dir
 from r3lab.runs.reader import Run, load_runs
+from r3lab.vocabulary import RLMetric, RunKind, collapse_prose
 
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["phase_objective", "phase_run_name", "staleness_run_name", "phase_record", "phase_records",
-           "phase_table", "phase_summary", "phase_runs_dir", "PRECISION_ORDER", "LAST_STEPS", "SUMMARY_COLUMNS",
-           "PRECURSORS", "r3w_phase_runs"]
+__all__ = ["PHASE_OBJECTIVES", "phase_objective", "phase_run_name", "staleness_run_name", "phase_record",
+           "phase_records", "phase_table", "phase_summary", "phase_runs_dir", "PRECISION_ORDER", "LAST_STEPS",
+           "SUMMARY_COLUMNS", "PRECURSORS", "r3w_phase_runs"]
 
+# the phase diagram's objectives (bench/bench_phase.py, notebook 05's dial): name -> the RLConfig fields it sets
+PHASE_OBJECTIVES: dict[str, dict[str, Any]] = {
+    "none": {"mode": "none", "loss": "grpo"},
+    "R2": {"mode": "R2", "loss": "grpo"},
+    "R3": {"mode": "R3", "loss": "grpo"},
+    "R3W": {"mode": "R3W", "loss": "grpo"},  # ids and weights replayed, router gradient stopped (bench_r3w's runs)
+    "none+TIS": {"mode": "none", "loss": "grpo", "tis_cap": 2.0},  # FlashRL / TIS's truncation cap
+    "R3+TIS": {"mode": "R3", "loss": "grpo", "tis_cap": 2.0},
+    "GSPO": {"mode": "none", "loss": "gspo"},  # GSPO's claim: sequence ratios need no routing replay
+}
 PRECISION_ORDER = ENGINE_QUANTS  # the dial from full engine precision down to int4
 LAST_STEPS = 3  # "final reward": the mean over the run's last 3 steps (one step's 32 samples are noisy)
 
@@ -65,7 +76,7 @@ def _mean(x: np.ndarray) -> float | None:
 
 def phase_record(run: Run) -> dict[str, Any]:
     """Where a finished RL run sits in the diagram and what it measured (``None`` where the run did not log it)."""
-    run.require_kind("rl")
+    run.require_kind(RunKind.RL)
     if not run.finished:
         raise R3LabError(f"run {run.name!r} is {run.state}: the phase diagram reads finished runs only")
     cfg = run.config
@@ -114,7 +125,7 @@ def r3w_phase_runs(folder: str | Path | None = None) -> list[Run]:
     root = Path(folder) if folder is not None else results_dir() / "r3w_rl"
     if not root.is_dir():
         raise R3LabError(f"no R3W runs at {root}: `python bench/bench_r3w.py --rl` makes them")
-    runs = [r for r in load_runs(root) if r.kind == "rl" and phase_objective(r.config) == "R3W"]
+    runs = [r for r in load_runs(root) if r.kind == RunKind.RL and phase_objective(r.config) == "R3W"]
     if not runs:
         raise R3LabError(f"{root} holds no finished R3W run (mode R3W, the phase diagram's setting)")
     return runs
@@ -152,8 +163,8 @@ def phase_table(runs: Iterable[Run], *, header: str = "") -> str:
     models = list(dict.fromkeys(r["model"] for r in grid))
     lines = ["# The phase diagram: none, R2, R3, TIS and GSPO as the engine's precision falls", "", header, "",
              "Cells: median (min - max) over seeds. Reward: the mean of the last "
-             f"{LAST_STEPS} steps (first: of the first {LAST_STEPS}). Collapse: seeds whose reward fell below half "
-             "its running peak for 5 steps after a 10-step warm-up (r3lab.metrics.reward_collapse), of all seeds. "
+             f"{LAST_STEPS} steps (first: of the first {LAST_STEPS}). Collapse: "
+             f"{collapse_prose(subject='seeds whose reward fell')} (r3lab.metrics.reward_collapse), of all seeds. "
              "k3, F(2) (share of tokens with pi_old/pi_engine outside [1/2, 2]) and routing disagreement: means over "
              "steps; max |dlogp| and clip fraction: the largest over steps; ESS: the smallest per-step IS effective "
              "sample size of pi_old / pi_engine, as a share of tokens.", "",

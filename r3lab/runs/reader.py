@@ -25,6 +25,7 @@ from r3lab.runs.format import (
     tokens_file,
 )
 from r3lab.runs.samples import Samples
+from r3lab.vocabulary import RunKind
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -110,21 +111,21 @@ class Run:
 
         from r3lab.config import RLConfig, run_name
 
-        self.require_kind("rl")
+        self.require_kind(RunKind.RL)
         cfg = RLConfig.from_dict(self.config)
         if name is None:
             ending = run_name("", cfg.mode, cfg.seed)
             name = self.name[:-len(ending)] if self.name.endswith(ending) and len(self.name) > len(ending) \
                 else self.name
         env = [f"{k}={v}" for k, v in (self.threads or {}).items() if k != "torch" and v is not None]
-        return " ".join([*env, "r3lab", "rl", *map(shlex.quote, cfg.to_cli_args()), "--runs", shlex.quote(runs),
+        return " ".join([*env, "r3lab", RunKind.RL, *map(shlex.quote, cfg.to_cli_args()), "--runs", shlex.quote(runs),
                          "--name", shlex.quote(name), "--no-progress"])
 
     def require_kind(self, kind: str) -> Run:
         """This run, if it is of ``kind`` (``"rl"``, ``"drift"``); else an error naming both."""
         if self.kind != kind:
             raise R3LabError(f"run {self.name!r} is a {self.kind!r} run, not "
-                             f"{'an RL' if kind == 'rl' else 'a ' + kind} run")
+                             f"{'an RL' if kind == RunKind.RL else 'a ' + kind} run")
         return self
 
     @property
@@ -268,7 +269,7 @@ def load_runs(folder: str | os.PathLike[str], prefix: str = "") -> list[Run]:
 
 def reference_runs_dir() -> Path:
     """The committed reference RL runs of a source checkout (``bench/results/rl``)."""
-    p = results_dir() / "rl"
+    p = results_dir() / RunKind.RL  # bench/bench_rl.py writes its runs under their kind
     if not p.is_dir():
         raise R3LabError(f"no reference runs at {p}: they ship in a source checkout's bench/results/rl "
                          "(or pass a folder of your own runs)")

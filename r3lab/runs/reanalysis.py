@@ -18,18 +18,18 @@ from typing import Any
 
 import numpy as np
 
-from r3lab.config import RLMetric
 from r3lab.errors import R3LabError
 from r3lab.metrics import reward_collapse
 from r3lab.runs.horizon import TREND_WINDOW, horizon_record
 from r3lab.runs.reader import Run
 from r3lab.runs.stats import detectable_difference, least_squares, seeds_needed, tost
+from r3lab.vocabulary import RLMetric
 
 __all__ = ["ENTROPY", "PRE_DROP_WINDOW", "TOST_MARGIN", "POWER_SEEDS", "POWER_DIFFERENCES", "fixed_entropy_trend",
            "tail_record", "precollapse_rank", "rank_permutation_p", "rank_placement_p", "collapse_precursors",
            "seed_sd", "power_rows", "equivalence_rows", "step_separation", "reanalysis_records", "reanalysis_text"]
 
-ENTROPY = "train/entropy"  # the trainer's mean token entropy of the step (nats)
+ENTROPY = RLMetric.ENTROPY  # the trainer's mean token entropy of the step (nats)
 PRE_DROP_WINDOW = 10  # the steps before a collapse whose largest k3 is ranked within its run
 TOST_MARGIN = 0.05  # reward: a difference inside +-0.05 (about the seed SD) counts as no difference
 POWER_SEEDS = (3, 6, 10, 14, 17, 20)
@@ -62,7 +62,7 @@ def tail_record(run: Run, window: int = TREND_WINDOW) -> dict[str, float]:
     the largest |dlogp| between engine and trainer, and the smallest and mean IS effective sample size; over the
     whole run, the largest pre-clip gradient norm of a mini-batch and the steps where it exceeded the clip."""
     k3, dmax, ess = (_series(run, k) for k in (RLMetric.K3_KL, RLMetric.ABS_DIFF_MAX, RLMetric.IS_ESS))
-    grad = _series(run, "train/grad_norm_max")
+    grad = _series(run, RLMetric.GRAD_NORM_MAX)
     clip = float(run.config.get("max_grad_norm", 1.0))
     out = {"grad_norm_peak": float(np.nanmax(grad)), "clipped_steps": int((grad > clip).sum())}
     for name, sl in (("first", slice(0, window)), ("last", slice(-window, None))):
@@ -142,7 +142,7 @@ def collapse_precursors(run: Run, drop: int, window: int = PRE_DROP_WINDOW) -> d
     sl = slice(drop - window, drop)
     return {"run": run.name, "drop": drop, "k3_step": at, "k3": value, "k3_rank": rank,
             "dlogp_max": float(np.nanmax(_series(run, RLMetric.ABS_DIFF_MAX)[sl])),
-            "grad_norm_max": float(np.nanmax(_series(run, "train/grad_norm_max")[sl])),
+            "grad_norm_max": float(np.nanmax(_series(run, RLMetric.GRAD_NORM_MAX)[sl])),
             "ess_min": float(np.nanmin(_series(run, RLMetric.IS_ESS)[sl])),
             "entropy": float(np.nanmean(_series(run, ENTROPY)[sl])), "run_k3_max": float(np.nanmax(k3)),
             "run_k3_max_step": int(np.nanargmax(k3))}

@@ -10,6 +10,7 @@ import numpy as np
 from r3lab.config import MODES
 from r3lab.errors import R3LabError
 from r3lab.runs.reader import Run
+from r3lab.vocabulary import RunKind
 
 __all__ = ["mode_order", "rl_token_logprobs"]
 
@@ -26,7 +27,7 @@ def rl_token_logprobs(runs: Sequence[Run], step: int | None = None) -> tuple[dic
     old-policy log-prob the loss uses (under R3 with the engine's routes replayed)."""
     pairs: dict[str, list[Any]] = {}
     for r in runs:
-        r.require_kind("rl")
+        r.require_kind(RunKind.RL)
         have = r.token_steps()
         if not have or (step is not None and step not in have):
             raise R3LabError(f"run {r.name!r} has token tables at steps {have}, not at {step}")

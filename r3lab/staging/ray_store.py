@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from r3lab._extras import importing
 from r3lab.staging.backend import WaitResult
 from r3lab.staging.coordinator import Coordinator
 from r3lab.staging.plan import StagingError, StagingPlan
@@ -35,10 +36,8 @@ class RayBackend:
 
     @staticmethod
     def _ray():
-        try:
+        with importing("ray", for_="RayBackend"):
             import ray
-        except ImportError as e:  # pragma: no cover - ray is in the `ray` extra
-            raise StagingError("RayBackend needs Ray: pip install 'r3lab[ray]'") from e
         if not ray.is_initialized():
             raise StagingError("RayBackend needs a running Ray: call ray.init() (or ray.init(address=...)) first")
         return ray

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from r3lab._extras import importing
 from r3lab.staging.backend import WaitResult
 from r3lab.staging.driver import StagedBatch
 from r3lab.staging.plan import StagingError, StagingPlan
@@ -119,7 +120,8 @@ class TorchDistBackend:
 
     @staticmethod
     def _dist():
-        import torch.distributed as dist
+        with importing("torch", for_="TorchDistBackend"):
+            import torch.distributed as dist
 
         if not dist.is_initialized():
             raise StagingError("TorchDistBackend needs a process group: call torch.distributed.init_process_group")
@@ -142,7 +144,8 @@ class TorchDistBackend:
 
     # ---- driver ----
     def put(self, key: str, data: bytes) -> str:
-        import torch
+        with importing("torch", for_="TorchDistBackend"):
+            import torch
 
         self._tensors[key] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
         return key
@@ -239,7 +242,8 @@ class TorchDistBackend:
 
     def get(self, ref: Any, timeout: float) -> np.ndarray:
         """Receive this rank's chunk from the driver within ``timeout`` s (host bytes; a copy off the device)."""
-        import torch
+        with importing("torch", for_="TorchDistBackend"):
+            import torch
 
         dist = self._dist()
         tag, nbytes, readers = ref

@@ -17,6 +17,7 @@ from r3lab.doctor import HEALTH_NAMES, LOGP_TRAIN_COLUMNS, LayerLoad, facts, hea
 from r3lab.errors import R3LabError
 from r3lab.runs import IMPORT_KIND, Run, load, rl_token_logprobs
 from r3lab.runs.format import CAPTURE_KIND
+from r3lab.vocabulary import RunKind
 
 __all__: list[str] = []  # NotAvailable, health_figure, run_figures, drawn, in_place, routes_or_note, of_kind,
 # expert_load, mismatch_logprobs, noise_floors, column_or_note, rl_logprobs_or_note: exported by the facade, r3lab.viz
@@ -181,8 +182,9 @@ def expert_load(engine: Any, trainer: Any, *, title: str = "expert load") -> Any
     return viz.expert_load_comparison_figure(engine, trainer, title=title)
 
 
-_KIND_NEEDS = {"drift": "the drift experiment's per-cell k3 of none and R3 (r3lab drift)",
-               "rl": "a replay mode per run (r3lab RL runs); the imported run's mismatch per step is in notebook 06"}
+_KIND_NEEDS = {RunKind.DRIFT: "the drift experiment's per-cell k3 of none and R3 (r3lab drift)",
+               RunKind.RL: "a replay mode per run (r3lab RL runs); the imported run's mismatch per step is in "
+                           "notebook 06"}
 
 
 def of_kind(runs: Run | Sequence[Run], kind: str) -> Any:
@@ -236,7 +238,7 @@ def column_or_note(tokens: Any, name: str, needs: str) -> Any:
 def rl_logprobs_or_note(runs: Sequence[Run], step: int | None = None) -> Any:
     """:func:`r3lab.runs.rl_token_logprobs` of r3lab RL runs, ``(logps, flipped)``; for imported runs a pair of
     :class:`NotAvailable` (they carry no replay mode to pool by)."""
-    checked = of_kind(runs, "rl")
+    checked = of_kind(runs, RunKind.RL)
     if isinstance(checked, NotAvailable):
         return checked, checked
     return rl_token_logprobs(checked, step)

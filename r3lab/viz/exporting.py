@@ -11,6 +11,7 @@ from typing import Any
 import plotly.graph_objects as go
 import plotly.io as pio
 
+from r3lab._extras import importing
 from r3lab.errors import R3LabError
 
 __all__ = ["EXPORT_FORMATS", "find_chromium", "export", "export_figures"]
@@ -63,7 +64,8 @@ def _in_one_browser(images: Sequence[tuple[dict[str, Any], dict[str, Any]]], bro
     import asyncio
     import threading
 
-    import kaleido
+    with importing("kaleido", for_="exporting figures as PNG, SVG and PDF"):
+        import kaleido
 
     kopts: dict[str, Any] = {"path": browser}
     for key in ("plotlyjs", "mathjax", "headers"):  # what plotly passes on when set

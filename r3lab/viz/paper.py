@@ -23,6 +23,7 @@ from r3lab.viz.exporting import EXPORT_FORMATS, export_figures
 from r3lab.viz.phase import phase_figure, staleness_figure
 from r3lab.viz.results import drift_figure, rl_curves_figure, transport_figure
 from r3lab.viz.routing import expert_load_comparison_figure
+from r3lab.vocabulary import RunKind
 
 __all__ = ["paper_figures", "paper_figure_set", "PHASE_COMMAND", "HORIZON_COMMAND"]
 
@@ -63,13 +64,13 @@ def paper_figure_set(results: str | os.PathLike) -> dict[str, go.Figure]:
 
     transport = orjson.loads(need(results / "transport.json", "python bench/bench_transport.py").read_bytes())
     drift = load(need(results / "drift-run", "python bench/bench_drift.py"))
-    rl_found = list_runs(need(results / "rl", "python bench/bench_rl.py"))
+    rl_found = list_runs(need(results / RunKind.RL, "python bench/bench_rl.py"))  # the reference runs, by kind
     bad = [f"{p.name}: {r}" for p, r in rl_found if isinstance(r, RunFormatError)]
     if bad:
         raise R3LabError("unreadable reference RL runs: " + "; ".join(bad))
     figures: dict[str, go.Figure] = {
         "transport": transport_figure(transport, popularity=TRANSPORT_POPULARITY),
-        "drift": drift_figure(drift),
+        RunKind.DRIFT: drift_figure(drift),  # docs/figures/drift.*: the drift run's figure
     }
     trainer_dtype = drift.config["trainer_dtypes"][0]  # the drift run's first trainer setting
     for model in drift.config["models"]:
@@ -84,11 +85,11 @@ def paper_figure_set(results: str | os.PathLike) -> dict[str, go.Figure]:
     rl_runs = [r for _, r in rl_found if isinstance(r, Run)]
     models = list(dict.fromkeys(r.config["model"] for r in rl_runs))
     if not models:
-        raise R3LabError(f"no reference RL runs in {results / 'rl'}: `python bench/bench_rl.py`")
+        raise R3LabError(f"no reference RL runs in {results / RunKind.RL}: `python bench/bench_rl.py`")
     for model in models:
         runs = [r for r in rl_runs if r.config["model"] == model and _default_knobs(r)]
         if not runs:
-            raise R3LabError(f"no reference RL runs of {model} with the default knobs in {results / 'rl'}: "
+            raise R3LabError(f"no reference RL runs of {model} with the default knobs in {results / RunKind.RL}: "
                              "`python bench/bench_rl.py`")
         figures[f"rl_k3_{_short(model)}"] = rl_curves_figure(runs, title=f"{model}: train-inference k3 KL per RL step")
     figures.update(_phase_figures(need(results / "phase", PHASE_COMMAND)))

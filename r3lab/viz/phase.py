@@ -18,11 +18,12 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from r3lab import labels
-from r3lab.config import MODES, PHASE_OBJECTIVES, RLMetric
+from r3lab.config import MODES
 from r3lab.errors import R3LabError
-from r3lab.runs.phase import LAST_STEPS, PRECISION_ORDER
+from r3lab.runs.phase import LAST_STEPS, PHASE_OBJECTIVES, PRECISION_ORDER
 from r3lab.viz.style import MODE_COLORS, finish, mode_color, plural
 from r3lab.viz.ticks import axis_ticks
+from r3lab.vocabulary import RLMetric, collapse_prose
 
 __all__ = ["phase_figure", "staleness_figure", "OBJECTIVE_STYLES", "PHASE_SIZE", "STALENESS_SIZE"]
 
@@ -161,8 +162,8 @@ def phase_figure(records: Iterable[Record], *, highlight: Iterable[Record] = (),
         spread_words = (f"median over {plural(seeds, 'seed')}, min - max as error bars" if seeds > 1
                         else "one seed per point: no spread shown")
         collapse_words = (f"{n_collapsed} of {plural(n_runs, 'run')} collapsed, each marked x at its own values"
-                          if n_collapsed else f"no run collapsed ({plural(n_runs, 'run')}; collapse: reward below "
-                          "half its running peak for 5 steps)")
+                          if n_collapsed else f"no run collapsed ({plural(n_runs, 'run')}; collapse: "
+                          f"{collapse_prose(warm_up=False)})")
         sub = (f"top: {_REWARD_TITLE}; bottom: {labels.label(RLMetric.K3_KL)}; engine precision: simulated weight "
                f"quantization (--engine-quant); {spread_words}; {collapse_words}")
     else:

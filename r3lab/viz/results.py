@@ -15,6 +15,7 @@ from r3lab.errors import R3LabError
 from r3lab.runs import Run, mode_order
 from r3lab.viz.style import MODE_COLORS, ONE_COLUMN, TWO_COLUMN, finish, mode_color, plural, translucent
 from r3lab.viz.ticks import axis_ticks
+from r3lab.vocabulary import DriftMetric, RLMetric, RunKind
 
 __all__ = ["transport_figure", "codec_figure", "rl_curves_figure", "drift_figure", "load_shift_figure"]
 
@@ -69,7 +70,7 @@ def codec_figure(records: Iterable[Mapping[str, Any]]) -> go.Figure:
     return finish(fig, TWO_COLUMN, title="Route codecs: size and speed", barmode="group")
 
 
-def rl_curves_figure(runs: Sequence[Run], metric: str = "mismatch/k3_kl", *, log: bool | None = None,
+def rl_curves_figure(runs: Sequence[Run], metric: str = RLMetric.K3_KL, *, log: bool | None = None,
                      title: str | None = None) -> go.Figure:
     """One metric over RL steps per replay mode: the median over seeds as a line, min - max as a band.
 
@@ -77,7 +78,7 @@ def rl_curves_figure(runs: Sequence[Run], metric: str = "mismatch/k3_kl", *, log
     """
     by_mode: dict[str, list[np.ndarray]] = {}
     for r in runs:
-        r.require_kind("rl")
+        r.require_kind(RunKind.RL)
         vals = np.array([np.nan if s.get(metric) is None else s[metric] for s in r.step_records], dtype=np.float64)
         if np.isnan(vals).all():
             raise R3LabError(f"run {r.name!r} has no values of {metric!r}")
@@ -118,7 +119,7 @@ def _median_min_max(v: np.ndarray) -> tuple[float, float, float]:
 def drift_figure(run: Run) -> go.Figure:
     """The drift experiment: k3 KL without replay and with R3, per (model, trainer), median over seeds with
     min - max error bars, overall and on route-flipped tokens."""
-    run.require_kind("drift")
+    run.require_kind(RunKind.DRIFT)
     cells: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for s in run.step_records:
         cells.setdefault((s["model"], s["trainer_dtype"]), []).append(s)
@@ -128,9 +129,10 @@ def drift_figure(run: Run) -> go.Figure:
     fig = go.Figure()
     shown = []
     for key, name, color, symbol in (
-            ("k3_none", "none", MODE_COLORS["none"], "circle"), ("k3_r3", "R3", MODE_COLORS["R3"], "circle"),
-            ("k3_flipped_none", "none, route-flipped tokens", MODE_COLORS["none"], "diamond-open"),
-            ("k3_flipped_r3", "R3, route-flipped tokens", MODE_COLORS["R3"], "diamond-open")):
+            (DriftMetric.K3_NONE, "none", MODE_COLORS["none"], "circle"),
+            (DriftMetric.K3_R3, "R3", MODE_COLORS["R3"], "circle"),
+            (DriftMetric.K3_FLIPPED_NONE, "none, route-flipped tokens", MODE_COLORS["none"], "diamond-open"),
+            (DriftMetric.K3_FLIPPED_R3, "R3, route-flipped tokens", MODE_COLORS["R3"], "diamond-open")):
         vals = [np.array([c.get(key, np.nan) for c in cs], dtype=np.float64) for cs in cells.values()]
         spread = np.array([_median_min_max(v) for v in vals]).reshape(-1, 3)  # NaN where no cell has the value
         med = spread[:, 0]
@@ -158,7 +160,7 @@ def load_shift_figure(runs: Sequence[Run], *, what: str = "engine") -> go.Figure
     routes stored at several steps, e.g. ``token_steps=1``)."""
     by_mode: dict[str, list[tuple[list[int], list[float]]]] = {}
     for r in runs:
-        r.require_kind("rl")
+        r.require_kind(RunKind.RL)
         steps = r.route_steps(what)
         if len(steps) < 2:
             raise R3LabError(f"run {r.name!r} stores {what!r} routes at {len(steps)} step(s); the shift needs two or "

@@ -16,20 +16,26 @@ defaults are :class:`r3lab.config.RLConfig`'s (:meth:`~r3lab.config.RLConfig.qui
 
 
 
+from r3lab._extras import importing
 from r3lab.config import MODES  # noqa: F401  (importable here as before; exported by r3lab.config)
 from r3lab.runs.follow import (
-           FollowedRun,  # noqa: F401  (importable here as before; exported by r3lab.runs.follow)
-           RunFollower,  # noqa: F401  (importable here as before; exported by r3lab.runs.follow)
+    FollowedRun,  # noqa: F401  (importable here as before; exported by r3lab.runs.follow)
+    RunFollower,  # noqa: F401  (importable here as before; exported by r3lab.runs.follow)
 )
 from r3lab.runs.reader import (
-           load_runs,  # noqa: F401  (importable here as before; exported by r3lab.runs.reader)
-           reference_runs_dir,  # noqa: F401  (importable here as before; exported by r3lab.runs.reader)
+    load_runs,  # noqa: F401  (importable here as before; exported by r3lab.runs.reader)
+    reference_runs_dir,  # noqa: F401  (importable here as before; exported by r3lab.runs.reader)
 )
-from r3lab.widgets.dashboard import AblationDashboard
-from r3lab.widgets.dial import DialWidget, objective_config
-from r3lab.widgets.jobs import RLJob, rl_config, start_rl
-from r3lab.widgets.live import DEFAULT_METRICS, LAYER_METRIC, PLOTLY_MIME, LiveFigure
-from r3lab.widgets.monitoring import RunMonitor, monitor
+
+with importing("ipywidgets", for_="r3lab.widgets"), importing("plotly", for_="r3lab.widgets"):
+    import ipywidgets  # noqa: F401  (the widgets' toolkit: the lab extra)
+    import plotly  # noqa: F401
+
+from r3lab.widgets.dashboard import AblationDashboard  # noqa: E402
+from r3lab.widgets.dial import DialWidget, objective_config  # noqa: E402
+from r3lab.widgets.jobs import RLJob, rl_config, start_rl  # noqa: E402
+from r3lab.widgets.live import DEFAULT_METRICS, LAYER_METRIC, PLOTLY_MIME, LiveFigure  # noqa: E402
+from r3lab.widgets.monitoring import RunMonitor, monitor  # noqa: E402
 
 __all__ = ["DEFAULT_METRICS", "LAYER_METRIC", "PLOTLY_MIME", "LiveFigure", "RLJob", "start_rl",
            "rl_config", "RunMonitor", "monitor", "AblationDashboard", "DialWidget", "objective_config"]

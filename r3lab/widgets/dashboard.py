@@ -23,6 +23,7 @@ from r3lab.runs import RunFollower
 from r3lab.trainer_registry import TRAINER_REGISTRY
 from r3lab.viz import ONE_COLUMN, export
 from r3lab.viz.style import wrap
+from r3lab.vocabulary import RLMetric
 from r3lab.widgets.controls import CONTROL, LABEL_WIDTH, field_help, show_errors
 from r3lab.widgets.jobs import RLJob, rl_config, start_rl, stop_job
 from r3lab.widgets.live import (
@@ -88,7 +89,7 @@ class AblationDashboard(widgets.VBox):
     """
 
     def __init__(self, runs_root: str | os.PathLike | None = None, export_dir: str | os.PathLike | None = None, *,
-                 modes: Sequence[str] = DEFAULT_MODES, config: RLConfig | None = None, metric: str = "mismatch/k3_kl",
+                 modes: Sequence[str] = DEFAULT_MODES, config: RLConfig | None = None, metric: str = RLMetric.K3_KL,
                  interval: float = 0.5, **knobs: Any):
         self.config = rl_config(config, **knobs)  # what the controls start from, and every knob they do not show
         cfg = self.config

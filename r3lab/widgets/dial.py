@@ -1,10 +1,11 @@
 """The mismatch dial: pick a point of the phase diagram, run it, and see it land beside the committed runs.
 
 Controls: model, engine precision (the dial, ``engine_quant``: none down to int4, a simulation of weight
-quantization), objective (a key of :data:`r3lab.config.PHASE_OBJECTIVES`: none, R2, R3, R3W, none+TIS, R3+TIS, GSPO),
-seed and RL steps. **Start** runs ``r3lab rl`` in a child process with exactly that config (:func:`start_rl`, every
-field spelled out by :meth:`RLConfig.to_cli_args`), follows it live (the live figures of :mod:`.live`), and when it
-finishes puts its :func:`~r3lab.runs.phase.phase_record` on the phase diagram as a star beside the committed records.
+quantization), objective (a key of :data:`r3lab.runs.phase.PHASE_OBJECTIVES`: none, R2, R3, R3W, none+TIS, R3+TIS,
+GSPO), seed and RL steps. **Start** runs ``r3lab rl`` in a child process with exactly that config
+(:func:`start_rl`, every field spelled out by :meth:`RLConfig.to_cli_args`), follows it live (the live figures of
+:mod:`.live`), and when it finishes puts its :func:`~r3lab.runs.phase.phase_record` on the phase diagram as a star
+beside the committed records.
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ from typing import Any
 import ipywidgets as widgets
 import plotly.graph_objects as go
 
-from r3lab.config import ENGINE_QUANTS, PHASE_OBJECTIVES, RLConfig, RLMetric
+from r3lab.config import ENGINE_QUANTS, RLConfig
 from r3lab.errors import ConfigError, R3LabError
 from r3lab.labels import label
 from r3lab.paths import MODELS, runs_dir
 from r3lab.runs import RunFollower, load
-from r3lab.runs.phase import phase_objective, phase_record
+from r3lab.runs.phase import PHASE_OBJECTIVES, phase_objective, phase_record
 from r3lab.viz import phase_figure
+from r3lab.vocabulary import RLMetric
 from r3lab.widgets.controls import CONTROL, LABEL_WIDTH, field_help, show_errors
 from r3lab.widgets.jobs import RLJob, rl_config, start_rl, stop_job
 from r3lab.widgets.live import LiveFigure, set_steps, set_traces, status_html, value

@@ -19,6 +19,7 @@ from r3lab.config import DEFAULT_MODES, MODES, RL_QUICK_SEEDS, RLConfig, run_nam
 from r3lab.errors import ConfigError
 from r3lab.paths import runs_dir
 from r3lab.runs import RunFollower, mark_stopped
+from r3lab.vocabulary import RunKind
 
 __all__ = ["RLJob", "start_rl", "rl_config", "stop_job"]
 
@@ -34,7 +35,7 @@ class RLJob(Closing):
                  seeds: Sequence[int], steps: int):
         self.runs_root, self.prefix, self.steps = Path(runs_root), prefix, int(steps)
         self.run_names = run_names(prefix, modes, seeds)  # run_comparison's order
-        self.command = [sys.executable, "-m", "r3lab", "rl", *args]
+        self.command = [sys.executable, "-m", "r3lab", RunKind.RL, *args]  # `r3lab rl`: the command writing rl runs
         self._tail: collections.deque[str] = collections.deque(maxlen=400)
         self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, text=True, errors="replace", start_new_session=True)

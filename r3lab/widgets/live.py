@@ -29,12 +29,12 @@ from r3lab.labels import axis_title
 from r3lab.runs import FollowedRun, RunFollower
 from r3lab.viz import TEMPLATE, axis_ticks, mode_color
 from r3lab.viz.style import wrap
+from r3lab.vocabulary import RLMetric
 
 __all__ = ["DEFAULT_METRICS", "LAYER_METRIC", "PLOTLY_MIME", "LiveFigure"]
 
-DEFAULT_METRICS = ("mismatch/k3_kl", "mismatch/extreme_frac_tau2", "reward_mean", "routing/route_change_last_mb",
-                   "train/clip_frac")
-LAYER_METRIC = "routing/engine_trainer_disagreement_per_layer"  # {layer id: share of (token) rows that differ}
+DEFAULT_METRICS = (RLMetric.K3_KL, RLMetric.F_2, RLMetric.REWARD, RLMetric.ROUTE_CHANGE_LAST_MB, RLMetric.CLIP_FRAC)
+LAYER_METRIC = RLMetric.ENGINE_TRAINER_DISAGREEMENT_PER_LAYER  # {layer id: share of (token) rows that differ}
 DASHES = ("solid", "dash", "dot", "dashdot", "longdash")
 LOG_METRICS = ("mismatch/k3",)
 LEGEND = {"orientation": "h", "yanchor": "top", "y": -0.22, "x": 0}  # below the x title, inside the margin

@@ -6,20 +6,45 @@ stage takes its defaults, except that an id codec followed by a byte stage takes
 ``before_byte_stage`` parameters (the built-in row codecs write layer-major rows there, so
 ``"raw+zstd"`` is ``[Raw(order="layer"), Zstd(level=3)]``). The names are read from the registry;
 there is no second table of them.
+
+Another distribution adds a codec without editing r3lab by entry point, in group ``r3lab.codecs``: the entry
+point's name is the codec's ``codec_id`` and its object the codec class (:mod:`r3lab._plugins`). The group is read
+into :data:`CODECS` on its first lookup.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
+from r3lab._plugins import PluginRegistry
 from r3lab.compaction.codecs.base import ByteCodec, Codec, IdCodec
 from r3lab.errors import ConfigError, RouteFormatError
 
 __all__ = ["CODECS", "PIPELINES", "register_codec", "get_codec", "parse_pipeline", "pipeline_configs"]
 
-#: the codec registry, id -> class; extend it with :func:`register_codec`
-CODECS: dict[str, type[Codec]] = {}
+
+def _codec_id(cls: Any, what: str) -> str:
+    """The ``codec_id`` of codec class ``cls``; a :class:`ConfigError` when ``cls`` cannot be registered."""
+    if not (isinstance(cls, type) and issubclass(cls, (IdCodec, ByteCodec))):
+        raise ConfigError(f"{what} expects a subclass of IdCodec or ByteCodec, got {cls!r}")
+    cid = cls.__dict__.get("codec_id")
+    if not isinstance(cid, str) or not cid or "+" in cid or cid != cid.strip():
+        raise ConfigError(f"{cls.__name__} must define its own codec_id: a non-empty string without '+', got {cid!r}")
+    return cid
+
+
+def _plugin_codec(name: str, cls: Any) -> type[Codec]:
+    """What an ``r3lab.codecs`` entry point loaded, checked: a codec class whose codec_id is the entry point's name."""
+    cid = _codec_id(cls, "an r3lab.codecs entry point")
+    if cid != name:
+        raise ConfigError(f"its codec_id is {cid!r}: name the entry point after the codec_id")
+    return cast("type[Codec]", cls)
+
+
+#: the codec registry, id -> class; extend it with :func:`register_codec`, or from another distribution with an
+#: ``r3lab.codecs`` entry point (read on the first lookup)
+CODECS: PluginRegistry[type[Codec]] = PluginRegistry("r3lab.codecs", "codec", _plugin_codec)
 
 #: the built-in pipelines by name, in the order benchmarks and fixtures list them (each a key of the golden files)
 PIPELINES: tuple[str, ...] = (
@@ -39,14 +64,11 @@ def register_codec(cls: C, *, replace: bool = False) -> C:
     without ``+`` (which joins pipeline names). Another class already registered under that id
     is replaced only with ``replace=True``. Usable as a class decorator. Raises :class:`ConfigError`.
     """
-    if not (isinstance(cls, type) and issubclass(cls, (IdCodec, ByteCodec))):
-        raise ConfigError(f"register_codec expects a subclass of IdCodec or ByteCodec, got {cls!r}")
-    cid = cls.__dict__.get("codec_id")
-    if not isinstance(cid, str) or not cid or "+" in cid or cid != cid.strip():
-        raise ConfigError(f"{cls.__name__} must define its own codec_id: a non-empty string without '+', got {cid!r}")
-    held = CODECS.get(cid)
+    cid = _codec_id(cls, "register_codec")
+    held = CODECS.peek(cid)  # not CODECS.get: the built-in codecs register while their modules import, before plugins
     if held is not None and held is not cls and not replace:
-        raise ConfigError(f"codec id {cid!r} is already registered to {held.__module__}.{held.__qualname__}")
+        raise ConfigError(f"codec id {cid!r} is already registered to {held.__module__}.{held.__qualname__} "
+                          f"(distribution {CODECS.origin(cid)})")
     CODECS[cid] = cls
     return cls
 

@@ -20,7 +20,7 @@ Replay modes (one switch, as verl's ``router_replay.mode``):
   the live rule's gradient back (straight-through), so the routers keep learning. Both RL trainers: the
   transformers one (``hf_replay``) and Megatron on CPU ranks (``megatron_weight_replay`` on every rank).
 
-Every step also logs the router's own drift (``router/*``, :class:`~r3lab.config.RLMetric`): per mini-batch, the
+Every step also logs the router's own drift (``router/*``, :class:`~r3lab.vocabulary.RLMetric`): per mini-batch, the
 current policy's live routing (what its routers choose natively) against the ids the forward replays (R2, R3,
 R3W), against the engine's ids (every mode), and the L1 over experts between the live and the engine's routing
 weights (where the engine captured them: always under R3W).
@@ -56,10 +56,11 @@ Tasks (``task``, :mod:`r3lab.experiments.tasks`): ``letter`` (distinct words sta
 ``edges`` (distinct uncommon corpus transitions), on the made-up words of the shipped Markov corpus; responses of
 ``max_tokens`` tokens (up to 256 on CPU).
 
-Collapse (:func:`r3lab.metrics.reward_collapse`): the reward stays below half its running peak for 5 steps after
-a 10-step warm-up; every step logs the detector's state (``collapse/*``) and the precursors the field reports
-(clip fraction, F(2), the largest ``|dlogp|``, the IS effective sample size, on the engine-trainer and on the policy
-side); the summary gives ``collapse/step`` and ``collapse/reason``.
+Collapse (:func:`r3lab.metrics.reward_collapse`): the reward stays below a share of its running peak for some steps
+after a warm-up, the numbers of :data:`r3lab.vocabulary.COLLAPSE_RULE`; every step logs the detector's state
+(``collapse/*``) and the precursors the field reports (clip fraction, F(2), the largest ``|dlogp|``, the IS
+effective sample size, on the engine-trainer and on the policy side); the summary gives ``collapse/step`` and
+``collapse/reason``.
 
 One job per module: :mod:`~r3lab.experiments.rl.batch` (a step's rollouts, rewards, advantages),
 :mod:`~r3lab.experiments.rl.trainer` (the trainer and the behaviour scorer), :mod:`~r3lab.experiments.rl.old_policy`
@@ -81,7 +82,7 @@ from r3lab.experiments.rl.batch import step_samples as step_samples
 from r3lab.experiments.rl.loop import RLRun, engine_options, run_comparison, run_rl
 from r3lab.experiments.rl.old_policy import OldPolicy, old_policy
 from r3lab.experiments.rl.report import COMPARISON_METRICS, collapse_summary, comparison_rows, comparison_table
-from r3lab.experiments.rl.trainer import load_trainer, scorer_at, trainer_notes
+from r3lab.experiments.rl.trainer import scorer_at, start_trainer, trainer_notes, trainer_options
 from r3lab.experiments.rl.update import UPDATE_STATS as UPDATE_STATS
 from r3lab.experiments.rl.update import StepResult, policy_updates, train_step
 from r3lab.experiments.tasks import LetterTask  # noqa: F401  (importable here as before; exported by r3lab.experiments.tasks)
@@ -92,7 +93,8 @@ __all__ = [
     "OldPolicy",
     "StepResult",
     "RLRun",
-    "load_trainer",
+    "start_trainer",
+    "trainer_options",
     "scorer_at",
     "trainer_notes",
     "old_policy",

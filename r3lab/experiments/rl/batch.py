@@ -14,10 +14,11 @@ from r3lab import metrics
 from r3lab.config import RLConfig
 from r3lab.corpus import corpus_prompts
 from r3lab.experiments.multiturn import engine_prefix_cache, prefill_vs_decode, rollout_turns
-from r3lab.rollout import RolloutEngine, RolloutResult, SamplingConfig, append_last_row
+from r3lab.rollout import Engine, RolloutResult, SamplingConfig, append_last_row
 from r3lab.routes import Routes
 from r3lab.runs import Samples
 from r3lab.trainers import TokenBatch
+from r3lab.vocabulary import RLMetric
 
 __all__ = ["RolloutBatch", "StepRollout", "step_seed", "group_advantages", "sample_step", "engine_noise_floor",
            "step_samples"]
@@ -95,7 +96,7 @@ class StepRollout:
     seconds: float
 
 
-def sample_step(engine: RolloutEngine, task: Any, config: RLConfig, step: int) -> StepRollout:
+def sample_step(engine: Engine, task: Any, config: RLConfig, step: int) -> StepRollout:
     """Step ``step``'s rollouts: ``prompts_per_step`` corpus prompts, ``samples_per_prompt`` completions each (turn by
     turn when ``turns > 1``), scored by ``task``'s reward."""
     t0 = time.perf_counter()
@@ -111,15 +112,15 @@ def sample_step(engine: RolloutEngine, task: Any, config: RLConfig, step: int) -
                                 observation_words=config.observation_words, seed=seed, data=config.data)
         turn_rec = {f"multiturn/prefill_vs_held_{k}": v for k, v in prefill_vs_decode(results).items()}
         cache = engine_prefix_cache(engine)  # a cached full block returns stored routes, not a new prefill
-        turn_rec.update({"multiturn/prefix_cache_block_size": cache["block_size"] if cache["enabled"] else 0,
-                         "multiturn/longest_trajectory": max(len(t.token_ids) for t in results)})
+        turn_rec.update({RLMetric.PREFIX_CACHE_BLOCK_SIZE: cache["block_size"] if cache["enabled"] else 0,
+                         RLMetric.LONGEST_TRAJECTORY: max(len(t.token_ids) for t in results)})
     seconds = time.perf_counter() - t0
     rewards = np.array([task.reward(r.response_ids) for r in results])
     to_batch = RolloutBatch.from_results if config.turns == 1 else RolloutBatch.from_trajectories
     return StepRollout(results, rewards, to_batch(results, rewards, config.samples_per_prompt), turn_rec, seconds)
 
 
-def engine_noise_floor(engine: RolloutEngine, rollout: StepRollout) -> float:
+def engine_noise_floor(engine: Engine, rollout: StepRollout) -> float:
     """The engine against itself: k3 KL of the sampled tokens scored again by prefill, in another batch."""
     results, batch = rollout.results, rollout.batch
     again = engine.score([r.token_ids for r in results], start=[len(r.prompt_ids) for r in results])

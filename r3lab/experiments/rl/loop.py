@@ -12,17 +12,19 @@ from typing import Any
 
 import numpy as np
 
-from r3lab.config import ATTACHED_RL_REASON, DEFAULT_MODES, MODES, RL_SEEDS, RLConfig, RLMetric, run_name
+from r3lab.cluster import place
+from r3lab.config import DEFAULT_MODES, MODES, RL_SEEDS, RLConfig, RLMetric, run_name
 from r3lab.errors import AttachError, ConfigError
 from r3lab.experiments.rl.batch import StepRollout, engine_noise_floor, sample_step
 from r3lab.experiments.rl.policy import load_policy, restore_policy, save_policy
 from r3lab.experiments.rl.report import collapse_state, finish_run, write_step
-from r3lab.experiments.rl.trainer import load_trainer, scorer_at
+from r3lab.experiments.rl.trainer import scorer_at, start_trainer
 from r3lab.experiments.rl.update import StepResult, train_step
 from r3lab.experiments.tasks import make_task
 from r3lab.paths import model_dir
-from r3lab.rollout import AttachedServer, RolloutEngine
+from r3lab.rollout import Engine
 from r3lab.runs import RunWriter, mark_stopped
+from r3lab.vocabulary import RunKind
 
 __all__ = ["LOW_PROB", "ZERO_ADVANTAGE_GROUPS",
            "RLRun", "StaleWeights", "run_rl", "run_comparison", "default_prefix", "engine_options", "start_engine"]
@@ -41,7 +43,7 @@ class StaleWeights:
     """The weights the engine samples with: the trainer's, ``staleness`` updates behind (the checkpoint until there
     are that many updates). Holds the last ``staleness + 1`` snapshots (``export_weights``)."""
 
-    def __init__(self, engine: RolloutEngine, checkpoint: Any, staleness: int, *, version: int = 0):
+    def __init__(self, engine: Engine, checkpoint: Any, staleness: int, *, version: int = 0):
         self.engine, self.staleness = engine, staleness
         self.snapshots: list[Any] = [checkpoint]  # weights after update u, for stale rollouts
         self.behaviour = checkpoint  # what the engine holds: the weights its rollouts are sampled with
@@ -77,25 +79,22 @@ def engine_options(config: RLConfig, modes: Sequence[str] | None = None) -> dict
     return {"dtype": config.engine_dtype, "engine_quant": config.engine_quant, "capture_weights": "R3W" in modes}
 
 
-def start_engine(config: RLConfig, path: Any, modes: Sequence[str] | None = None) -> Any:
-    """The engine ``config`` asks for (with :func:`engine_options` for ``modes``): in this process, or in a Ray actor
-    placed by ``config.engine_resources`` (``config.cluster``; :class:`r3lab.cluster.RayEngine`, the same calls)."""
-    opts: dict[str, Any] = dict(seed=config.seed, **engine_options(config, modes))
-    if config.cluster is not None:
-        from r3lab.cluster import RayEngine
-
-        return RayEngine(path, resources=config.engine_resources, cluster=config.cluster,
-                         timeout_s=config.cluster_timeout, **opts)
-    return RolloutEngine(path, **opts)
+def start_engine(config: RLConfig, path: Any, modes: Sequence[str] | None = None) -> Engine:
+    """The engine ``config`` asks for (with :func:`engine_options` for ``modes``), where the config places it
+    (:func:`r3lab.cluster.place`: this process, or a Ray actor); the caller closes it."""
+    return place(config, path).start_engine(seed=config.seed, **engine_options(config, modes))
 
 
-def _check_engine(engine: RolloutEngine | None, config: RLConfig) -> None:
-    if isinstance(engine, AttachedServer):  # before the trainer loads: its update_weights would refuse after it
-        raise AttachError(f"RL cannot run on the attached server at {engine.url}: {ATTACHED_RL_REASON}")
-    if engine is not None and getattr(engine, "engine_quant", "none") != config.engine_quant:
+def _check_engine(engine: Engine | None, config: RLConfig) -> None:
+    if engine is None:
+        return
+    refusal = engine.weights_refusal
+    if refusal is not None:  # before the trainer loads: its update_weights would refuse after it
+        raise AttachError(f"RL cannot run on {refusal}")
+    if engine.engine_quant != config.engine_quant:
         raise ConfigError(f"the engine given runs engine_quant={engine.engine_quant!r}, the config asks for "
                           f"{config.engine_quant!r}: start it with RolloutEngine(..., engine_quant=...)")
-    if engine is not None and config.mode == "R3W" and not getattr(engine, "captures_weights", False):
+    if config.mode == "R3W" and not engine.captures_weights:
         raise ConfigError("mode R3W replays the engine's routing weights: the engine given does not capture them "
                           "(start it with RolloutEngine(..., capture_weights=True), or engine_options(config))")
 
@@ -114,13 +113,13 @@ def _record(result: StepResult, rollout: StepRollout, noise: float | None, step:
     logp = rollout.batch.sampled(np.asarray(result.tokens["logp_old"], dtype=np.float64))
     rec[LOW_PROB] = float(np.mean(logp < np.log(1e-4))) if logp.size else None
     rec[ZERO_ADVANTAGE_GROUPS] = float(np.mean(np.ptp(rollout.rewards.reshape(-1, group), axis=1) == 0))
-    rec["noise/k3_kl_engine_vs_engine"] = noise
+    rec[RLMetric.ENGINE_NOISE_FLOOR] = noise
     rec.update(step=step, **{RLMetric.REWARD: float(rollout.rewards.mean())}, reward_std=float(rollout.rewards.std()),
                engine_weight_version=version, time_generate_s=rollout.seconds)
     return rec
 
 
-def run_rl(config: RLConfig, *, engine: RolloutEngine | None = None, runs_root: Any = None, run_name: str | None = None,
+def run_rl(config: RLConfig, *, engine: Engine | None = None, runs_root: Any = None, run_name: str | None = None,
            progress: bool = True, on_step: Callable[[dict[str, Any]], None] | None = None) -> RLRun:
     """Run one GRPO job in ``config.mode``; write it to ``runs_root/run_name`` when ``runs_root`` is given.
 
@@ -146,13 +145,13 @@ def run_rl(config: RLConfig, *, engine: RolloutEngine | None = None, runs_root: 
         engine = start_engine(config, path)
     writer = trainer = behaviour = None
     try:
-        trainer = load_trainer(config, path)
+        trainer = start_trainer(config, path)
         if saved is not None:
             restore_policy(saved, trainer, rng)
         weights = StaleWeights(engine, trainer.export_weights(), config.staleness, version=start)
         task = make_task(engine.tokenizer, config)
         if runs_root is not None:
-            writer = RunWriter(runs_root, run_name or _run_name(config), "rl", config.to_dict())
+            writer = RunWriter(runs_root, run_name or _run_name(config), RunKind.RL, config.to_dict())
         history: list[dict[str, Any]] = []
         for step in tqdm(range(start, config.steps), desc=f"rl {config.mode}", unit="step", disable=not progress):
             t0 = time.perf_counter()
@@ -163,8 +162,8 @@ def run_rl(config: RLConfig, *, engine: RolloutEngine | None = None, runs_root: 
                 behaviour = scorer_at(config, path, weights.behaviour, scorer=behaviour)
             result = train_step(trainer, rollout.batch, config, rng, behaviour=behaviour)
             rec = _record(result, rollout, noise, step, engine.weight_version, config.samples_per_prompt)
-            rec["time_weight_sync_s"] = weights.push(trainer.export_weights(), step)
-            rec["time_step_s"] = time.perf_counter() - t0
+            rec[RLMetric.TIME_WEIGHT_SYNC] = weights.push(trainer.export_weights(), step)
+            rec[RLMetric.TIME_STEP] = time.perf_counter() - t0
             history.append(rec)
             rec.update(collapse_state(prior + history))
             if writer is not None:

@@ -71,16 +71,16 @@ def old_policy(trainer: Trainer, batch: RolloutBatch, config: RLConfig, *,
     own = native.routes
     differs = metrics.set_differs(batch.engine_routes.select_layers(own.layer_ids).values, own.values)
     rec[RLMetric.ENGINE_TRAINER_DISAGREEMENT] = float(differs.mean())
-    rec["routing/engine_trainer_disagreement_per_layer"] = {
+    rec[RLMetric.ENGINE_TRAINER_DISAGREEMENT_PER_LAYER] = {
         int(g): float(v) for g, v in zip(own.layer_ids, differs.mean(axis=0), strict=True)}
-    rec["routing/engine_trainer_token_any"] = float(differs.any(axis=1).mean())
+    rec[RLMetric.ENGINE_TRAINER_TOKEN_ANY] = float(differs.any(axis=1).mean())
     rows = metrics.response_rows(batch.engine_routes.cu_seqlens, batch.tokens.response_lengths, metrics.TRAINER_ROWS)
     flipped = differs.any(axis=1)[rows]
     sampled_flipped = batch.sampled(flipped)
     for name, k3 in metrics.k3_by_flip(batch.sampled(logp_old), batch.sampled(batch.logp_infer),
                                        sampled_flipped).items():
         rec[f"mismatch/k3_kl_{name}"] = k3
-    rec["routing/flipped_token_share"] = float(sampled_flipped.mean())
+    rec[RLMetric.FLIPPED_TOKEN_SHARE] = float(sampled_flipped.mean())
     load = metrics.expert_load(batch.engine_routes.values, batch.engine_routes.num_experts)
     rec[RLMetric.ENGINE_MAX_VIO] = float(metrics.max_violation(load).max())
     tokens = {"flipped": flipped, "flipped_layers": differs.sum(axis=1)[rows]}
@@ -101,9 +101,10 @@ def _proximal(trainer: Trainer, batch: RolloutBatch, config: RLConfig, behaviour
     rec[RLMetric.K3_ENGINE_TRAINER_MATCHED] = metrics.k3_kl(behav, infer)
     rec[RLMetric.K3_POLICY_LAG] = metrics.k3_kl(prox, behav)
     rec[RLMetric.K3_ENGINE_CURRENT] = metrics.k3_kl(prox, infer)
-    rec["async/extreme_frac_tau2_policy_lag"] = metrics.extreme_token_fraction(prox, behav, 2.0)
+    rec[RLMetric.F_2_POLICY_LAG] = metrics.extreme_token_fraction(prox, behav, 2.0)
     lag_routes: Any = current.routes  # recorded (record=True)
-    rec["async/route_change_lag"] = float(metrics.set_differs(behaviour_native.routes.values, lag_routes.values).mean())
+    rec[RLMetric.ROUTE_CHANGE_LAG] = float(metrics.set_differs(behaviour_native.routes.values,
+                                                               lag_routes.values).mean())
     if config.tis_cap is None:
         raw = np.exp(logp_prox - batch.logp_infer)
         weights = np.minimum(raw, config.behaviour_cap)
@@ -111,7 +112,7 @@ def _proximal(trainer: Trainer, batch: RolloutBatch, config: RLConfig, behaviour
         raw = np.exp(logp_prox - logp_behaviour)
         weights = np.minimum(raw, config.behaviour_cap) * np.minimum(np.exp(logp_behaviour - batch.logp_infer),
                                                                      config.tis_cap)
-    rec["async/behaviour_weight_mean"] = float(batch.sampled(weights).mean())
-    rec["async/behaviour_weight_truncated"] = float((batch.sampled(raw) > config.behaviour_cap).mean())
+    rec[RLMetric.BEHAVIOUR_WEIGHT_MEAN] = float(batch.sampled(weights).mean())
+    rec[RLMetric.BEHAVIOUR_WEIGHT_TRUNCATED] = float((batch.sampled(raw) > config.behaviour_cap).mean())
     return OldPolicy(logp_prox, current.logprobs, behaviour_native.routes, rec, tokens, logp_behaviour, weights)
 

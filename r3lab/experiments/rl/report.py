@@ -17,6 +17,7 @@ from r3lab.experiments.rl.batch import StepRollout, step_samples
 from r3lab.experiments.rl.trainer import trainer_notes
 from r3lab.labels import label
 from r3lab.runs import RunWriter
+from r3lab.vocabulary import COLLAPSE_RULE, collapse_prose
 
 __all__ = ["write_step", "finish_run", "run_summary", "collapse_state", "collapse_summary", "COMPARISON_METRICS",
            "comparison_rows", "comparison_table"]
@@ -60,13 +61,13 @@ def run_summary(history: Sequence[dict[str, Any]]) -> dict[str, Any]:
         if vals.size:
             out[f"mean/{k}"] = float(vals.mean())
             out[f"last_quarter/{k}"] = float(vals[-q:].mean())
-    r = np.array([h["reward_mean"] for h in history])
-    out["reward_first_quarter"] = float(r[:q].mean())
-    out["reward_last_quarter"] = float(r[-q:].mean())
+    r = np.array([h[RLMetric.REWARD] for h in history])
+    out[RLMetric.REWARD_FIRST_QUARTER] = float(r[:q].mean())
+    out[RLMetric.REWARD_LAST_QUARTER] = float(r[-q:].mean())
     return out
 
 
-_COLLAPSE_ARGS: dict[str, Any] = {"warmup": 10, "patience": 5, "fraction": 0.5, "min_peak": 0.05}
+_COLLAPSE_ARGS: dict[str, Any] = COLLAPSE_RULE.parameters()
 
 
 def collapse_state(history: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -90,8 +91,8 @@ def collapse_summary(history: Sequence[dict[str, Any]]) -> dict[str, Any]:
     if c.step is not None and c.detected is not None:
         s, d = c.step, c.detected
         peak = float(c.peak[s])
-        out[RLMetric.COLLAPSE_REASON] = (f"reward {r[s]:.3f} at step {s} fell below half its running peak "
-                                         f"{peak:.3f} (step {int(np.nanargmax(r[: s + 1]))}) and stayed there "
+        fell = collapse_prose(subject=f"reward {r[s]:.3f} at step {s} fell", streak=False, warm_up=False)
+        out[RLMetric.COLLAPSE_REASON] = (f"{fell} {peak:.3f} (step {int(np.nanargmax(r[: s + 1]))}) and stayed there "
                                          f"through step {d}")
 
     def series(key: str) -> np.ndarray:
@@ -135,9 +136,9 @@ def comparison_rows(steps_by_run: Sequence[tuple[RLConfig | dict, Sequence[dict[
             means = [float(np.mean([s[key] for s in steps if s.get(key) is not None])) for steps in runs]
             row[key] = (min(means), float(np.median(means)), max(means))
         q = max(1, len(runs[0]) // 4)
-        rise = [float(np.mean([s["reward_mean"] for s in st[-q:]]) - np.mean([s["reward_mean"] for s in st[:q]]))
+        rise = [float(np.mean([s[RLMetric.REWARD] for s in st[-q:]]) - np.mean([s[RLMetric.REWARD] for s in st[:q]]))
                 for st in runs]
-        row["reward_rise"] = (min(rise), float(np.median(rise)), max(rise))
+        row[RLMetric.REWARD_RISE] = (min(rise), float(np.median(rise)), max(rise))
         rows.append(row)
     return rows
 
@@ -145,7 +146,7 @@ def comparison_rows(steps_by_run: Sequence[tuple[RLConfig | dict, Sequence[dict[
 def comparison_table(rows: Sequence[dict[str, Any]]) -> str:
     """Markdown: one line per (model, mode), every cell min / median / max over seeds of the run's mean (one
     seed: its value alone, no range)."""
-    titles = [*[title for _, title, _ in COMPARISON_METRICS], label("reward_rise")]
+    titles = [*[title for _, title, _ in COMPARISON_METRICS], label(RLMetric.REWARD_RISE)]
     head = ["model", "mode", "seeds x steps", *[t.replace("|", "\\|") for t in titles]]  # a "|" would end the cell
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -154,7 +155,7 @@ def comparison_table(rows: Sequence[dict[str, Any]]) -> str:
         for key, _, fmt in COMPARISON_METRICS:
             lo, mid, hi = r[key]
             cells.append(f"{mid:{fmt}}" if one else f"{mid:{fmt}} ({lo:{fmt}} - {hi:{fmt}})")
-        lo, mid, hi = r["reward_rise"]
+        lo, mid, hi = r[RLMetric.REWARD_RISE]
         cells.append(f"{mid:+.3f}" if one else f"{mid:+.3f} ({lo:+.3f} - {hi:+.3f})")
         lines.append("| " + " | ".join(cells) + " |")
     said = list(dict.fromkeys(n for r in rows for n in (r.get("notes") or {}).values()))

@@ -7,40 +7,40 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from r3lab.cluster import place
 from r3lab.config import RLConfig
 from r3lab.errors import ConfigError, R3LabError
 from r3lab.paths import model_dir
 from r3lab.trainer_registry import TRAINER_REGISTRY, TrainerOptions
-from r3lab.trainer_registry import load_trainer as load_registered
 from r3lab.trainers import Scorer, Trainer
 from r3lab.trainers.base import LoadsWeights
 
-__all__ = ["load_trainer", "scorer_at", "trainer_notes"]
+__all__ = ["trainer_options", "start_trainer", "scorer_at", "trainer_notes"]
 
 
-def load_trainer(config: RLConfig, path: str | os.PathLike) -> Trainer:
-    """The RL trainer of ``config``: transformers (``trainer_dtype`` with ``router_dtype`` routers) or Megatron-core
-    on ``tp * pp * dp`` CPU ranks (``config.trainer == "megatron"``, fp32 routers), each with AdamW at ``lr``; with
-    ``config.cluster``, on a Ray cluster (:func:`r3lab.cluster.load_trainer`)."""
-    options = TrainerOptions(dtype=config.trainer_dtype, router_dtype=config.router_dtype, tp=config.tp, pp=config.pp,
-                             ep=config.ep, lr=config.lr, megatron_loader=config.megatron_loader)
-    if config.cluster is not None:  # on the Ray cluster: Megatron's ranks as actors in one placement group
-        from r3lab.cluster import load_trainer as load_on_cluster
+def trainer_options(config: RLConfig) -> TrainerOptions:
+    """What the RL trainer of ``config`` is loaded with: ``trainer_dtype`` with ``router_dtype`` routers, the Megatron
+    layout (``tp``, ``pp``, ``ep``; fp32 routers there) and its loader, and AdamW at ``lr``."""
+    return TrainerOptions(dtype=config.trainer_dtype, router_dtype=config.router_dtype, tp=config.tp, pp=config.pp,
+                          ep=config.ep, lr=config.lr, megatron_loader=config.megatron_loader)
 
-        return load_on_cluster(config.trainer, path, options, cluster=config.cluster,
-                               resources=config.trainer_resources, timeout_s=config.cluster_timeout)
-    return load_registered(config.trainer, path, options)
+
+def start_trainer(config: RLConfig, path: str | os.PathLike) -> Trainer:
+    """The RL trainer of ``config`` (:func:`trainer_options`) from the checkpoint at ``path``, where the config places
+    it (:func:`r3lab.cluster.place`: this process, or Ray actors); the caller closes it."""
+    trainer: Trainer = place(config, path).start_trainer(trainer_options(config))
+    return trainer
 
 
 def scorer_at(config: RLConfig, path: str | os.PathLike, weights: Any, *, scorer: Any = None) -> Scorer:
     """A scorer of ``config``'s trainer kind holding ``weights`` (a snapshot from ``export_weights``): the trainer-side
     copy of the behaviour weights. ``scorer`` (one this returned before) is reused: only the weights are loaded.
 
-    Built by :func:`load_trainer`, so it runs in the trainer's own dtypes, mode and numerics; the trainer kind must
-    load weights back (:class:`r3lab.trainers.base.LoadsWeights`).
+    Built by :func:`start_trainer`, so it runs in the trainer's own dtypes, mode, numerics and placement; the trainer
+    kind must load weights back (:class:`r3lab.trainers.base.LoadsWeights`).
     """
     if scorer is None:
-        scorer = load_trainer(config, path)
+        scorer = start_trainer(config, path)
     if not isinstance(scorer, LoadsWeights):
         raise ConfigError(f"old_logprobs='behaviour' needs a trainer that loads exported weights back "
                           f"(load_weights); the {getattr(scorer, 'name', type(scorer).__name__)!r} trainer does not")

@@ -81,15 +81,15 @@ def policy_updates(trainer: Trainer, batch: RolloutBatch, old: OldPolicy, config
     rec: dict[str, Any] = {f"train/{k}": float(np.mean(v)) if v else None for k, v in stats.items()}
     rec.update({k: float(np.mean(v)) if v else None for k, v in drift.items()})
     rec[RLMetric.CLIP_FRAC_MAX] = max(precursors["clip_frac"])
-    rec["train/grad_norm_max"] = max(precursors["grad_norm"])
+    rec[RLMetric.GRAD_NORM_MAX] = max(precursors["grad_norm"])
     rec[RLMetric.POLICY_ABS_DIFF_MAX] = max(precursors["policy_abs_dlogp"])
     rec[RLMetric.POLICY_IS_ESS] = min(precursors["policy_is_ess"])
-    rec["routing/route_change_first_mb"] = stats["route_change"][0]
+    rec[RLMetric.ROUTE_CHANGE_FIRST_MB] = stats["route_change"][0]
     rec[RLMetric.ROUTE_CHANGE_LAST_MB] = stats["route_change"][-1]
     rec[RLMetric.USED_ROUTE_CHANGE_LAST_MB] = stats["used_route_change"][-1]
-    rec["train/first_mb_logp_gap_to_native"] = first_mb_gap
+    rec[RLMetric.FIRST_MB_LOGP_GAP] = first_mb_gap
     # the trainer against itself: the same tokens under the same weights, scored in another batch composition
-    rec["noise/k3_kl_trainer_vs_trainer"] = trainer_floor
+    rec[RLMetric.TRAINER_NOISE_FLOOR] = trainer_floor
     return rec, np.sort(chunks[0])
 
 

@@ -10,6 +10,9 @@
 * :mod:`~r3lab.trainers.megatron.trainer`: :class:`~r3lab.trainers.megatron.trainer.MegatronTrainer`, long-lived ranks
   (:mod:`~r3lab.trainers.megatron.worker`) behind the trainer interface, routes staged to them through
   :mod:`~r3lab.trainers.megatron.store_backend`. Import it from its module (it is not re-exported here).
+* :mod:`~r3lab.trainers.megatron.transport`: how the trainer starts and reaches its ranks (:class:`RankTransport
+  <r3lab.trainers.megatron.transport.RankTransport>`; spawned gloo processes by default, Ray actors with
+  :class:`r3lab.cluster.megatron.RayRanks`).
 
 megatron-core, mbridge and transformers are imported when used, not when this package is imported.
 """

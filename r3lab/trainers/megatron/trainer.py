@@ -1,16 +1,18 @@
 """The Megatron-core trainer on CPU ranks behind :class:`~r3lab.trainers.base.Trainer` (``trainer="megatron"``).
 
-:class:`MegatronTrainer` is a driver that owns ``tp * pp * dp`` long-lived gloo rank processes
-(:mod:`~r3lab.trainers.megatron.worker`; torch.distributed processes rather than Ray actors: Megatron's parallel
-state is one torch.distributed world, the same under torchrun with NCCL, and spawned ranks start in seconds and
-die with the driver). Each rank builds its GPTModel shard from the checkpoint
-(:func:`~r3lab.trainers.megatron.checkpoint.build_model`, fp32 or bf16) and serves commands from a pipe. Every
-wait is bounded and all-or-none: a rank that raises, dies or does not answer within ``timeout_s`` makes the driver
-end every rank and raise :class:`MegatronTrainerError`.
+:class:`MegatronTrainer` is a driver that owns ``tp * pp * dp`` long-lived ranks
+(:mod:`~r3lab.trainers.megatron.worker`), reached through a rank transport
+(:mod:`~r3lab.trainers.megatron.transport`): by default gloo processes spawned here (torch.distributed processes:
+Megatron's parallel state is one torch.distributed world, the same under torchrun with NCCL, and spawned ranks start
+in seconds and die with the driver), or Ray actors (:class:`r3lab.cluster.megatron.RayRanks`). Each rank builds
+its GPTModel shard from the checkpoint (:func:`~r3lab.trainers.megatron.checkpoint.build_model`, fp32 or bf16) and
+serves the driver's commands. Every wait is bounded and all-or-none: a rank that raises, dies or does not answer
+within ``timeout_s`` makes the driver end every rank and raise the transport's error
+(:class:`~r3lab.errors.MegatronTrainerError` for spawned ranks).
 
 Routes travel the seeds' way: the driver encodes them with an r3lab codec and stages one chunk per
-(DP rank, mini-batch) with :func:`r3lab.staging.stage` into the key-value store it hosts
-(:class:`~r3lab.trainers.megatron.store_backend.StoreBackend`); each rank receives only its chunk
+(DP rank, mini-batch) with :func:`r3lab.staging.stage` through the transport's backend (the key-value store the
+driver hosts: :class:`~r3lab.trainers.megatron.store_backend.StoreBackend`); each rank receives only its chunk
 (checksums, identity checks, the all-or-none tally), slices it with :func:`~r3lab.slicing.shard_local` and
 replays it with :func:`~r3lab.replay.megatron_replay`. While replaying, every rank also records the ids its
 routers used (their routing maps) and checks them against the replayed ids, row by row; the counts are kept
@@ -47,6 +49,7 @@ from r3lab.moe_layout import MoELayout
 from r3lab.routes import Routes
 from r3lab.trainer_registry import TrainerOptions, megatron_dp
 from r3lab.trainers.base import PolicyStepStats, PolicyUpdate, TokenBatch, Trainer, TrainerScores
+from r3lab.trainers.megatron.transport import RankTransport, SpawnedRanks
 
 __all__ = ["MegatronTrainer"]
 
@@ -56,7 +59,10 @@ class MegatronTrainer(Closing, Trainer):
 
     ``lr`` given: every rank has an AdamW optimizer (betas and weight decay as :class:`~r3lab.trainers.hf.HFTrainer`)
     and takes policy steps. ``dp`` defaults to :func:`~r3lab.trainer_registry.megatron_dp`. ``codec``: the r3lab
-    codec routes are staged with.
+    codec routes are staged with. ``transport``: how the ranks are started and reached
+    (:class:`~r3lab.trainers.megatron.transport.RankTransport`; default :class:`SpawnedRanks
+    <r3lab.trainers.megatron.transport.SpawnedRanks>`, gloo processes of this machine; Ray actors:
+    :class:`r3lab.cluster.megatron.RayRanks`).
     """
 
     name = "megatron"
@@ -64,7 +70,9 @@ class MegatronTrainer(Closing, Trainer):
 
     def __init__(self, model_dir: str | os.PathLike, *, tp: int = 1, pp: int = 1, ep: int = 1, dp: int | None = None,
                  dtype: str = "float32", lr: float | None = None, codec: str = "raw", timeout_s: float = 180.0,
-                 start_timeout_s: float = 300.0, megatron_loader: str | None = None):
+                 start_timeout_s: float = 300.0, megatron_loader: str | None = None,
+                 transport: RankTransport | None = None):
+        self.transport: RankTransport = transport if transport is not None else SpawnedRanks()
         self._configure(model_dir, tp=tp, pp=pp, ep=ep, dp=dp, dtype=dtype, codec=codec, timeout_s=timeout_s,
                         megatron_loader=megatron_loader)
         self._start_ranks(lr, start_timeout_s)
@@ -85,8 +93,6 @@ class MegatronTrainer(Closing, Trainer):
             raise ConfigError(f"dtype must be float32 or bfloat16, got {dtype!r}")
         self.model_dir = Path(model_dir)
         self.dtype, self.codec, self.timeout_s = dtype, codec, float(timeout_s)
-        self._procs: list[Any] = []
-        self._conns: list[Any] = []
         self._closed = False
         self.layout = layout_for(self.model_dir, tp=tp, pp=pp, ep=ep, dp=dp or megatron_dp(tp, ep),
                                  sequence_parallel=tp > 1, packed=False)
@@ -108,30 +114,9 @@ class MegatronTrainer(Closing, Trainer):
                     megatron_loader=self.megatron_loader)
 
     def _start_ranks(self, lr: float | None, start_timeout_s: float) -> None:
-        """Spawn the ``tp * pp * dp`` rank processes and the key-value store routes are staged in; wait for all."""
-        import torch.multiprocessing as mp
-
-        from r3lab.trainers.megatron.launch import host_rendezvous
-        from r3lab.trainers.megatron.store_backend import StoreBackend
-
-        world = self.layout.world_size
-        # the ranks' rendezvous and the store routes are staged in: on a port this process holds from the start
-        self._store = host_rendezvous(max(self.timeout_s, 60.0))
-        self._backend: Any = StoreBackend(self._store)  # the Ray ranks' trainer puts a RayBackend here
-        spec = self._rank_spec(lr)
-        ctx = mp.get_context("spawn")
-        from r3lab.trainers.megatron.worker import rank_main
-
+        """Start the ``tp * pp * dp`` ranks through the transport and wait for all (a failure ends every rank)."""
         try:
-            for r in range(world):
-                parent, child = ctx.Pipe()
-                p = ctx.Process(target=rank_main, args=(r, world, self._store.port, child, spec), daemon=True,
-                                name=f"r3lab-megatron-rank{r}")
-                p.start()
-                child.close()
-                self._procs.append(p)
-                self._conns.append(parent)
-            self.ranks = self._collect("start", start_timeout_s, expect="ready")
+            self.ranks = self.transport.start(self._rank_spec(lr), self.layout.world_size, start_timeout_s, self._fail)
         except BaseException:
             self.close()
             raise
@@ -139,89 +124,28 @@ class MegatronTrainer(Closing, Trainer):
     # ---- plumbing ------------------------------------------------------------------------------
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self._procs]
+        return self.transport.pids
 
     def _fail(self, message: str) -> R3LabError:
         self.close()
-        return MegatronTrainerError(f"Megatron trainer ({self._describe()}): {message}; every rank was ended")
+        t = self.transport
+        return t.error(f"{t.label} ({self._describe()}): {message}; {t.ended}")
 
     def _describe(self) -> str:
         L = self.layout
         return f"{self.model_dir.name}, tp={L.tp} pp={L.pp} ep={L.ep} dp={L.dp}, {self.dtype}"
 
-    def _collect(self, what: str, timeout: float, expect: str = "ok") -> list[Any]:
-        """Every rank's reply within ``timeout`` s, or end them all and raise (a failure, a death or the deadline)."""
-        deadline = time.monotonic() + timeout
-        replies: dict[int, Any] = {}
-        while len(replies) < len(self._conns):
-            for r, c in enumerate(self._conns):
-                if r in replies:
-                    continue
-                try:
-                    ready = c.poll(0.02)
-                except (EOFError, OSError):
-                    ready = False
-                if ready:
-                    try:
-                        kind, value = c.recv()
-                    except (EOFError, OSError) as e:
-                        raise self._fail(f"rank {r} closed its pipe during {what} ({type(e).__name__})") from None
-                    if kind == "error":
-                        dead = [d for d, p in enumerate(self._procs) if not p.is_alive()]
-                        if dead:  # the cause first: a rank that died makes its peers' collectives fail
-                            d = dead[0]
-                            raise self._fail(f"rank {d} (pid {self._procs[d].pid}) died during {what} (exit code "
-                                             f"{self._procs[d].exitcode}; dead ranks: {dead}); rank {r} failed "
-                                             f"after it:\n{value}")
-                        raise self._fail(f"rank {r} failed during {what}:\n{value}")
-                    if kind != expect:
-                        raise self._fail(f"rank {r} answered {kind!r} to {what}")
-                    replies[r] = value
-                elif not self._procs[r].is_alive():
-                    raise self._fail(f"rank {r} (pid {self._procs[r].pid}) died during {what} "
-                                     f"(exit code {self._procs[r].exitcode})")
-            if len(replies) < len(self._conns) and time.monotonic() > deadline:
-                late = [r for r in range(len(self._conns)) if r not in replies]
-                raise self._fail(f"ranks {late} did not answer {what} within {timeout:.0f} s")
-        return [replies[r] for r in range(len(self._conns))]
-
     def _call(self, cmd: str, **kwargs: Any) -> list[Any]:
         if self._closed:
-            raise MegatronTrainerError(f"the Megatron trainer ({self._describe()}) is closed")
-        dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
-        if dead:
-            r = dead[0]
-            raise self._fail(f"rank {r} (pid {self._procs[r].pid}) died before {cmd} (exit code "
-                             f"{self._procs[r].exitcode}; dead ranks: {dead})")
-        for r, c in enumerate(self._conns):
-            try:
-                c.send((cmd, kwargs))
-            except (BrokenPipeError, OSError):
-                raise self._fail(f"rank {r} is gone (its pipe is closed) before {cmd}") from None
-        return self._collect(cmd, self.timeout_s)
+            raise self.transport.error(f"the {self.transport.label} ({self._describe()}) is closed")
+        return self.transport.call(cmd, kwargs, self.timeout_s, self._fail)
 
     def close(self) -> None:
-        """End every rank (a polite ``close`` first, then terminate, then kill); idempotent."""
+        """End every rank through the transport; idempotent."""
         if self._closed:
             return
         self._closed = True
-        for c in self._conns:
-            try:
-                c.send(("close", {}))
-            except (BrokenPipeError, OSError):
-                pass
-        end = time.monotonic() + 10.0
-        for p in self._procs:
-            p.join(max(0.0, end - time.monotonic()))
-        for p in self._procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(5.0)
-            if p.is_alive():
-                p.kill()
-                p.join(5.0)
-        for c in self._conns:
-            c.close()
+        self.transport.close()
 
     def __del__(self) -> None:
         try:
@@ -278,10 +202,10 @@ class MegatronTrainer(Closing, Trainer):
         plan = StagingPlan.build(total, self.layout)
         self._stages += 1
         ids_only = routes if carried is None else routes.without_weights()
-        staged, stats = stage(ids_only, plan, self._backend, codec=self.codec, stage_id=f"b{self._stages}")
+        staged, stats = stage(ids_only, plan, self.transport.backend, codec=self.codec, stage_id=f"b{self._stages}")
         self.stage_stats.append(stats)
-        info = dict(stage_id=staged.stage_id, plan=plan.to_dict(), refs=dict(staged.refs),
-                    layer_ids=list(staged.layer_ids))
+        info = self.transport.stage_info(dict(stage_id=staged.stage_id, plan=plan.to_dict(), refs=dict(staged.refs),
+                                              layer_ids=list(staged.layer_ids)), staged)
         if weights is not None and carried is not None:
             layers = [int(g) for g in self.layout.router_layers]
             have = routes.layer_ids.tolist()
@@ -290,14 +214,8 @@ class MegatronTrainer(Closing, Trainer):
         return info, staged
 
     def _release(self, staged: Any) -> None:
-        if staged is None:
-            return
-        staged.release()
-        for k in staged.coordinator.keys(1):
-            try:
-                self._store.delete_key(k)
-            except Exception:  # noqa: BLE001 - best effort
-                pass
+        if staged is not None:
+            self.transport.release(staged)
 
     def _replay_counts(self, replies: list[dict], what: str) -> None:
         checked = sum(int(r["checked"]) for r in replies)
@@ -414,16 +332,12 @@ class MegatronTrainer(Closing, Trainer):
         return self._call("staging_stats")
 
     def export_weights(self) -> Mapping[str, Any]:
-        """The weights gathered from every shard, in the checkpoint's names and shapes (CPU tensors, model dtype)."""
-        import torch
-
+        """The weights gathered from every shard, in the checkpoint's names and shapes (CPU tensors, model dtype; a
+        transport may leave them where its ranks run and hand back a lazy mapping, as Ray's object store)."""
+        if self._closed:
+            raise self.transport.error(f"the {self.transport.label} ({self._describe()}) is closed")
         t0 = time.perf_counter()
-        replies = self._call("export")
-        state = next(r for r in replies if r is not None)
-        out = {}
-        for n, (kind, a) in state.items():
-            t = torch.from_numpy(np.array(a))
-            out[n] = t.view(torch.bfloat16) if kind == "bfloat16" else t
+        out = self.transport.export(self.timeout_s, self._fail)
         self.timings["export"].append(time.perf_counter() - t0)
         return out
 
