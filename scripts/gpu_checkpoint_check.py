@@ -2,12 +2,13 @@
 
     python scripts/gpu_checkpoint_check.py [MODEL_DIR ...]     # default: every model under data/models/
 
-The GPU environment runs transformers 4.57 (megatron-bridge needs <5), the CPU path 5.x: both must read the same
-tokenizer (token ids, special tokens, decoded text) and the same architecture from each checkpoint.
-tests/test_gpu_recipe.py runs this script in a throwaway transformers-4.57.6 venv and in the project's venv and
-compares the two outputs; on a GPU node it shows what the GPU environment reads. Needs only transformers and
-tokenizers (no torch, no r3lab), so it runs in a bare venv. Exit 1 with the error when a checkpoint does not load.
-"""
+The GPU engine environment runs the transformers CUDA vLLM needs (5.16.1 to 5.20), the trainer environment the one
+Megatron-Bridge allows (5.12.1), the CPU workbench its own: all must read the same tokenizer (token ids, special
+tokens, decoded text) and the same architecture from each checkpoint. tests/test_gpu_recipe.py runs this script in
+throwaway venvs with each GPU environment's transformers and in the project's venv and compares the outputs; on a
+GPU node it shows what an environment reads. Needs only transformers and tokenizers (no torch, no r3lab), so it runs
+in a bare venv; it also reads transformers 4.x configs (top-level rope keys). Exit 1 with the error when a checkpoint
+does not load."""
 
 from __future__ import annotations
 

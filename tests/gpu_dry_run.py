@@ -1,31 +1,68 @@
-"""pip's dry run of the GPU recipe, started in the background as soon as pytest knows it will run
-test_gpu_recipe.py (``conftest.pytest_collection_finish``): the resolution is network-bound (index pages and
-range reads, one to three minutes here), so it overlaps the CPU-bound tests instead of adding to the suite's time.
-A test that needs it waits for it (:func:`result`); nothing else changes in what is checked."""
+"""pip's dry runs of the two GPU environments, started in the background as soon as pytest knows it will run
+test_gpu_recipe.py (``conftest.pytest_collection_finish``): each resolution is network-bound (index pages and range
+reads, one to three minutes here), so the two overlap each other and the CPU-bound tests instead of adding to the
+suite's time. A test that needs one waits for it (:func:`result`); nothing else changes in what is checked.
+
+Both environments are Python 3.12 (megatron-core 0.19 and Megatron-Bridge 0.6 require it), so pip resolves them for a
+Python 3.12 interpreter: this one when it is 3.12, else one found on this machine (:func:`python312`), run by this
+interpreter's pip (``pip --python``: the metadata-only range reads of ``fast-deps`` need a recent pip). Where none is
+found the tests that need a resolution skip, saying so.
+"""
 
 from __future__ import annotations
 
+import glob
 import json
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from functools import cache
 from pathlib import Path
 
-REQ = Path(__file__).resolve().parents[1] / "requirements-gpu.txt"
-TIMEOUT = 600  # s, from the start; measured 41 s on a quiet machine, 3.7 min before the metadata-only switches
+ROOT = Path(__file__).resolve().parents[1]
+#: the two GPU environments and their requirement files
+ENVS = {"engine": ROOT / "requirements-gpu-engine.txt", "trainer": ROOT / "requirements-gpu-trainer.txt"}
+PYTHON = (3, 12)
+TIMEOUT = 900  # s, from the start; each 2 to 3 minutes here, both at once; 10 under a load of 80 on 2 cores
 
 _started: dict[tuple[str, ...], tuple[subprocess.Popen, Path, float, list[str]]] = {}
 
 
+@cache
+def python312() -> str | None:
+    """An interpreter of the GPU environments' Python (3.12): this one, else python3.12 on PATH or pyenv's."""
+    if sys.version_info[:2] == PYTHON:
+        return sys.executable
+    root = os.environ.get("PYENV_ROOT", os.path.expanduser("~/.pyenv"))
+    for cand in [shutil.which("python3.12"), *sorted(glob.glob(f"{root}/versions/3.12*/bin/python3.12"))]:
+        if not cand:
+            continue
+        try:
+            ok = subprocess.run([cand, "-c", "import sys; assert sys.version_info[:2] == (3, 12)"],
+                                capture_output=True, timeout=60).returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            ok = False
+        if ok:
+            return cand
+    return None
+
+
 def command(report: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--isolated",
-            "--use-feature=fast-deps", "--progress-bar=off", "-v", "--report", str(report), *args]
+    """``pip install --dry-run`` of ``args`` for Python 3.12, metadata only, its report written to ``report``."""
+    target = python312()
+    if target is None:
+        raise RuntimeError(f"no Python {PYTHON[0]}.{PYTHON[1]} interpreter on this machine")
+    pip = [sys.executable, "-m", "pip"] + ([] if target == sys.executable else ["--python", target])
+    return [*pip, "install", "--dry-run", "--ignore-installed", "--isolated", "--use-feature=fast-deps",
+            "--progress-bar=off", "-v", "--report", str(report), *args]
 
 
 def start(*args: str) -> None:
-    """Start ``pip install --dry-run ARGS`` in a scratch folder (once per ARGS)."""
-    if args in _started:
+    """Start ``pip install --dry-run ARGS`` in a scratch folder (once per ARGS; nothing without a 3.12 interpreter)."""
+    if args in _started or python312() is None:
         return
     folder = Path(tempfile.mkdtemp(prefix="r3lab-gpu-dry-run-"))
     cmd = command(folder / "report.json", *args)
@@ -34,9 +71,17 @@ def start(*args: str) -> None:
     _started[args] = (proc, folder, time.monotonic(), cmd)
 
 
+def start_all() -> None:
+    """Start the dry runs of both environments."""
+    for env in ENVS:
+        start(*requirements_args(env))
+
+
 def result(*args: str) -> tuple[dict, str]:
     """The report and log of the dry run of ``ARGS`` (started now if it was not), waiting for it to end."""
     start(*args)
+    if args not in _started:
+        raise RuntimeError(f"no Python {PYTHON[0]}.{PYTHON[1]} interpreter on this machine to resolve for")
     proc, folder, t0, cmd = _started[args]
     try:
         proc.wait(timeout=max(1.0, TIMEOUT - (time.monotonic() - t0)))
@@ -48,5 +93,6 @@ def result(*args: str) -> tuple[dict, str]:
     return json.loads((folder / "report.json").read_text()), log
 
 
-def requirements_args() -> tuple[str, ...]:
-    return ("-r", str(REQ))
+def requirements_args(env: str) -> tuple[str, ...]:
+    """pip's arguments for environment ``env`` (a key of :data:`ENVS`)."""
+    return ("-r", str(ENVS[env]))

@@ -42,7 +42,8 @@ nodes; ``torch`` is imported only there).
 (a chunk's bytes), :mod:`~r3lab.staging.coordinator` (the all-or-none tally),
 :mod:`~r3lab.staging.backend` (the protocol), :mod:`~r3lab.staging.local`, :mod:`~r3lab.staging.ray_store`
 and :mod:`~r3lab.staging.torch_dist` (the backends), :mod:`~r3lab.staging.driver` (:func:`stage`) and
-:mod:`~r3lab.staging.rank` (:func:`fetch`, :func:`barrier`, :func:`receive`).
+:mod:`~r3lab.staging.rank` (:func:`fetch`, :func:`barrier`, :func:`receive`); :mod:`~r3lab.staging.device_decode`
+(a route buffer decoded straight into device memory with torch operations: raw, bitpack, topk-gaps).
 """
 
 from r3lab.errors import StagingError  # noqa: F401  (importable here as before; exported by r3lab.errors)
