@@ -1,4 +1,4 @@
-"""Where the engine and the trainer live: in this process, attached to a server, or as Ray actors on a cluster.
+"""Where the engine and the trainer live: in this process, attached to a server, or as Ray actors on a cluster::
 
     from r3lab.cluster import place
     placed = place(config, path)                         # where config says: engine_url, cluster, or this process
