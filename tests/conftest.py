@@ -92,7 +92,9 @@ FILE_SECONDS: dict[str, float] = {  # measured 2026-12-04, OMP_NUM_THREADS=1 (sc
     "test_experiments.py": 8,
     # new files, estimated from their runs alone (replace with a full run's numbers)
     "test_docs.py": 99, "test_collapse_bench.py": 40, "test_init_from.py": 30, "test_importers_verl_tq.py": 30,
-    "test_importers_megatron_trace.py": 15,
+    "test_importers_megatron_trace.py": 15, "test_install.py": 240, "test_plugins.py": 60, "test_light_core.py": 60,
+    "test_megatron_bridge_loader.py": 90, "test_readme.py": 30, "test_device_decode.py": 30, "test_placement.py": 30,
+    "test_gpu_check_today.py": 30,
 }
 UNLISTED_FILE_SECONDS = 10.0
 
