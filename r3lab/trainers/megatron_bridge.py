@@ -4,9 +4,9 @@
 on CPU too (the tests use ``r3lab.testing.megatron``'s tiny model): given routes are sliced for the rank by
 :func:`r3lab.slicing.shard` and set into every router by :func:`r3lab.replay.megatron_replay`.
 :class:`MegatronBridgeTrainer` wraps it as a :class:`~r3lab.trainers.base.Scorer` for the drift experiment
-(``trainer="megatron-bridge"``). :func:`load_bridge_model` needs CUDA, Transformer Engine and megatron-bridge (the
-GPU trainer environment, ``requirements-gpu-trainer.txt``); only ``scripts/gpu_check.py`` runs it. Scoring only: the RL loop's
-Megatron trainer (policy steps, weight export, many ranks) is ``r3lab.trainers.megatron``'s.
+(``trainer="megatron-bridge"``). :func:`load_bridge_model` needs CUDA, Transformer Engine and megatron-bridge
+(the GPU trainer environment, ``requirements-gpu-trainer.txt``); only ``scripts/gpu_check.py`` runs it. Scoring
+only: the RL loop's Megatron trainer (policy steps, weight export, many ranks) is ``r3lab.trainers.megatron``'s.
 """
 
 from __future__ import annotations
