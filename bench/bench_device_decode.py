@@ -37,6 +37,7 @@ if str(ROOT) not in sys.path:
 
 from r3lab.compaction import decode, encode, read_header  # noqa: E402
 from r3lab.routes import Routes  # noqa: E402
+from r3lab.workloads import fixed_length_routes  # noqa: E402
 
 #: the seeds' batch
 SEEDS_SEQS, CONTEXT, NUM_LAYERS, TOP_K, NUM_EXPERTS = 1024, 20_000, 47, 4, 64
@@ -49,13 +50,8 @@ DRY_RUN = dict(seqs=8, context=500, repeats=1)
 def make_batch(num_seqs: int, context: int, seed: int = 0) -> Routes:
     """``num_seqs`` sequences of ``context`` tokens, 47 layers, top-4 of 64; rows drawn from 4096 distinct top-k
     sets (valid routes, fast to build at billions of ids)."""
-    rng = np.random.default_rng(seed)
-    base = np.stack([rng.permutation(NUM_EXPERTS)[:TOP_K] for _ in range(4096)]).astype(np.uint8)
-    vals = np.empty((num_seqs * context, NUM_LAYERS, TOP_K), dtype=np.uint8)
-    for s in range(0, vals.shape[0], 1 << 16):
-        n = min(1 << 16, vals.shape[0] - s)
-        vals[s : s + n] = base[rng.integers(0, 4096, (n, NUM_LAYERS))]
-    return Routes(vals, np.arange(num_seqs + 1) * context, NUM_EXPERTS, validate=False)
+    return fixed_length_routes(num_seqs, context, num_layers=NUM_LAYERS, top_k=TOP_K, num_experts=NUM_EXPERTS,
+                               seed=seed)
 
 
 def _sync(torch, device) -> None:

@@ -44,6 +44,7 @@ from r3lab.routes import Routes
 from r3lab.slicing import ParallelLayout
 from r3lab.staging import RankCoords, RayBackend, StagingPlan, TorchDistBackend, stage
 from r3lab.testing.staging import RankWorker
+from r3lab.workloads import fixed_length_routes
 
 NUM_LAYERS, TOP_K, NUM_EXPERTS, CONTEXT = 47, 4, 64, 20_000
 SEEDS_SEQS, SEEDS_GIB = 1024, 16
@@ -59,13 +60,8 @@ EXTRA_HEADER = (
 
 def make_batch(num_seqs: int, length: int, seed: int = 0) -> Routes:
     """num_seqs sequences of ``length`` tokens; rows from 4096 distinct top-k sets (fast to build, valid)."""
-    rng = np.random.default_rng(seed)
-    base = np.stack([rng.permutation(NUM_EXPERTS)[:TOP_K] for _ in range(4096)]).astype(np.uint8)
-    vals = np.empty((num_seqs * length, NUM_LAYERS, TOP_K), dtype=np.uint8)
-    for s in range(0, vals.shape[0], 1 << 16):
-        n = min(1 << 16, vals.shape[0] - s)
-        vals[s : s + n] = base[rng.integers(0, 4096, (n, NUM_LAYERS))]
-    return Routes(vals, np.arange(num_seqs + 1) * length, NUM_EXPERTS, validate=False)
+    return fixed_length_routes(num_seqs, length, num_layers=NUM_LAYERS, top_k=TOP_K, num_experts=NUM_EXPERTS,
+                               seed=seed)
 
 
 def run_whole(ray, workers, backend: RayBackend, routes: Routes, layout: ParallelLayout, codec: str) -> dict:
