@@ -48,6 +48,8 @@ class RLMetric:
     ENGINE_TRAINER_TOKEN_ANY = "routing/engine_trainer_token_any"  # tokens routed differently in some layer
     FLIPPED_TOKEN_SHARE = "routing/flipped_token_share"  # sampled tokens whose routing differs in any layer
     ENGINE_MAX_VIO = "routing/engine_max_vio"
+    LOW_PROB = "mismatch/trainer_prob_below_1e-4"  # share of engine-sampled tokens the trainer gives p < 1e-4
+    ZERO_ADVANTAGE_GROUPS = "train/zero_advantage_groups"  # share of prompt groups whose rewards are all equal
     ROUTE_CHANGE_FIRST_MB = "routing/route_change_first_mb"
     ROUTE_CHANGE_LAST_MB = "routing/route_change_last_mb"
     USED_ROUTE_CHANGE_LAST_MB = "routing/used_route_change_last_mb"
@@ -195,6 +197,8 @@ _M, _D = RLMetric, DriftMetric
 METRICS: dict[str, Metric] = {
     # the RL step records (r3lab.experiments.rl): mismatch of the trainer's old policy against the engine
     _M.K3_KL: Metric("train-inference k3 KL", _K3, scale="log"),
+    _M.LOW_PROB: _share("engine-sampled tokens the trainer gives p < 1e-4"),
+    _M.ZERO_ADVANTAGE_GROUPS: _share("prompt groups with equal rewards (zero advantage)"),
     "mismatch/k3_kl_flipped": Metric("k3 KL of route-flipped tokens", _K3, scale="log"),
     "mismatch/k3_kl_agreeing": Metric("k3 KL of agreeing tokens", _K3, scale="log"),
     _M.F_1_5: _share("F(1.5): tokens with ratio beyond 1.5x"),

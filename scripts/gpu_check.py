@@ -25,6 +25,7 @@ import argparse
 import importlib
 import importlib.metadata
 import importlib.util
+import logging
 import os
 import sys
 import sysconfig
@@ -71,6 +72,10 @@ def cuda_include_env() -> None:
 
 
 def _import_problems() -> list[str]:
+    # megatron.bridge logs every optional symbol it cannot import (e.g. Transformer Engine's FP8GlobalStateManager)
+    # as a full traceback at INFO on its own handler: benign, and it buried the one-line refusal; drop those records
+    logging.getLogger("megatron.bridge.utils.import_utils").addFilter(
+        lambda record: not record.getMessage().startswith("Import of "))
     problems = []
     for module, attr, dist, why in GPU_IMPORTS:
         try:

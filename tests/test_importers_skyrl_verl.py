@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import pickle
 import pickletools
+import re
 import subprocess
 import sys
 from enum import StrEnum
@@ -507,10 +508,14 @@ class _Popen:
         return (subprocess.Popen, (["touch", self.marker],))
 
 
+#: the global ``open`` pickles as: io.open up to Python 3.11, _io.open from 3.12 (the builtin's __module__)
+OPEN_GLOBAL = f"{open.__module__}.open"
+
+
 def _payloads(marker: Path):
-    """Payload by the global its pickle names (os.system pickles as posix.system, open as io.open)."""
+    """Payload by the global its pickle names (os.system pickles as posix.system, open as OPEN_GLOBAL)."""
     return {"posix.system": _System(f"touch {marker}"), "builtins.eval": _Eval(f"open({str(marker)!r}, 'w')"),
-            "io.open": g.RunsCode(str(marker)), "subprocess.Popen": _Popen(str(marker))}
+            OPEN_GLOBAL: g.RunsCode(str(marker)), "subprocess.Popen": _Popen(str(marker))}
 
 
 def test_reduce_payloads_are_refused_before_they_run(tmp_path):
@@ -527,10 +532,10 @@ def test_reduce_payloads_are_refused_before_they_run(tmp_path):
         ver.parent.mkdir(parents=True)
         ver.write_bytes(data)
         assert name in _globals(data)
-        with pytest.raises(UnsafeFileError, match=f"the global {name}") as e:
+        with pytest.raises(UnsafeFileError, match=f"the global {re.escape(name)}") as e:
             sk.import_skyrl(sky.parent.parent, tmp_path / f"run-s-{name}", config=g.CONFIG)
         assert str(sky) in str(e.value)
-        with pytest.raises(UnsafeFileError, match=f"the global {name}"):
+        with pytest.raises(UnsafeFileError, match=f"the global {re.escape(name)}"):
             vl.import_verl(ver.parent, tmp_path / f"run-v-{name}", config=g.CONFIG)
         assert not marker.exists(), name
 
@@ -542,14 +547,14 @@ def test_a_payload_inside_a_real_batch_is_refused(tmp_path):
     f = tmp_path / "dumped_data" / "global_step_1_training_input.pkl"
     f.parent.mkdir()
     f.write_bytes(g.skyrl_pickle(state))
-    with pytest.raises(UnsafeFileError, match=r"the global io\.open"):
+    with pytest.raises(UnsafeFileError, match=f"the global {re.escape(OPEN_GLOBAL)}"):
         sk.load_batch(f)
     vstate, _ = g.verl_batch(np.random.default_rng(0), 3)
     vstate[1]["extras"][0] = g.RunsCode(str(marker))  # inside an object array of non_tensor_batch
     v = tmp_path / "1" / "gen_batch.dp"
     v.parent.mkdir()
     v.write_bytes(g.verl_pickle(vstate))
-    with pytest.raises(UnsafeFileError, match=r"the global io\.open"):
+    with pytest.raises(UnsafeFileError, match=f"the global {re.escape(OPEN_GLOBAL)}"):
         vl.load_gen_batch(v)
     assert not marker.exists()
 

@@ -44,8 +44,9 @@ def test_captured_weights_equal_the_engine_routers_own(captured):
         rt = r.routes
         assert rt.weights is not None and rt.weights.shape == rt.values.shape
         logits = {}
-        hooks = [ro.register_forward_hook(lambda m, a, o, g=g, logits=logits: logits.__setitem__(g, (m, o[0].detach())))
-                 for g, ro in routers.items()]
+        # a fused router returns (logits, ...); a split one (GLM-4-MoE at transformers 5.12) its logits alone
+        hooks = [ro.register_forward_hook(lambda m, a, o, g=g, logits=logits: logits.__setitem__(
+            g, (m, (o if isinstance(o, torch.Tensor) else o[0]).detach()))) for g, ro in routers.items()]
         with torch.no_grad():
             model(torch.tensor([r.token_ids]))
         for h in hooks:

@@ -178,8 +178,10 @@ def test_every_error_type_is_defined_once_in_errors_with_the_same_bases():
     types = {getattr(errors, n) for n in errors.__all__} - {errors.cli_flag}  # the two former names are aliases
     assert len(types) == len(errors.__all__) - 3  # cli_flag, LayoutError and ModelConfigError are no types
     for t in types - {errors.R3LabError}:
-        # bad input is a ValueError, a failed process an R3LabFailure (a RuntimeError): never both
-        assert issubclass(t, errors.R3LabError) and issubclass(t, ValueError) != issubclass(t, errors.R3LabFailure), t
+        # bad input is a ValueError, a failed process an R3LabFailure (a RuntimeError), a package an extra brings and
+        # the environment lacks a MissingExtraError (an ImportError): exactly one of the three
+        kinds = (issubclass(t, ValueError), issubclass(t, errors.R3LabFailure), issubclass(t, ImportError))
+        assert issubclass(t, errors.R3LabError) and sum(kinds) == 1, t
         assert t.__module__ == "r3lab.errors", t
     for (module, name), want in STAGE_ERRORS.items():
         assert getattr(importlib.import_module(module), name) is getattr(errors, want), (module, name)

@@ -349,7 +349,7 @@ class _Recorder(CompletionsClient):
     """The client with its HTTP replaced by a prefix-omitting server's answer; records what it was sent."""
 
     def __init__(self, answer: dict):
-        self.url, self.served_name, self.max_model_len = "http://test", "m", 512
+        self.url, self.served_name, self.max_model_len, self.model_dir = "http://test", "m", 512, MODEL
         self.layout = MoELayout.from_model_dir(MODEL)
         self.answer, self.sent = answer, []
 

@@ -113,14 +113,22 @@ def _to_model_layout(model: torch.nn.Module, weights: Mapping[str, Any]) -> dict
     undoes, applied forward."""
     from copy import deepcopy
 
-    from transformers.core_model_loading import (
-        WeightConverter,
-        WeightRenaming,
-        apply_converters,
-        apply_renamings,
-        dot_natural_key,
-    )
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key
 
+    def apply_renamings(key: str, renamings: list[Any]) -> str:  # every renaming in turn (as from_pretrained)
+        for renaming in renamings:
+            key, _ = renaming.rename_source_key(key)
+        return key
+
+    def apply_converters(key: str, converters: list[Any]) -> tuple[str, str | None]:  # at most one converter
+        for converter in converters:
+            target, pattern = converter.rename_source_key(key)
+            if pattern is not None:
+                return target, pattern
+        return key, None
+
+    # transformers 5.25 names these two loops (core_model_loading.apply_renamings/apply_converters); 5.12.1 inlines
+    # them in rename_source_key: the objects' own rename_source_key is in both
     conversions = getattr(model, "_weight_conversions", None) or []
     renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
     converters = [c for c in conversions if isinstance(c, WeightConverter)]

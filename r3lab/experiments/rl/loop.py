@@ -99,8 +99,8 @@ def _check_engine(engine: Engine | None, config: RLConfig) -> None:
                           "(start it with RolloutEngine(..., capture_weights=True), or engine_options(config))")
 
 
-LOW_PROB = "mismatch/trainer_prob_below_1e-4"  # share of engine-sampled tokens the trainer gives p < 1e-4
-ZERO_ADVANTAGE_GROUPS = "train/zero_advantage_groups"  # share of prompt groups whose rewards are all equal
+LOW_PROB = RLMetric.LOW_PROB  # share of engine-sampled tokens the trainer gives p < 1e-4
+ZERO_ADVANTAGE_GROUPS = RLMetric.ZERO_ADVANTAGE_GROUPS  # share of prompt groups whose rewards are all equal
 
 
 def _record(result: StepResult, rollout: StepRollout, noise: float | None, step: int, version: int,
