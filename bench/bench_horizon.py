@@ -63,9 +63,9 @@ SEARCH_MODES, SEARCH_SEEDS = ("none", "R3"), (0,)
 # OMP_NUM_THREADS=1 (the earlier ladder sweep: 4 workers, --match int4-<mode>-s*, nice 10). A rerun with
 # `r3lab rl` and a run's config reproduces its steps exactly only with that thread count too (measured: the
 # ladder run int4-R2-s0, steps 0-35 of `OMP_NUM_THREADS=1 <Run.rerun_command()>`, every non-timing key equal; with
-# the default threads the float metrics differ at ~1e-7 from step 0 and the samples from step 2). Runs written
-# since record it (config.json "threads", r3lab.runs.writer.threads; Run.rerun_command() puts it first);
-# the committed ladder runs predate that and hold none
+# the default threads the float metrics differ at ~1e-7 from step 0 and the samples from step 2). A run records it
+# (config.json "threads", r3lab.runs.writer.threads; Run.rerun_command() puts it first); the committed ladder runs
+# were written without that record and hold none
 WORKERS = 2
 
 

@@ -1,4 +1,4 @@
-"""The Megatron-core trainer against the transformers trainer on one engine batch, per layout (issue 17's benchmark).
+"""The Megatron-core trainer against the transformers trainer on one engine batch, per layout.
 
 One run, one batch: the engine (vLLM, tiny-qwen3-moe, bf16) samples 8 prompts x 8 samples x 16 tokens and records
 their routes. On that batch, side by side:

@@ -159,6 +159,7 @@ def bench_megatron(quick: bool, reps: int) -> list[dict]:
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     from r3lab.testing import megatron as mc
+    from r3lab.trainers.megatron import causal_mask, forward_tokens
 
     mc.patch_megatron_for_cpu()  # recomputation's RNG state included
     L = 2 if quick else 4
@@ -184,21 +185,21 @@ def bench_megatron(quick: bool, reps: int) -> list[dict]:
         (model,) = mc.build_tiny_gpt(spec)
         model.train()
         x = torch.randint(0, 1024, (B, S), generator=torch.Generator().manual_seed(0))
-        mask = mc.causal_mask(S, batch=B)
+        mask = causal_mask(S, batch=B)
         with megatron_replay(model, mode="record") as rec:
             rec.begin_microbatch()
-            mc.forward_tokens(model, x, attention_mask=mask)
+            forward_tokens(model, x, attention_mask=mask)
             own = rec.after_forward()
 
         def base(model=model, x=x, mask=mask) -> None:
             model.zero_grad(set_to_none=True)
-            mc.forward_tokens(model, x, attention_mask=mask, grad=True).float().square().mean().backward()
+            forward_tokens(model, x, attention_mask=mask, grad=True).float().square().mean().backward()
 
         def replay(model=model, x=x, mask=mask, own=own) -> None:
             model.zero_grad(set_to_none=True)
             with megatron_replay(model, [own]) as rep:
                 rep.begin_microbatch()
-                out = mc.forward_tokens(model, x, attention_mask=mask, grad=True)
+                out = forward_tokens(model, x, attention_mask=mask, grad=True)
                 rep.after_forward()
                 out.float().square().mean().backward()
 

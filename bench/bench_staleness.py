@@ -4,7 +4,7 @@ No replay vs R3 at staleness 0, 1 and 2 with ``old_logprobs="behaviour"`` (a tra
 engine sampled with scores the batch; decoupled objective), against today's ``old_logprobs="current"`` at staleness
 2; then two-turn and three-turn trajectories (none and R3) with the share of (token, layer) routers a later turn's
 prefill routes differently from the routes held for them. Quick-sized runs (``RLConfig.quick``), three seeds: a
-first look, not a sweep (the phase diagram of issue 18 sweeps precision and modes).
+first look, not a sweep (the phase diagram, bench/bench_phase.py, sweeps precision and modes).
 
 Regenerates bench/results/staleness/ (each run's config.json, steps.jsonl, summary.json) and
 bench/results/staleness.md from them.

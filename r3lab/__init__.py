@@ -27,13 +27,10 @@ import importlib
 import pkgutil
 from typing import Any
 
-from r3lab.errors import R3LabError, RouteFormatError
-from r3lab.routes import Routes, compact_dtype
-
 __version__ = "0.1.0"
 #: every public module and package of r3lab, read from the package itself (never a hand-kept list)
 STAGES = tuple(sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")))
-__all__ = ["Routes", "compact_dtype", "R3LabError", "RouteFormatError", "__version__", *STAGES]
+__all__ = ["__version__", *STAGES]
 
 
 def __getattr__(name: str) -> Any:

@@ -16,7 +16,7 @@ A distribution declares its additions in its own ``pyproject.toml``; nothing in 
 
 An entry point's name is the name its object is registered under, and must be the object's own (its ``codec_id``,
 ``kind``, ``name`` or ``model_type``), so the name in the metadata and the name a user types are one. Each of the four
-registries (:data:`r3lab.compaction.CODECS`, :data:`r3lab.importers.registry.REGISTRY`,
+registries (:data:`r3lab.compaction.codecs.CODECS`, :data:`r3lab.importers.registry.REGISTRY`,
 :data:`r3lab.trainer_registry.TRAINER_REGISTRY`, :data:`r3lab.families.FAMILIES`) is a :class:`PluginRegistry`: a
 mapping that holds r3lab's own entries from import and reads its group's entry points once, on the first lookup.
 Importing r3lab therefore imports no plugin, and a plugin's module may import r3lab's modules (the registry it is

@@ -6,6 +6,7 @@ without importing each other.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import socket
@@ -16,10 +17,30 @@ __all__ = ["Closing", "free_port", "end_process_group"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` (loopback by default) at the time of the call."""
+    """A TCP port that is free on ``host`` (loopback by default) at the time of the call.
+
+    Only for a port another process must bind itself (a server subprocess): it may be taken before that process
+    binds it, so the caller detects that (:func:`port_in_use`) and chooses again. A port this process listens on
+    itself is bound to port 0 and kept, never found free and let go."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether a socket holds TCP ``host:port`` now: one listening there, or bound there without address reuse.
+
+    A bind with ``SO_REUSEADDR`` (as servers bind) is tried and undone; connections closing on the port
+    (``TIME_WAIT``) do not count."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, int(port)))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return True
+            raise
+        return False
 
 
 class Closing:

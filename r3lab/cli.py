@@ -28,7 +28,7 @@ from r3lab.config import (
     config_overrides,
     quick_help,
 )
-from r3lab.errors import MissingExtraError, R3LabError
+from r3lab.errors import ConfigError, MissingExtraError, R3LabError
 from r3lab.vocabulary import RunKind
 
 __all__ = ["main", "BENCHMARKS"]
@@ -250,10 +250,10 @@ def _runs(args: argparse.Namespace) -> None:
 
     root = runs_dir(args.folder)
     if not root.exists():
-        raise R3LabError(f"runs folder {str(root)!r} does not exist (give a folder of runs; default: <data>/runs, "
-                         "$R3LAB_RUNS)")
+        raise ConfigError(f"runs folder {str(root)!r} does not exist (give a folder of runs; default: <data>/runs, "
+                          "$R3LAB_RUNS)")
     if not root.is_dir():
-        raise R3LabError(f"{str(root)!r} is a file, not a folder of runs")
+        raise ConfigError(f"{str(root)!r} is a file, not a folder of runs")
     found = list_runs(root)
     if not found:
         print(f"no runs in {root}")
@@ -282,8 +282,8 @@ def _import_formats(args: argparse.Namespace) -> None:
     from r3lab.importers.layouts import formats_table
 
     if not args.formats:
-        raise R3LabError("r3lab import needs a KIND (or auto) and SRC, e.g. `r3lab import auto DUMP --out RUN`; "
-                         "`r3lab import --formats` lists the kinds and the layouts of each that r3lab reads")
+        raise ConfigError("r3lab import needs a KIND (or auto) and SRC, e.g. `r3lab import auto DUMP --out RUN`; "
+                          "`r3lab import --formats` lists the kinds and the layouts of each that r3lab reads")
     print(formats_table())
 
 
@@ -321,7 +321,7 @@ def _bench(name: str, rest: list[str]) -> None:
     script = bench_script(name)
     if script is None or not script.is_file():
         looked = f"looked for {script}" if script is not None else "this r3lab is an installed package"
-        raise R3LabError(
+        raise ConfigError(
             f"`r3lab bench {name}` needs a source checkout: benchmarks live in the repository's bench/ "
             f"folder, which an installed r3lab does not have ({looked}). Clone the repository "
             "and run `bash scripts/run.sh bench " + name + "` there."

@@ -63,7 +63,7 @@ ENGINE_QUANTS = ("none", "fp8", "int8", "int6", "int4")  # the mismatch dial (r3
 _QUANT_HELP = ("the mismatch dial: simulated weight quantization of the engine's attention and expert weights "
                "(per output channel, dequantized to its dtype; routers, norms, embeddings, LM head exact)")
 # where the loss's old log-probs come from under staleness (r3lab.experiments.rl): the trainer's current weights
-# (the proximal policy, as before), or matched weights: a trainer-side copy of the behaviour weights scores the batch
+# (the proximal policy, the default), or matched weights: a trainer-side copy of the behaviour weights scores the batch
 # (verl's fully-async recompute, slime's --keep-old-actor) and the decoupled objective weights behaviour -> proximal
 OLD_LOGPROBS = ("current", "behaviour")
 POLICY_FORMATS = ("r3lab-policy-1",)  # saved policies (--save-every): format-version (r3lab.runs.policy)

@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 
-from r3lab.errors import R3LabError
+from r3lab.errors import ConfigError
 from r3lab.paths import corpus_path
 
 __all__ = ["corpus_prompts"]
@@ -19,6 +19,6 @@ def corpus_prompts(n: int, *, words: int = 12, seed: int = 0, data: str | os.Pat
     """``n`` distinct corpus lines chosen with ``seed``, each cut to its first ``words`` words."""
     lines = [ln for ln in corpus_path(data).read_text().splitlines() if ln.strip()]
     if not 0 < n <= len(lines):
-        raise R3LabError(f"asked for {n} prompts; the corpus has {len(lines)} lines")
+        raise ConfigError(f"asked for {n} prompts; the corpus has {len(lines)} lines")
     rng = np.random.default_rng(seed)
     return [" ".join(lines[int(i)].split()[:words]) for i in rng.choice(len(lines), n, replace=False)]

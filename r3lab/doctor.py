@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from r3lab import metrics
-from r3lab.errors import R3LabError
+from r3lab.errors import R3LabError, RunFormatError
 from r3lab.runs import Run, load
 from r3lab.vocabulary import CAPTURE_LOG_KEY, RLMetric, RunKind
 
@@ -888,7 +888,7 @@ def trace_load(run: Run) -> TraceLoad | None:
     with np.load(p, allow_pickle=False) as z:
         missing = [k for k in _TRACE_ARRAYS if k not in z.files]
         if missing:
-            raise R3LabError(f"{str(p)!r} lacks {missing}: not an r3lab routing-trace table")
+            raise RunFormatError(f"{str(p)!r} lacks {missing}: not an r3lab routing-trace table")
         arrays = {k: z[k] for k in _TRACE_ARRAYS}
     moe, E, K = _layout(run)
     return TraceLoad(arrays, E, K, moe)

@@ -3,10 +3,11 @@
 Every error r3lab raises on purpose is an :class:`R3LabError`, of one of three kinds a caller can catch
 apart. Most types are also a :class:`ValueError`: something r3lab was given (an argument, a config, a
 file, a wire buffer, a peer's chunk) is not what it must be. The types under :class:`R3LabFailure` are
-a :class:`RuntimeError` instead (:class:`LaunchTimeout` also a :class:`TimeoutError`): something r3lab
-ran failed (a trainer rank, a launch, a Ray actor or cluster), whatever the input. :class:`MissingExtraError`
-is an :class:`ImportError`: the environment lacks a package that one of r3lab's extras installs (torch,
-plotly, Ray, ...), neither bad input nor a failed process. No type is two of these.
+a :class:`RuntimeError` instead (the deadlines, :class:`LaunchTimeout` and :class:`StagingTimeoutError`, also a
+:class:`TimeoutError`): something r3lab ran failed (a trainer rank, a launch, a Ray actor or cluster, a server's
+port), whatever the input. :class:`MissingExtraError` is an :class:`ImportError`: the environment lacks a package
+that one of r3lab's extras installs (torch, plotly, Ray, ...), neither bad input nor a failed process. No type is
+two of these.
 Each message names what is wrong and, where it can, how to fix it. Catch ``R3LabError`` for "r3lab
 refused or failed", ``ValueError`` for "my input was wrong", ``R3LabFailure`` for "a process failed",
 ``ImportError`` for "this needs something not installed", or one type below for one stage. A type is added only
@@ -14,10 +15,9 @@ for a stage a caller would catch separately; a layer that re-raises another laye
 own type does so ``from`` it, and only to add where it happened (the type a caller of that layer
 expects), never to hide it.
 
-The modules of each stage re-export their type under the same name (``r3lab.slicing.SlicingError``
-is :class:`SlicingError`), and two former names stay as aliases: ``LayoutError`` is
-:class:`SlicingError` and ``ModelConfigError`` is :class:`ConfigError`. No exception class is defined
-anywhere else in the package (``tests/test_errors.py`` checks every subclass of :class:`R3LabError`).
+Import them from here, their one face. Two aliases name the same types: ``LayoutError`` is :class:`SlicingError`
+and ``ModelConfigError`` is :class:`ConfigError`. No exception class is defined anywhere else in the package
+(``tests/test_errors.py`` checks every subclass of :class:`R3LabError`), and none is raised as the bare root class.
 
 A :class:`ConfigError` about config fields carries their names as data (``field``, ``fields``): its
 ``str()`` spells each as its command-line flag (``--samples-per-prompt``, what ``r3lab rl`` prints), and
@@ -42,6 +42,8 @@ __all__ = [
     "MegatronCoreAPIError",
     "StagingError",
     "BatchError",
+    "MetricError",
+    "FigureError",
     "ImportFormatError",
     "UnsafeFileError",
     "UnknownLayoutError",
@@ -51,7 +53,9 @@ __all__ = [
     "MbridgeAPIError",
     "MegatronBridgeAPIError",
     "LaunchTimeout",
+    "StagingTimeoutError",
     "ClusterError",
+    "ServerPortError",
     "MissingExtraError",
     "cli_flag",
     "LayoutError",
@@ -91,8 +95,9 @@ class ConfigError(R3LabError, ValueError):
     """A configuration r3lab cannot run; the message names the field.
 
     Raised for: an experiment config field out of range, an unknown mode or dtype; a model
-    directory that is missing, unreadable, dense, or of an unknown MoE family (formerly
-    ``ModelConfigError``); a codec class that :func:`~r3lab.compaction.register_codec` cannot register.
+    directory that is missing, unreadable, dense, or of an unknown MoE family (also caught as
+    ``ModelConfigError``, its alias); a codec class that :func:`~r3lab.compaction.codecs.register_codec` cannot
+    register.
 
     ``field`` is the config field the error is about (None: none in particular); ``message`` writes every
     field it names as ``{name}`` (``field`` and each of ``fields``), which ``str()`` spells with ``spell``
@@ -132,8 +137,8 @@ class AttachError(RolloutError):
 
 
 class SlicingError(R3LabError, ValueError):
-    """A :class:`~r3lab.slicing.ParallelLayout` is invalid (formerly ``LayoutError``), or routes and a layout
-    or rank coordinates do not fit together (rank out of range, missing layer, sequences that do not split)."""
+    """A :class:`~r3lab.slicing.ParallelLayout` is invalid (also caught as its alias ``LayoutError``), or routes and a
+    layout or rank coordinates do not fit together (rank out of range, missing layer, sequences that do not split)."""
 
 
 class ReplayError(R3LabError, ValueError):
@@ -156,6 +161,16 @@ class BatchError(R3LabError, ValueError):
     """A trainer's input data has the wrong shape: a :class:`~r3lab.trainers.TokenBatch` (no sample, prompt lengths
     that do not fit, a width shorter than a sample) or a :class:`~r3lab.trainers.PolicyUpdate` (a field whose length
     is not the mini-batch's, a loss mask that drops every token, GSPO's per-sample ids and advantages)."""
+
+
+class MetricError(R3LabError, ValueError):
+    """A metric, statistic or analysis was given what it cannot compute on: arrays of the wrong shape, ids out of
+    range, no tokens, too few runs or seeds, a parameter outside its domain."""
+
+
+class FigureError(R3LabError, ValueError):
+    """A figure cannot be drawn from what it was given: values outside what its axis shows (a log axis's zero or
+    negative range), records of the wrong kind (:mod:`r3lab.viz`)."""
 
 
 class ImportFormatError(R3LabError, ValueError):
@@ -202,10 +217,22 @@ class LaunchTimeout(R3LabFailure, TimeoutError):
     (:mod:`r3lab.trainers.megatron.launch`; also a :class:`TimeoutError`)."""
 
 
+class StagingTimeoutError(R3LabFailure, TimeoutError):
+    """A staging backend's deadline passed: a rank's chunk did not arrive, or the tally could not be reached, within
+    its timeout (:mod:`r3lab.staging`'s backends; also a :class:`TimeoutError`). The rank turns it into the
+    :class:`StagingError` every rank of the layout raises."""
+
+
 class ClusterError(R3LabFailure):
     """The Ray cluster cannot be reached or cannot place an actor (no cluster running, a named address that does
     not answer, a resource no node has), or an actor died, raised or did not answer in time: the message names the
     actor and its node, and every other actor of the job was ended (:mod:`r3lab.cluster`)."""
+
+
+class ServerPortError(R3LabFailure):
+    """A server r3lab launched could not bind its port: another process held it when the server started. A port
+    r3lab chose is chosen again once before this is raised; a port the caller chose is not
+    (:class:`~r3lab.rollout.RolloutServer`)."""
 
 
 class MissingExtraError(R3LabError, ImportError):
@@ -226,7 +253,7 @@ class MissingExtraError(R3LabError, ImportError):
         return type(self), (self.what, self.package, self.extra), {"name": self.name}
 
 
-#: former name of the layout errors, now one type with the other slicing errors
+#: an alias of :class:`SlicingError`: a bad layout is one type with the other slicing errors
 LayoutError = SlicingError
-#: former name of the model-config errors, now one type with the other configuration errors
+#: an alias of :class:`ConfigError`: a bad model config is one type with the other configuration errors
 ModelConfigError = ConfigError

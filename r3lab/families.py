@@ -11,7 +11,7 @@ A family entry holds:
   :func:`group_routing_mismatch` (a pure function of a config) and the one note text (:func:`group_routing_note`);
 * **Megatron**: the TransformerConfig corrections mbridge's mapping needs for the family (``megatron_overrides``,
   merged by :func:`megatron_overrides`), or, for a family mbridge does not map, r3lab's own mapping
-  (``megatron_bridge``, a ``"module:Class"`` path under :mod:`r3lab.trainers.megatron.bridges`);
+  (``mbridge_bridge``, a ``"module:Class"`` path under :mod:`r3lab.trainers.megatron.mbridge_bridges`);
 * **tiny config**: the transformers config class and the keyword arguments of a tiny test model
   (``tiny_config``; :func:`r3lab.testing.tiny_moe_config` builds it).
 
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from r3lab._plugins import PluginRegistry
-from r3lab.errors import ConfigError, ModelConfigError, R3LabError
+from r3lab.errors import ConfigError, ModelConfigError
 
 __all__ = [
     "ModelFamily",
@@ -86,7 +86,7 @@ class ModelFamily:
     router_rule: str | None = None  # a name in ROUTER_RULE_NAMES
     group_routing: bool = False  # routes by expert groups (n_group / topk_group): see group_routing_mismatch
     megatron_overrides: Callable[[Config], dict[str, Any]] | None = None  # corrections of the bridges' config
-    megatron_bridge: str | None = None  # "module:Class" of r3lab's own Megatron mapping (mbridge has none)
+    mbridge_bridge: str | None = None  # "module:Class" of r3lab's own mbridge bridge (mbridge has none)
     # "module:function" editing Megatron's local CPU block spec (block_spec -> block_spec) under Megatron-Bridge: the
     # family's own modules (e.g. OLMoE's full-width q/k norms); None: the local spec as it is
     megatron_spec_hook: str | None = None
@@ -96,16 +96,16 @@ class ModelFamily:
 
     def __post_init__(self) -> None:
         if self.router_rule is not None and self.router_rule not in ROUTER_RULE_NAMES:
-            raise R3LabError(f"family {self.model_type!r}: router rule {self.router_rule!r} is not one of "
-                             f"{ROUTER_RULE_NAMES}")
-        if self.megatron_bridge is not None and ":" not in self.megatron_bridge:
-            raise R3LabError(f"family {self.model_type!r}: megatron_bridge must be 'module:Class', got "
-                             f"{self.megatron_bridge!r}")
+            raise ConfigError(f"family {self.model_type!r}: router rule {self.router_rule!r} is not one of "
+                              f"{ROUTER_RULE_NAMES}")
+        if self.mbridge_bridge is not None and ":" not in self.mbridge_bridge:
+            raise ConfigError(f"family {self.model_type!r}: mbridge_bridge must be 'module:Class', got "
+                              f"{self.mbridge_bridge!r}")
         if self.megatron_spec_hook is not None and ":" not in self.megatron_spec_hook:
-            raise R3LabError(f"family {self.model_type!r}: megatron_spec_hook must be 'module:function', got "
-                             f"{self.megatron_spec_hook!r}")
+            raise ConfigError(f"family {self.model_type!r}: megatron_spec_hook must be 'module:function', got "
+                              f"{self.megatron_spec_hook!r}")
         if (self.tiny_config is None) != (self.config_class is None):
-            raise R3LabError(f"family {self.model_type!r}: a tiny config needs both config_class and tiny_config")
+            raise ConfigError(f"family {self.model_type!r}: a tiny config needs both config_class and tiny_config")
 
     def num_experts(self, cfg: Config, arch: str) -> int:
         """The routed expert count from the config (an error naming the key when it reads as a dense model)."""
@@ -138,8 +138,8 @@ FAMILIES: PluginRegistry[ModelFamily] = PluginRegistry("r3lab.families", "model 
 def register_family(family: ModelFamily) -> ModelFamily:
     """Add ``family`` to the table (one entry per ``model_type``)."""
     if FAMILIES.peek(family.model_type) is not None:  # peek: r3lab's own families register before plugins are read
-        raise R3LabError(f"model family {family.model_type!r} is registered already (distribution "
-                         f"{FAMILIES.origin(family.model_type)})")
+        raise ConfigError(f"model family {family.model_type!r} is registered already (distribution "
+                          f"{FAMILIES.origin(family.model_type)})")
     FAMILIES[family.model_type] = family
     return family
 
@@ -330,7 +330,7 @@ register_family(ModelFamily("qwen3_vl_moe_text", _QWEN_EXPERTS, _sparse_step_lay
 register_family(ModelFamily(
     "olmoe", ("num_experts",), _every_layer, strict_experts=True, router_classes=("OlmoeTopKRouter",),
     router_rule="softmax", megatron_overrides=_olmoe_megatron,
-    megatron_bridge="r3lab.trainers.megatron.bridges.olmoe:OlmoeBridge",
+    mbridge_bridge="r3lab.trainers.megatron.mbridge_bridges.olmoe:OlmoeBridge",
     megatron_spec_hook="r3lab.trainers.megatron.olmoe_qk_norm:olmoe_spec", config_class="OlmoeConfig",
     architecture="OlmoeForCausalLM", tiny_config=_tiny_olmoe))
 register_family(ModelFamily(

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from r3lab.errors import R3LabError
+from r3lab.errors import MetricError
 from r3lab.vocabulary import COLLAPSE_RULE, LATE_COLLAPSE_RULE, collapse_prose
 
 __all__ = [
@@ -39,9 +39,9 @@ def _deltas(logp_train: np.ndarray, logp_infer: np.ndarray) -> np.ndarray:
     a = np.asarray(logp_train, dtype=np.float64)
     b = np.asarray(logp_infer, dtype=np.float64)
     if a.shape != b.shape:
-        raise R3LabError(f"logprob arrays differ in shape: {a.shape} vs {b.shape}")
+        raise MetricError(f"logprob arrays differ in shape: {a.shape} vs {b.shape}")
     if a.size == 0:
-        raise R3LabError("no tokens to compare")
+        raise MetricError("no tokens to compare")
     return a - b
 
 
@@ -60,7 +60,7 @@ def extreme_token_fraction(logp_train: np.ndarray, logp_infer: np.ndarray, tau: 
 def _segments(n: int, cu_seqlens: np.ndarray | None) -> np.ndarray:
     cu = np.asarray([0, n] if cu_seqlens is None else cu_seqlens, dtype=np.int64)
     if cu.ndim != 1 or cu.size < 2 or cu[0] != 0 or cu[-1] != n or (np.diff(cu) <= 0).any():
-        raise R3LabError(f"cu_seqlens must rise strictly from 0 to the token count {n}, got {cu.tolist()[:8]}")
+        raise MetricError(f"cu_seqlens must rise strictly from 0 to the token count {n}, got {cu.tolist()[:8]}")
     return cu
 
 
@@ -83,11 +83,11 @@ def mismatch_metrics(
     """
     d = _deltas(logp_train, logp_infer)
     if d.ndim != 1:
-        raise R3LabError(f"log-probs must be 1-D over tokens, got shape {d.shape}")
+        raise MetricError(f"log-probs must be 1-D over tokens, got shape {d.shape}")
     if not np.isfinite(d).all():
-        raise R3LabError(f"{int((~np.isfinite(d)).sum())} non-finite log-prob differences")
+        raise MetricError(f"{int((~np.isfinite(d)).sum())} non-finite log-prob differences")
     if tis_cap <= 1:
-        raise R3LabError(f"tis_cap must be > 1, got {tis_cap}")
+        raise MetricError(f"tis_cap must be > 1, got {tis_cap}")
     cu = _segments(d.size, cu_seqlens)
     rho = np.exp(d)
     pt, pi = np.exp(np.asarray(logp_train, dtype=np.float64)), np.exp(np.asarray(logp_infer, dtype=np.float64))
@@ -114,7 +114,7 @@ def mismatch_metrics(
 def _route_pair(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     a, b = np.asarray(a), np.asarray(b)
     if a.shape != b.shape or a.ndim != 3:
-        raise R3LabError(f"route arrays must both be [T, L, K] of one shape, got {a.shape} and {b.shape}")
+        raise MetricError(f"route arrays must both be [T, L, K] of one shape, got {a.shape} and {b.shape}")
     return a, b
 
 
@@ -134,9 +134,9 @@ def routing_weight_l1(ids_a: np.ndarray, w_a: np.ndarray, ids_b: np.ndarray, w_b
     a, b = _route_pair(ids_a, ids_b)
     wa, wb = np.asarray(w_a, dtype=np.float64), np.asarray(w_b, dtype=np.float64)
     if wa.shape != a.shape or wb.shape != b.shape:
-        raise R3LabError(f"routing weights {wa.shape} / {wb.shape} do not match their ids {a.shape} / {b.shape}")
+        raise MetricError(f"routing weights {wa.shape} / {wb.shape} do not match their ids {a.shape} / {b.shape}")
     if a.size and (max(int(a.max()), int(b.max())) >= num_experts or min(int(a.min()), int(b.min())) < 0):
-        raise R3LabError(f"expert ids outside [0, {num_experts})")
+        raise MetricError(f"expert ids outside [0, {num_experts})")
     dense = np.zeros(a.shape[:2] + (num_experts,), dtype=np.float64)
     np.put_along_axis(dense, a.astype(np.int64), wa, axis=2)
     other = np.zeros_like(dense)
@@ -149,7 +149,7 @@ def set_overlap(a: np.ndarray, b: np.ndarray, num_experts: int) -> np.ndarray:
     """Per (token, layer): how many expert ids two ``[T, L, K]`` route arrays share (0..K, order ignored)."""
     a, b = _route_pair(a, b)
     if a.size and (max(int(a.max()), int(b.max())) >= num_experts or min(int(a.min()), int(b.min())) < 0):
-        raise R3LabError(f"expert ids outside [0, {num_experts})")
+        raise MetricError(f"expert ids outside [0, {num_experts})")
     ha = np.zeros(a.shape[:2] + (num_experts,), dtype=bool)
     hb = np.zeros_like(ha)
     np.put_along_axis(ha, a.astype(np.int64), True, axis=2)
@@ -175,9 +175,9 @@ def route_agreement(a: np.ndarray, b: np.ndarray, num_experts: int, layer_ids=No
     T, L, K = np.asarray(a).shape
     lids = list(range(L)) if layer_ids is None else [int(g) for g in layer_ids]
     if len(lids) != L:
-        raise R3LabError(f"{len(lids)} layer ids for {L} layers")
+        raise MetricError(f"{len(lids)} layer ids for {L} layers")
     if T == 0:
-        raise R3LabError("no tokens to compare")
+        raise MetricError("no tokens to compare")
     return {
         "per_layer_agreement": {g: float(1.0 - differs[:, j].mean()) for j, g in enumerate(lids)},
         "per_layer_overlap": {g: float(shared[:, j].mean() / K) for j, g in enumerate(lids)},
@@ -201,11 +201,11 @@ def expert_load(values: np.ndarray, num_experts: int) -> np.ndarray:
     """``[L, E]``: the share of each layer's routed (token, slot) assignments that went to each expert."""
     v = np.asarray(values)
     if v.ndim != 3:
-        raise R3LabError(f"routes must be [T, L, K], got shape {v.shape}")
+        raise MetricError(f"routes must be [T, L, K], got shape {v.shape}")
     if v.shape[0] == 0:
-        raise R3LabError("no tokens to count")
+        raise MetricError("no tokens to count")
     if v.min() < 0 or v.max() >= num_experts:
-        raise R3LabError(f"expert ids outside [0, {num_experts})")
+        raise MetricError(f"expert ids outside [0, {num_experts})")
     T, L, K = v.shape
     flat = v.transpose(1, 0, 2).reshape(L, T * K).astype(np.int64) + np.arange(L)[:, None] * num_experts
     counts = np.bincount(flat.ravel(), minlength=L * num_experts).reshape(L, num_experts)
@@ -216,10 +216,10 @@ def max_violation(load: np.ndarray) -> np.ndarray:
     """Per layer, verl's ``max_vio``: ``(max load - mean load) / mean load`` (0 when perfectly balanced)."""
     ld = np.asarray(load, dtype=np.float64)
     if ld.ndim != 2 or ld.shape[1] == 0:
-        raise R3LabError(f"load must be [L, E], got shape {ld.shape}")
+        raise MetricError(f"load must be [L, E], got shape {ld.shape}")
     mean = ld.mean(axis=1)
     if (mean <= 0).any():
-        raise R3LabError("a layer has no load")
+        raise MetricError("a layer has no load")
     return (ld.max(axis=1) - mean) / mean
 
 
@@ -228,7 +228,7 @@ def extreme_fraction_curve(logp_train: np.ndarray, logp_infer: np.ndarray, taus:
     d = np.sort(np.abs(_deltas(logp_train, logp_infer)).ravel())
     t = np.asarray(taus, dtype=np.float64)
     if t.ndim != 1 or t.size == 0 or (t <= 1).any():
-        raise R3LabError(f"taus must be a non-empty 1-D array of values > 1, got {t.tolist()[:8]}")
+        raise MetricError(f"taus must be a non-empty 1-D array of values > 1, got {t.tolist()[:8]}")
     return 1.0 - np.searchsorted(d, np.log(t), side="right") / d.size
 
 
@@ -236,7 +236,7 @@ def load_shift(load: np.ndarray, reference: np.ndarray) -> np.ndarray:
     """Per layer, the total-variation distance ``0.5 * sum |load - reference|`` of two ``[L, E]`` loads (0..1)."""
     a, b = np.asarray(load, dtype=np.float64), np.asarray(reference, dtype=np.float64)
     if a.shape != b.shape or a.ndim != 2:
-        raise R3LabError(f"loads must both be [L, E] of one shape, got {a.shape} and {b.shape}")
+        raise MetricError(f"loads must both be [L, E] of one shape, got {a.shape} and {b.shape}")
     return 0.5 * np.abs(a - b).sum(axis=1)
 
 
@@ -257,17 +257,17 @@ def response_rows(cu_seqlens: np.ndarray, response_lengths: np.ndarray, conventi
     ``[sum R_i]``, sample-major.
     """
     if convention not in ROW_CONVENTIONS:
-        raise R3LabError(f"row convention must be one of {ROW_CONVENTIONS}, got {convention!r}")
+        raise MetricError(f"row convention must be one of {ROW_CONVENTIONS}, got {convention!r}")
     cu = np.asarray(cu_seqlens, dtype=np.int64)
     n = np.asarray(response_lengths, dtype=np.int64)
     if cu.ndim != 1 or n.shape != (cu.size - 1,):
-        raise R3LabError(f"{n.size} response lengths for {cu.size - 1} route sequences")
+        raise MetricError(f"{n.size} response lengths for {cu.size - 1} route sequences")
     rows = np.diff(cu)
     extra = 1 if convention == ENGINE_ROWS else 0  # engine rows lack the last sampled token's row
     if (n < 1).any() or (n + 1 - extra > rows).any():
         want = "P + R - 1" if extra else "P + R"
-        raise R3LabError(f"every sample needs 1 <= response tokens and {want} route rows with P >= 1 "
-                         f"({convention} rows)")
+        raise MetricError(f"every sample needs 1 <= response tokens and {want} route rows with P >= 1 "
+                          f"({convention} rows)")
     starts = cu[:-1] + rows - n - 1 + extra  # row of the first sampled token's input position
     return np.repeat(starts - np.concatenate([[0], np.cumsum(n)[:-1]]), n) + np.arange(n.sum())
 
@@ -281,7 +281,7 @@ def k3_by_flip(logp_train: np.ndarray, logp_infer: np.ndarray, flipped: np.ndarr
     a, b = np.asarray(logp_train, dtype=np.float64), np.asarray(logp_infer, dtype=np.float64)
     f = np.asarray(flipped, dtype=bool)
     if f.shape != a.shape or a.shape != b.shape:
-        raise R3LabError(f"flipped {f.shape} and the log-probs {a.shape}, {b.shape} must have one shape")
+        raise MetricError(f"flipped {f.shape} and the log-probs {a.shape}, {b.shape} must have one shape")
     return {name: k3_kl(a[m], b[m]) if m.any() else None for name, m in (("flipped", f), ("agreeing", ~f))}
 
 
@@ -295,7 +295,7 @@ def per_layer_flip_drift(differs: np.ndarray, logp_train: np.ndarray, logp_infer
     f = np.asarray(differs, dtype=bool)
     d = _deltas(logp_train, logp_infer)
     if f.ndim != 2 or f.shape[0] != d.size:
-        raise R3LabError(f"differs must be [tokens, layers] with {d.size} tokens, got shape {f.shape}")
+        raise MetricError(f"differs must be [tokens, layers] with {d.size} tokens, got shape {f.shape}")
     k3 = np.expm1(d) - d
     out = {"disagreement": f.mean(axis=0)}
     for name, m, vals in (("k3_flipped", f, k3), ("k3_agreeing", ~f, k3), ("abs_diff_flipped", f, np.abs(d))):
@@ -305,7 +305,7 @@ def per_layer_flip_drift(differs: np.ndarray, logp_train: np.ndarray, logp_infer
     return out
 
 
-# ---- routing analysis of one batch (moved from r3lab.viz, which keeps forms that take Routes) -------------------
+# ---- routing analysis of one batch (r3lab.viz keeps the forms that take Routes) ---------------------------------
 def response_differs(engine: np.ndarray, trainer: np.ndarray, cu_seqlens: np.ndarray,
                      response_lengths: np.ndarray) -> np.ndarray:
     """``[sampled tokens, layers]``: whether engine and trainer chose different sets at each sampled token's input
@@ -333,7 +333,7 @@ def constant_layers(values: np.ndarray) -> np.ndarray:
     constant rows); False where there are fewer than two rows."""
     v = np.asarray(values)
     if v.ndim != 3:
-        raise R3LabError(f"routes must be [T, L, K], got shape {v.shape}")
+        raise MetricError(f"routes must be [T, L, K], got shape {v.shape}")
     if v.shape[0] < 2:
         return np.zeros(v.shape[1], dtype=bool)
     s = np.sort(v, axis=2)
@@ -346,9 +346,9 @@ def jump_steps(series: np.ndarray, *, window: int = 5, factor: float = 10.0, flo
     step has nothing before it."""
     x = np.asarray(series, dtype=np.float64)
     if x.ndim != 1:
-        raise R3LabError(f"series must be 1-D, got shape {x.shape}")
+        raise MetricError(f"series must be 1-D, got shape {x.shape}")
     if window < 1 or factor <= 1:
-        raise R3LabError(f"window must be >= 1 and factor > 1, got {window}, {factor}")
+        raise MetricError(f"window must be >= 1 and factor > 1, got {window}, {factor}")
     out = np.zeros(x.size, dtype=bool)
     for i in range(1, x.size):
         prev = x[max(0, i - window):i]
@@ -363,7 +363,7 @@ def outlier_layers(per_layer: np.ndarray, *, factor: float = 3.0, floor: float =
     whose engine-vs-trainer disagreement stands out from the rest)."""
     x = np.asarray(per_layer, dtype=np.float64)
     if x.ndim != 1:
-        raise R3LabError(f"per_layer must be 1-D, got shape {x.shape}")
+        raise MetricError(f"per_layer must be 1-D, got shape {x.shape}")
     out = np.zeros(x.size, dtype=bool)
     if x.size < 3:
         return out
@@ -388,9 +388,9 @@ def effective_sample_size(log_ratio: np.ndarray) -> float:
     (0, 1], 1 when all weights are equal (the IS ESS that falls before collapse). Computed stably (max shifted)."""
     x = np.asarray(log_ratio, dtype=np.float64).ravel()
     if x.size == 0:
-        raise R3LabError("no tokens to weigh")
+        raise MetricError("no tokens to weigh")
     if not np.isfinite(x).all():
-        raise R3LabError(f"{int((~np.isfinite(x)).sum())} non-finite log-ratios")
+        raise MetricError(f"{int((~np.isfinite(x)).sum())} non-finite log-ratios")
     w = np.exp(x - x.max())
     return float(w.sum() ** 2 / (x.size * np.sum(w**2)))
 
@@ -421,10 +421,10 @@ def reward_collapse(rewards: np.ndarray, *, warmup: int = COLLAPSE_RULE.warmup, 
     """
     r = np.asarray(rewards, dtype=np.float64)
     if r.ndim != 1:
-        raise R3LabError(f"rewards must be 1-D over steps, got shape {r.shape}")
+        raise MetricError(f"rewards must be 1-D over steps, got shape {r.shape}")
     if warmup < 0 or patience < 1 or not 0 < fraction < 1:
-        raise R3LabError(f"warmup must be >= 0, patience >= 1 and fraction in (0, 1), got {warmup}, {patience}, "
-                         f"{fraction}")
+        raise MetricError(f"warmup must be >= 0, patience >= 1 and fraction in (0, 1), got {warmup}, {patience}, "
+                          f"{fraction}")
     peak = np.full(r.size, np.nan)
     streak = np.zeros(r.size, dtype=np.int64)
     collapsed = np.zeros(r.size, dtype=bool)
@@ -476,14 +476,14 @@ def k3_trend(k3: np.ndarray, *, window: int = 50) -> K3Trend:
     windows is an error (the two medians would share steps)."""
     x = np.asarray(k3, dtype=np.float64)
     if x.ndim != 1:
-        raise R3LabError(f"k3 must be 1-D over steps, got shape {x.shape}")
+        raise MetricError(f"k3 must be 1-D over steps, got shape {x.shape}")
     if window < 1 or x.size < 2 * window:
-        raise R3LabError(f"k3_trend needs at least 2 x window = {2 * window} steps, got {x.size}")
+        raise MetricError(f"k3_trend needs at least 2 x window = {2 * window} steps, got {x.size}")
     first, last = float(np.nanmedian(x[:window])), float(np.nanmedian(x[-window:]))
     t = np.arange(x.size, dtype=np.float64)
     ok = np.isfinite(x) & (x > 0)
     if ok.sum() < 2:
-        raise R3LabError("k3_trend: fewer than two finite positive steps")
+        raise MetricError("k3_trend: fewer than two finite positive steps")
     slope = float(np.polyfit(t[ok], np.log10(x[ok]), 1)[0] * 100)
     return K3Trend(first, last, last / first if first > 0 else float("inf"), slope)
 
@@ -493,9 +493,9 @@ def spike_steps(series: np.ndarray, *, factor: float = 10.0) -> np.ndarray:
     whose mismatch is ten times the run's usual). NaNs never spike."""
     x = np.asarray(series, dtype=np.float64)
     if x.ndim != 1:
-        raise R3LabError(f"series must be 1-D over steps, got shape {x.shape}")
+        raise MetricError(f"series must be 1-D over steps, got shape {x.shape}")
     if factor <= 1:
-        raise R3LabError(f"factor must be > 1, got {factor}")
+        raise MetricError(f"factor must be > 1, got {factor}")
     med = float(np.nanmedian(x)) if np.isfinite(x).any() else np.nan
     if not np.isfinite(med):
         return np.zeros(0, dtype=np.int64)
@@ -508,14 +508,14 @@ def spike_aftermath(spikes: np.ndarray, series: dict[str, np.ndarray], *, horizo
     "no different from usual"; NaN where no spike has a step after it). NaN steps are left out."""
     s = np.asarray(spikes, dtype=np.int64)
     if horizon < 1:
-        raise R3LabError(f"horizon must be >= 1, got {horizon}")
+        raise MetricError(f"horizon must be >= 1, got {horizon}")
     out = {}
     for name, values in series.items():
         v = np.asarray(values, dtype=np.float64)
         if v.ndim != 1:
-            raise R3LabError(f"series {name!r} must be 1-D over steps, got shape {v.shape}")
+            raise MetricError(f"series {name!r} must be 1-D over steps, got shape {v.shape}")
         if s.size and (s.min() < 0 or s.max() >= v.size):
-            raise R3LabError(f"spike steps {s.min()}..{s.max()} fall outside series {name!r} of {v.size} steps")
+            raise MetricError(f"spike steps {s.min()}..{s.max()} fall outside series {name!r} of {v.size} steps")
         after = [np.nanmean(v[t + 1:t + 1 + horizon]) for t in s if t + 1 < v.size
                  and np.isfinite(v[t + 1:t + 1 + horizon]).any()]
         out[name] = float(np.mean(after) - np.nanmean(v)) if after else float("nan")
@@ -538,9 +538,9 @@ def bootstrap_mean_diff(a: np.ndarray, b: np.ndarray, *, n: int = 10000, level: 
     of the seeds, not a test."""
     x, y = np.asarray(a, dtype=np.float64).ravel(), np.asarray(b, dtype=np.float64).ravel()
     if x.size < 1 or y.size < 1 or not (np.isfinite(x).all() and np.isfinite(y).all()):
-        raise R3LabError(f"bootstrap_mean_diff needs finite values on both sides, got {x.size} and {y.size}")
+        raise MetricError(f"bootstrap_mean_diff needs finite values on both sides, got {x.size} and {y.size}")
     if not 0 < level < 1:
-        raise R3LabError(f"level must be in (0, 1), got {level}")
+        raise MetricError(f"level must be in (0, 1), got {level}")
     rng = np.random.default_rng(seed)
     d = (x[rng.integers(0, x.size, (n, x.size))].mean(axis=1) - y[rng.integers(0, y.size, (n, y.size))].mean(axis=1))
     lo, hi = np.quantile(d, [(1 - level) / 2, (1 + level) / 2])
@@ -556,7 +556,7 @@ def mann_whitney_exact(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
 
     x, y = np.asarray(a, dtype=np.float64).ravel(), np.asarray(b, dtype=np.float64).ravel()
     if x.size < 1 or y.size < 1 or x.size + y.size > 20:
-        raise R3LabError(f"mann_whitney_exact takes 1..20 values in all, got {x.size} and {y.size}")
+        raise MetricError(f"mann_whitney_exact takes 1..20 values in all, got {x.size} and {y.size}")
 
     def u(p: np.ndarray, q: np.ndarray) -> float:
         return float((p[:, None] > q[None, :]).sum() + 0.5 * (p[:, None] == q[None, :]).sum())

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from r3lab.errors import R3LabError
+from r3lab.errors import ConfigError, R3LabError
 
 __all__ = ["data_dir", "model_dir", "corpus_path", "runs_dir", "results_dir", "figures_dir", "bench_dir",
            "bench_script", "checkout", "MODELS"]
@@ -45,8 +45,8 @@ def data_dir(override: str | os.PathLike | None = None) -> Path:
             return p.resolve()
         tried.append(str(p))
         if c is override or c == os.environ.get("R3LAB_DATA"):
-            raise R3LabError(f"{str(p)!r} is not an r3lab data folder (it needs models/ or corpus/)")
-    raise R3LabError(
+            raise ConfigError(f"{str(p)!r} is not an r3lab data folder (it needs models/ or corpus/)")
+    raise ConfigError(
         "r3lab's tiny models and corpus live in a source checkout's data/ folder, which this install "
         f"does not have (looked in {tried}); pass --data DIR or set R3LAB_DATA to that folder"
     )
@@ -61,15 +61,15 @@ def model_dir(name_or_path: str | os.PathLike, data: str | os.PathLike | None = 
         q = data_dir(data) / "models" / p.name
         if q.is_dir():
             return q
-        raise R3LabError(f"no model {str(name_or_path)!r} in {q.parent} (shipped: {', '.join(MODELS)})")
-    raise R3LabError(f"model directory {str(p)!r} does not exist")
+        raise ConfigError(f"no model {str(name_or_path)!r} in {q.parent} (shipped: {', '.join(MODELS)})")
+    raise ConfigError(f"model directory {str(p)!r} does not exist")
 
 
 def corpus_path(data: str | os.PathLike | None = None) -> Path:
     """The Markov corpus the tiny models were trained on (one document a line)."""
     p = data_dir(data) / "corpus" / "markov.txt"
     if not p.is_file():
-        raise R3LabError(f"corpus {str(p)!r} is missing")
+        raise ConfigError(f"corpus {str(p)!r} is missing")
     return p
 
 
@@ -93,11 +93,11 @@ def results_dir(override: str | os.PathLike | None = None) -> Path:
     root = checkout()
     p = Path(override) if override else root / "bench" / "results" if root else None
     if p is None:
-        raise R3LabError("no results folder: committed results live in a source checkout's bench/results, and this "
-                         "r3lab is an installed package (clone the repository, or pass a folder of your own)")
+        raise ConfigError("no results folder: committed results live in a source checkout's bench/results, and this "
+                          "r3lab is an installed package (clone the repository, or pass a folder of your own)")
     if not p.is_dir():
-        raise R3LabError(f"no results folder at {p}: committed results live in a source checkout's bench/results "
-                         "(or pass a folder of your own)")
+        raise ConfigError(f"no results folder at {p}: committed results live in a source checkout's bench/results "
+                          "(or pass a folder of your own)")
     return p
 
 

@@ -514,7 +514,7 @@ def _shard_seqs(
     vpp_chunk: int | None,
 ) -> list[np.ndarray]:
     if not isinstance(routes, Routes):
-        raise SlicingError(f"routes must be r3lab.Routes, got {type(routes).__name__}")
+        raise SlicingError(f"routes must be r3lab.routes.Routes, got {type(routes).__name__}")
     if not isinstance(layout, ParallelLayout):
         raise SlicingError(f"layout must be a ParallelLayout, got {type(layout).__name__}")
     ParallelLayout._check_rank("pp_rank", pp_rank, layout.pp)

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from r3lab.errors import RouteFormatError
 from r3lab.routes import Routes
 
 __all__ = ["workload_routes", "fixed_length_routes"]
@@ -39,7 +40,7 @@ def fixed_length_routes(num_seqs: int, length: int, *, num_layers: int, top_k: i
     ``num_experts`` <= 256): valid routes that build fast at billions of ids, for measuring transport and decoding
     at the field's batch sizes where the routing's statistics do not matter."""
     if num_experts > 256:
-        raise ValueError(f"fixed_length_routes: ids are uint8, so at most 256 experts, got {num_experts}")
+        raise RouteFormatError(f"fixed_length_routes: ids are uint8, so at most 256 experts, got {num_experts}")
     rng = np.random.default_rng(seed)
     base = np.stack([rng.permutation(num_experts)[:top_k] for _ in range(4096)]).astype(np.uint8)
     vals = np.empty((num_seqs * length, num_layers, top_k), dtype=np.uint8)

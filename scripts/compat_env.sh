@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Build the compatibility tier's far-end environment in ENV_DIR: Python 3.11 with the releases at the other end of
 # each range r3lab supports from the workbench's (requirements/compat-far-end.txt: megatron-core 0.16.1,
-# transformers 5.25.0, mbridge 0.15.1, torch 2.13.0's CPU build). tests/test_compat.py builds it and runs there the
-# tests that touch those libraries.
+# transformers 5.25.0, mbridge 0.15.1, torch 2.11.0: the index's CUDA build, run on the CPU). tests/test_compat.py
+# builds it and runs there the tests that touch those libraries.
 #
 # Usage: scripts/compat_env.sh ENV_DIR
 #
 # It holds r3lab (editable, without its requirements) and only what those tests import: no vLLM, Jupyter or Ray
-# (about 1.5 GB, half of it torch's CPU build; a few minutes to build). ENV_DIR is reused when its stamp matches this
+# (about 5 GB, most of it torch's CUDA libraries; a few minutes to build). ENV_DIR is reused when its stamp matches this
 # script and the constraints file, built again when it is an older build of this script, and refused when it is
 # anything else (so a mistyped path is never deleted).
 set -euo pipefail
@@ -43,19 +43,38 @@ if [ -f "$ENV_DIR/$STAMP_NAME" ]; then
   fi
   echo "[compat] $ENV_DIR was built from another script or constraints: building it again" >&2
   rm -rf "$ENV_DIR"
+elif [ -f "$ENV_DIR/$STAMP_NAME.building" ]; then
+  echo "[compat] $ENV_DIR is an interrupted build of this script: building it again" >&2
+  rm -rf "$ENV_DIR"
 elif [ -e "$ENV_DIR" ] && [ -n "$(ls -A "$ENV_DIR" 2>/dev/null)" ]; then
   echo "[compat] $ENV_DIR exists and is not a compat environment (no $STAMP_NAME): refusing to replace it" >&2
   exit 1
 fi
 
 echo "[compat] building $ENV_DIR with $PY" >&2
+mkdir -p "$ENV_DIR"
+touch "$ENV_DIR/$STAMP_NAME.building"  # an interrupted build is recognised as this script's, and built again
 "$PY" -m venv "$ENV_DIR"
+# The wheels: resolved against the index on every build, downloaded only when missing from a folder under the user's
+# cache keyed by the constraints, the package list and Python (the index sends no cache headers, so pip's own cache
+# keeps nothing: without this every build downloads the whole set again, gigabytes with torch's CUDA libraries).
+# R3LAB_WHEEL_CACHE names another folder. The install then reads that folder alone (--no-index): exactly the set
+# just resolved.
+WHEEL_KEY="$( (cat "$CONSTRAINTS"; printf '%s\n' "$WANT_PY" torch "${PACKAGES[@]}") | sha256sum | cut -c1-16)"
+WHEEL_ROOT="${R3LAB_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/r3lab/wheels}"
+WHEELS="$WHEEL_ROOT/compat-$WHEEL_KEY"
+mkdir -p "$WHEELS"
+for old in "$WHEEL_ROOT"/compat-*; do  # the wheels of other constraints or package lists: gigabytes each
+  [ "$old" = "$WHEELS" ] || rm -rf "$old"
+done
+"$ENV_DIR/bin/python" -m pip download -q -d "$WHEELS" --find-links "$WHEELS" -c "$CONSTRAINTS" torch "${PACKAGES[@]}"
 # compiled at install (pip's default): the tests' processes, every gloo rank among them, then import from bytecode
 # even where PYTHONDONTWRITEBYTECODE is set, as on this project's machines
-PIP=("$ENV_DIR/bin/python" -m pip install -q -c "$CONSTRAINTS")
-"${PIP[@]}" torch  # first and alone: the largest wheel, and what the rest must not replace
-"${PIP[@]}" "${PACKAGES[@]}"
-"${PIP[@]}" --no-deps -e "$ROOT"
+PIP=("$ENV_DIR/bin/python" -m pip install -q -c "$CONSTRAINTS" --find-links "$WHEELS")
+"${PIP[@]}" --no-index torch  # first and alone: the largest wheel, and what the rest must not replace
+"${PIP[@]}" --no-index "${PACKAGES[@]}"
+"${PIP[@]}" --no-deps -e "$ROOT"  # its build backend (setuptools) from the index, into pip's isolated build
 echo "$WANT" > "$ENV_DIR/$STAMP_NAME"
+rm -f "$ENV_DIR/$STAMP_NAME.building"
 echo "[compat] $ENV_DIR: $("$ENV_DIR/bin/python" -c 'import importlib.metadata as m; print(", ".join(
     f"{d} {m.version(d)}" for d in ("torch", "transformers", "megatron-core", "mbridge")))')" >&2

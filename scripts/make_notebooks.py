@@ -325,8 +325,9 @@ out_dir = None  # where runs (and exported figures, in figures/) go; None: data/
     code("""
 from r3lab import viz, widgets
 from r3lab.config import RLMetric
+from r3lab.runs import load_runs, reference_runs_dir
 
-runs = widgets.load_runs(reference_runs or widgets.reference_runs_dir(), reference_prefix)
+runs = load_runs(reference_runs or reference_runs_dir(), reference_prefix)
 finished = viz.of_kind(runs, "rl")  # an imported run has no replay mode: its curves say so in place
 [(r.name, r.kind, len(r.step_records), r.finished) for r in runs]
 """),
@@ -516,10 +517,11 @@ import pandas as pd
 from IPython.display import Markdown
 
 from r3lab import viz, widgets
+from r3lab.runs import load_runs
 from r3lab.runs.phase import PRECURSORS, phase_records, phase_runs_dir, phase_summary, phase_table, r3w_phase_runs
 
 pd.options.display.float_format = "{:.3g}".format
-runs = widgets.load_runs(phase_runs or phase_runs_dir()) + ([] if r3w_runs is False else r3w_phase_runs(r3w_runs))
+runs = load_runs(phase_runs or phase_runs_dir()) + ([] if r3w_runs is False else r3w_phase_runs(r3w_runs))
 records = phase_records(runs)
 len(records)
 """),
@@ -592,10 +594,12 @@ The committed runs of `python bench/bench_horizon.py` (in `bench/results/horizon
 `--engine-quant`), modes none / R2 / R3 / none+TIS over 3 seeds; then the collapse search, one seed of none and
 R3 per setting tried (higher lr, more mini-batches, longer responses, staleness, the earlier `ladder` task).
 What to read: whether k3 grows over training without replay and stays flat with R3, what follows a k3 spike,
-and whether any mode collapses. The table's header says which planned runs did not run.
+and whether any mode collapses. The table's header says which planned runs did not run. Last, the pre-registered
+collapse experiment that followed (`bench/results/collapse/`): its survival curves and k3 at each collapse.
 """),
         params("""
 horizon_runs = None  # a folder of finished long-horizon runs; None: the committed ones (bench/results/horizon)
+collapse_runs = None  # a folder of collapse-experiment runs; None: the committed ones (bench/results/collapse)
 smooth = 10  # the reward curves' trailing mean, in steps
 out_dir = "out/07_horizon"  # exported figures go here
 export = False  # write PNG/SVG/PDF of the figures (needs Chromium)
@@ -604,11 +608,13 @@ export = False  # write PNG/SVG/PDF of the figures (needs Chromium)
 import pandas as pd
 from IPython.display import Markdown
 
-from r3lab import viz, widgets
+from r3lab import viz
+from r3lab.paths import results_dir
+from r3lab.runs import load_runs
 from r3lab.runs.horizon import horizon_records, horizon_runs_dir, horizon_table
 
 pd.options.display.float_format = "{:.3g}".format
-runs = widgets.load_runs(horizon_runs or horizon_runs_dir())
+runs = load_runs(horizon_runs or horizon_runs_dir())
 records = pd.DataFrame(horizon_records(runs)).drop(columns=["spike_steps"])
 records
 """),
@@ -622,12 +628,35 @@ figure
 search_figure = viz.horizon_search_figure(runs, smooth=smooth)
 search_figure
 """),
-        code("""
-viz.export_figures({"horizon": figure, "horizon_search": search_figure}, out_dir) if export else []
-"""),
         md("## The whole table (`bench/results/horizon.md` is rendered from the same runs)"),
         code("""
 Markdown(horizon_table(runs))
+"""),
+        md("""
+## The collapse experiment: survival per arm, and k3 at each collapse
+
+`python bench/bench_collapse.py` tests, under a protocol fixed before any run, whether the mismatch collapses GRPO
+on the tiny MoE and whether R3 prevents it: arms that differ in replay mode and engine (none and R3 with an int4
+engine, none with the unquantised engine as the dose control), the same seeds in each, a late collapse as
+`r3lab.metrics.late_collapse` detects it (the first figure's subtitle states the rule). First, per arm, the share of
+runs without a late collapse against step (Kaplan-Meier; a run without one is censored at its last step, a tick);
+then the k3 of every collapsed run aligned at its drop, to read whether k3 rose before the reward fell. The
+protocol, its tests and the decision are in `bench/results/collapse.md`, rendered from the same runs; until every
+planned run is in, that table says it is interim, and so are these figures.
+"""),
+        code("""
+collapse = load_runs(collapse_runs or results_dir() / "collapse")
+survival_figure = viz.collapse_survival_figure(collapse)
+survival_figure
+"""),
+        code("""
+k3_figure = viz.collapse_k3_figure(collapse)
+k3_figure
+"""),
+        code("""
+figures = {"horizon": figure, "horizon_search": search_figure, "collapse_survival": survival_figure,
+           "collapse_k3": k3_figure}
+viz.export_figures(figures, out_dir) if export else []
 """),
     ]
 
@@ -645,7 +674,7 @@ NOTEBOOKS = {
     "05_regimes": (nb05_regimes(), {"dial_steps": 2, "dial_prompts_per_step": 2, "dial_samples_per_prompt": 2,
                                     "dial_max_tokens": 8, "start_run": True, "run_timeout_s": 600}, 3),
     "06_your_run": (nb06_your_run(), {"run": None}, 7),  # as shipped; tests/test_notebooks.py also imports a dump
-    "07_horizon": (nb07_horizon(), {"smooth": 5}, 2),  # the committed runs
+    "07_horizon": (nb07_horizon(), {"smooth": 5}, 4),  # the committed runs
 }
 
 

@@ -90,6 +90,8 @@ FILE_SECONDS: dict[str, float] = {  # measured 2026-12-05 in a fresh clone's .ci
     "test_browser.py": 75, "test_slicing.py": 75, "test_rollout.py": 57, "test_rl.py": 47, "test_viz_export.py": 47,
     "test_megatron_sync.py": 37, "test_widgets.py": 36, "test_packaging.py": 30, "test_staging_dist.py": 28,
     "test_rescore.py": 24, "test_typing.py": 23, "test_olmoe.py": 22, "test_gpu_check_today.py": 21,
+    # files added later, measured alone with -n 0 on the loaded machine
+    "test_viz_collapse.py": 40, "test_server_ports.py": 24, "test_docstrings.py": 19, "test_cluster_timeouts.py": 12,
 }
 UNLISTED_FILE_SECONDS = 10.0
 

@@ -16,6 +16,7 @@ from r3lab.config import RLConfig, RLMetric
 from r3lab.errors import BatchError, ConfigError
 from r3lab.experiments.rl import run_rl
 from r3lab.paths import model_dir
+from r3lab.rollout import SamplingConfig
 from r3lab.trainers import PolicyUpdate, TokenBatch
 from r3lab.trainers.base import LoadsWeights
 from r3lab.trainers.hf import HFTrainer
@@ -182,7 +183,7 @@ def test_the_default_keeps_todays_old_log_probs(engine):
     before/after check), and "behaviour" without a scorer is refused."""
     steps = run_rl(dataclasses.replace(QUICK, steps=2, staleness=1), engine=engine, progress=False).steps
     assert not any(k.startswith("async/") for s in steps for k in s)
-    batch = rl.RolloutBatch.from_results(engine.generate(["kupi kobire reti"], rl.SamplingConfig(max_tokens=4, n=2)),
+    batch = rl.RolloutBatch.from_results(engine.generate(["kupi kobire reti"], SamplingConfig(max_tokens=4, n=2)),
                                          np.array([0.0, 1.0]), 2)
     with pytest.raises(ConfigError, match="behaviour scorer"):
         rl.old_policy(HFTrainer.load(MODEL), batch, dataclasses.replace(QUICK, old_logprobs="behaviour"))

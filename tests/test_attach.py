@@ -42,7 +42,25 @@ def own_server(tmp_path_factory):
         yield srv
 
 
-def test_capture_equals_drift_and_rescores(servers, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def attached_drift(servers, tmp_path_factory):
+    """``r3lab drift --engine-url`` on the Qwen3 user server (with an API key set that the server does not ask
+    for: ignored), run once for the two tests that read it: its config, its run folder and the samples its trainer
+    scored."""
+    from r3lab.config import DriftConfig
+    from r3lab.experiments.drift import run_drift
+
+    cfg = DriftConfig(models=(str(QWEN),), prompts=3, max_tokens=8, seeds=(0,), trainer_dtypes=("float32",),
+                      engine_url=servers.get(QWEN))
+    root, seen = tmp_path_factory.mktemp("attached-drift"), []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("R3LAB_ENGINE_API_KEY", "key-that-must-not-land-in-a-run")
+        rows = run_drift(cfg, progress=False, runs_root=root, run_name="drift",
+                         on_trainer=lambda label, trainer, res: seen.extend(res))
+    return cfg, root / "drift", rows, seen
+
+
+def test_capture_equals_drift_and_rescores(servers, attached_drift, tmp_path, monkeypatch):
     """r3lab capture through the attached server gives the drift run's prompts, tokens, engine log-probs and routes
     for the same prompts and sampling seed (text prompts, and the same prompts as JSONL token ids); r3lab rescore
     scores it with the trainer exactly as the drift run's trainer scored those tokens; the API key stays out of it."""
@@ -50,22 +68,21 @@ def test_capture_equals_drift_and_rescores(servers, tmp_path, monkeypatch):
 
     from r3lab import doctor
     from r3lab.cli import main
-    from r3lab.config import CaptureConfig, DriftConfig
+    from r3lab.config import CaptureConfig
     from r3lab.experiments.capture import run_capture
-    from r3lab.experiments.drift import run_drift, seed_inputs
+    from r3lab.experiments.drift import seed_inputs
     from r3lab.experiments.rescore import rescore_run, rescore_table
     from r3lab.runs import load
 
     monkeypatch.setenv("R3LAB_ENGINE_API_KEY", "key-that-must-not-land-in-a-run")  # the server has none: ignored
     url = servers.get(QWEN)
-    cfg = DriftConfig(models=(str(QWEN),), prompts=3, max_tokens=8, seeds=(0,), trainer_dtypes=("float32",),
-                      engine_url=url)
-    run_drift(cfg, progress=False, runs_root=tmp_path, run_name="drift")
+    cfg, drift_dir, _, _ = attached_drift
+    assert cfg.engine_url == url  # the drift ran on the server this test captures from
     prompts, sp = seed_inputs(cfg, 0)
     (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n\n")  # a trailing blank line is skipped
     main(["capture", "--engine-url", url, "--prompts", str(tmp_path / "prompts.txt"), "--out", str(tmp_path / "cap"),
           "--tokens", "8", "--seed", str(sp.seed), "--temperature", str(sp.temperature), "--no-progress"])
-    drift, cap = load(tmp_path / "drift"), load(tmp_path / "cap")
+    drift, cap = load(drift_dir), load(tmp_path / "cap")
     assert (cap.kind, cap.state, cap.config["model"]) == ("capture", "finished", str(QWEN))  # --model: the served one
     assert cap.config["engine"] == {"url": url, "served_model": str(QWEN), "max_model_len": 512}
     assert "key-that-must-not" not in (tmp_path / "cap" / "config.json").read_text()
@@ -118,18 +135,13 @@ def test_attached_equals_rollout_server(servers, own_server):
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
 
 
-def test_drift_through_attached_server(servers, own_server, tmp_path):
+def test_drift_through_attached_server(attached_drift, own_server):
     """r3lab drift --engine-url: the run's samples are the ones RolloutServer gives for the same seed inputs."""
     from transformers import AutoTokenizer
 
-    from r3lab.config import DriftConfig
-    from r3lab.experiments.drift import run_drift, seed_inputs
+    from r3lab.experiments.drift import seed_inputs
 
-    cfg = DriftConfig(models=(str(QWEN),), prompts=3, max_tokens=8, seeds=(0,), trainer_dtypes=("float32",),
-                      engine_url=servers.get(QWEN))
-    seen: list = []
-    rows = run_drift(cfg, progress=False, runs_root=tmp_path / "runs", run_name="attached",
-                     on_trainer=lambda label, trainer, res: seen.extend(res))
+    cfg, _, rows, seen = attached_drift
     assert len(rows) == 1 and np.isfinite(rows[0].summary["k3_engine_floor"])
     prompts, sp = seed_inputs(cfg, 0)
     tok = AutoTokenizer.from_pretrained(str(QWEN))

@@ -54,10 +54,11 @@ def _all_gone(pids, within: float = 30.0) -> bool:
 
 
 def test_quick_drift_through_the_cluster_lands_on_its_nodes_and_equals_the_local_drift(cluster, tmp_path,
-                                                                                        monkeypatch):
+                                                                                        monkeypatch, engine_pool):
     """The drift run's own engine actor (started by run_drift for ``cluster="ray"``) lands on node A and both TP
-    rank actors on node B; the ranks' processes end with the run; the result equals the local drift bit for bit.
-    An engine no node can hold is refused before anything waits."""
+    rank actors on node B; the ranks' processes end with the run; the result equals the local drift bit for bit (the
+    local drift samples with the session's engine, in a fresh start's state). An engine no node can hold is refused
+    before anything waits."""
     from r3lab.cluster import RayEngine
     from r3lab.experiments.drift import run_drift
     from r3lab.paths import model_dir
@@ -74,7 +75,8 @@ def test_quick_drift_through_the_cluster_lands_on_its_nodes_and_equals_the_local
     trainers: list[tuple[list[str], list[int]]] = []
     base = dict(trainer="megatron", tp=2, models=("tiny-qwen3-moe",), trainer_dtypes=("float32",), prompts=3,
                 max_tokens=8)
-    local = run_drift(DriftConfig.quick(**base), progress=False, runs_root=tmp_path, run_name="local")
+    own = {"tiny-qwen3-moe": engine_pool.engine(model_dir("tiny-qwen3-moe"), seed=0)}  # the session's engine
+    local = run_drift(DriftConfig.quick(**base), progress=False, runs_root=tmp_path, run_name="local", engines=own)
     assert not engines, "the local drift started an engine actor"
     remote = run_drift(DriftConfig.quick(**base, cluster="ray", engine_resources=ENGINE, trainer_resources=TRAINER),
                        progress=False, runs_root=tmp_path, run_name="ray",
@@ -97,13 +99,18 @@ def _rl(mode: str = "R3", **kw) -> RLConfig:
                           max_tokens=8, mini_batches=2, mode=mode, noise_every=0, **kw)
 
 
-def test_a_two_step_megatron_r3w_run_through_the_cluster_equals_the_local_run(cluster, tmp_path):
+def test_a_two_step_megatron_r3w_run_through_the_cluster_equals_the_local_run(cluster, tmp_path, engine_pool):
     """R3W (the engine actor captures its routers' weights, the rank actors replay ids and weights): the steps'
-    values and the stored engine routes, ids and weights, equal the local run's."""
+    values and the stored engine routes, ids and weights, equal the local run's (on the session's engine with the
+    options R3W needs, restored after the run)."""
+    from r3lab.experiments import rl
     from r3lab.experiments.rl import run_rl
+    from r3lab.paths import model_dir
     from r3lab.runs import load
 
-    local = run_rl(_rl("R3W"), progress=False, runs_root=tmp_path, run_name="local")
+    cfg = _rl("R3W")
+    with engine_pool.lease(model_dir(cfg.model), seed=cfg.seed, **rl.engine_options(cfg)) as engine:
+        local = run_rl(cfg, engine=engine, progress=False, runs_root=tmp_path, run_name="local")
     remote = run_rl(_rl("R3W", cluster="ray", engine_resources=ENGINE, trainer_resources=TRAINER), progress=False,
                     runs_root=tmp_path, run_name="ray")
     keys = [k for k in local.steps[0] if not k.startswith("time_")]

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from r3lab.cluster import ClusterError, actor_options, connect, parse_resources, resolve_address
+from r3lab.cluster import actor_options, connect, parse_resources, resolve_address
 from r3lab.config import DriftConfig, RLConfig
-from r3lab.errors import ConfigError
+from r3lab.errors import ClusterError, ConfigError
 
 
 def test_ray_resolves_to_ray_address_else_the_local_cluster(monkeypatch):

@@ -14,22 +14,16 @@ from hypothesis import strategies as st
 from r3lab.compaction import (
     FORMAT_VERSION,
     MAGIC,
-    PIPELINES,
-    BitPack,
-    Raw,
-    TopKSet,
-    Zstd,
     decode,
     encode,
     from_payload,
-    get_codec,
     read_header,
     read_sglang_base64_int32,
     read_vllm_nested_list,
     read_vllm_npy_base64,
     to_payload,
 )
-from r3lab.compaction.codecs import id_bits
+from r3lab.compaction.codecs import PIPELINES, BitPack, Raw, TopKSet, Zstd, get_codec, id_bits
 from r3lab.errors import RouteFormatError
 from r3lab.routes import Routes, compact_dtype
 from r3lab.testing import vllm_npy_base64
@@ -225,7 +219,8 @@ def test_zstd_frame_that_lies_about_its_size_is_refused():
 
 def _every_decoder():
     """Every codec that decodes: each registered built-in (its default config) and the read-only version 1 layout."""
-    from r3lab.compaction import CODECS, BitPackPlanesV1
+    from r3lab.compaction import BitPackPlanesV1
+    from r3lab.compaction.codecs import CODECS
 
     return [CODECS[cid]() for cid in ("raw", "bitpack", "topk-set", "topk-gaps", "zstd")] + [BitPackPlanesV1()]
 
@@ -235,7 +230,7 @@ def _every_decoder():
 def test_every_decoder_refuses_malformed_bytes(codec, E, K):
     """numcodecs' test_decode_errors for each codec alone: a buffer of the wrong length is refused by name, and
     random bytes of the right length decode to valid rows or raise RouteFormatError (never another error)."""
-    from r3lab.compaction import ByteCodec
+    from r3lab.compaction.codecs import ByteCodec
 
     r = random_routes(np.random.default_rng(E), num_experts=E, top_k=K, num_layers=2, lengths=[3, 2])
     shape, dtype = r.values.shape, r.values.dtype
@@ -625,7 +620,7 @@ ALIASES_0_1 = {
 
 
 def test_pipeline_names_resolve_as_the_former_alias_table_did():
-    from r3lab.compaction import pipeline_configs
+    from r3lab.compaction.codecs import pipeline_configs
 
     assert list(PIPELINES) == list(ALIASES_0_1)
     for name, configs in ALIASES_0_1.items():
@@ -639,7 +634,7 @@ def test_pipeline_names_resolve_as_the_former_alias_table_did():
 def test_former_names_are_deprecated_but_still_work():
     import r3lab.compaction as compaction
     import r3lab.compaction.codecs as codecs
-    from r3lab.compaction import IdCodec, TopKGaps
+    from r3lab.compaction.codecs import IdCodec, TopKGaps
 
     for module in (compaction, codecs):
         with pytest.warns(DeprecationWarning, match=r"IdCoder is deprecated .* use IdCodec"):
@@ -655,7 +650,7 @@ def test_former_names_are_deprecated_but_still_work():
 
 
 def test_codec_interfaces_names():
-    from r3lab.compaction import ByteCodec, Codec, IdCodec, RowCodec, TopKGaps
+    from r3lab.compaction.codecs import ByteCodec, Codec, IdCodec, RowCodec, TopKGaps
 
     assert TopKGaps.codec_id == "topk-gaps"
     for cls in (Raw, BitPack, TopKSet):
@@ -675,7 +670,7 @@ def test_codec_interfaces_names():
 @pytest.fixture
 def custom_codecs():
     """Register a custom id codec and a custom byte codec for one test, then restore the registry."""
-    from r3lab.compaction import CODECS, ByteCodec, RowCodec, register_codec
+    from r3lab.compaction.codecs import CODECS, ByteCodec, RowCodec, register_codec
 
     before = dict(CODECS)
 
@@ -748,7 +743,7 @@ def test_register_custom_codecs_and_round_trip_by_name(custom_codecs):
 
 
 def test_register_codec_refuses_what_it_cannot_register(custom_codecs):
-    from r3lab.compaction import CODECS, ByteCodec, Codec, register_codec
+    from r3lab.compaction.codecs import CODECS, ByteCodec, Codec, register_codec
     from r3lab.errors import ConfigError
 
     U32, _ = custom_codecs

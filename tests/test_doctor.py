@@ -93,7 +93,7 @@ def test_policy_lag_check_tells_stale_rollouts_scored_at_current_weights(name):
     if name.startswith("matched-s2"):
         assert "policy lag k3" in c.detail and "matched weights" in c.detail, c.line()
         lag, match = (float(x) for x in re.findall(r"\d\.\d\de[+-]\d\d", c.detail))
-        assert lag > 100 * match, c.line()  # bench_staleness.md: the lag is ~1000x the engine-trainer mismatch
+        assert lag > 100 * match, c.line()  # bench_staleness.md: the lag is 800-7,200x the engine-trainer mismatch
 
 
 def test_the_drift_run_s_replay_and_layer_checks_ran():

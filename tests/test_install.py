@@ -3,17 +3,21 @@ check``; the wheel installs into a fresh venv with no torch (the light core: no 
 package comes with it, and ``r3lab import`` and ``r3lab doctor`` run there on a dump); ``r3lab[replay]`` installs into
 a venv that already has a torch and leaves that torch's version and files as they were, and replay works there.
 
-Needs the package index (network tier): the core's and the extra's dependencies come from it, torch 2.13.0 from this
-machine's ``/opt/wheels`` (pip's find-links). The venv with ``build`` and ``twine`` and the venv holding only torch are
-kept in pytest's cache folder (``.pytest_cache/``, as tests/test_gpu_recipe.py keeps its venvs; temporary when the
-cache plugin is off); each test installs r3lab into a fresh venv, the torch one into a hard-linked copy of the cached
-venv (a file pip replaced would be a new file there, never the cache's). The installed sizes are printed (``-s``).
+Needs the package index (network tier): the core's and the extra's dependencies come from it, torch 2.13.0 too (on
+Python 3.12 the index's CUDA 13 build, 2.6 GB of wheels; on 3.11 this machine's CPU build from ``/opt/wheels``, pip's
+find-links). The venv with ``build`` and ``twine`` and the venv holding only torch are tools, not what is tested: they
+are kept in the user's cache folder (``$R3LAB_TEST_CACHE``, else ``$XDG_CACHE_HOME`` or ``~/.cache``, under
+``r3lab/test-venvs``), so a fresh clone reuses them (installing that torch took most of this file's time; downloading
+it, 10 s of it). Each test installs r3lab into a fresh venv, the torch one into a hard-linked copy of the cached venv (a
+file pip replaced would be a new file there, never the cache's), after checking that copy's torch against its RECORD.
+The installed sizes are printed (``-s``).
 """
 
 from __future__ import annotations
 
 import base64
 import csv
+import fcntl
 import hashlib
 import json
 import os
@@ -65,24 +69,28 @@ def _pip_install(python: Path, *requirements: str | Path, timeout: int = 600) ->
                     *requirements, cwd=python.parent, timeout=timeout), f"pip install {requirements}")
 
 
-def _cache_dir(request, name: str) -> Path:
-    """A folder in pytest's cache; a temporary one when the cache plugin is off (``-p no:cacheprovider``)."""
-    cache = getattr(request.config, "cache", None)
-    if cache is None:
-        return request.getfixturevalue("tmp_path_factory").mktemp(name)
-    return Path(cache.mkdir(name))
+def _venv_cache() -> Path:
+    """Where the tool venvs live between runs and checkouts (the module docstring)."""
+    base = os.environ.get("R3LAB_TEST_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "r3lab")
+    return Path(base) / "test-venvs"
 
 
-def _cached_venv(request, name: str, *requirements: str) -> Path:
-    """A venv with these requirements in pytest's cache (a marker file says it is complete); its python."""
-    root = _cache_dir(request, name)
+def _cached_venv(name: str, *requirements: str) -> Path:
+    """A venv with these requirements in the user's cache, one per name, requirements and interpreter (a marker file
+    says it is complete; a lock keeps two sessions from building it at once); its python."""
+    key = hashlib.sha256(repr((requirements, sys.version, sys.base_prefix)).encode()).hexdigest()[:12]
+    root = _venv_cache() / f"{name}-{key}"
     python = root / "bin" / "python"
-    if (root / ".complete").is_file() and python.is_file():
-        return python
-    shutil.rmtree(root)
-    _new_venv(root)
-    _pip_install(python, *requirements)
-    (root / ".complete").write_text(" ".join(requirements) + "\n")
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with open(root.parent / f".{root.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (root / ".complete").is_file() and python.is_file():
+            return python
+        shutil.rmtree(root, ignore_errors=True)
+        _new_venv(root)
+        _pip_install(python, *requirements)
+        (root / ".complete").write_text(" ".join(requirements) + "\n")
     return python
 
 
@@ -99,9 +107,9 @@ def _megabytes(folder: Path) -> float:
 
 
 @pytest.fixture(scope="module")
-def built(request, tmp_path_factory) -> dict[str, Path]:
+def built(tmp_path_factory) -> dict[str, Path]:
     """The sdist and the wheel (built from the sdist) of a clean copy of the checkout, by ``python -m build``."""
-    tools = _cached_venv(request, "venv-build-twine", "build", "twine")
+    tools = _cached_venv("venv-build-twine", "build", "twine")
     tmp = tmp_path_factory.mktemp("dist")
     src = tmp / "src"  # a clean copy: no build/ or egg-info left over from an in-tree build
     shutil.copytree(ROOT / "r3lab", src / "r3lab", ignore=shutil.ignore_patterns("__pycache__"))
@@ -185,10 +193,12 @@ def _record_mismatches(site: Path, record: dict[str, tuple[str, int]]) -> list[s
     return bad
 
 
-def test_the_replay_extra_leaves_an_installed_torch_untouched(request, built, tmp_path):
-    cached = _cached_venv(request, "venv-torch-2.13.0", TORCH).parent.parent
+def test_the_replay_extra_leaves_an_installed_torch_untouched(built, tmp_path):
+    cached = _cached_venv("venv-torch-2.13.0", TORCH).parent.parent
     venv = tmp_path / "with-torch"
-    _ok(_run("cp", "-al", cached, venv, cwd=tmp_path), "copying the torch venv")  # hard links: the cache stays as is
+    if _run("cp", "-al", cached, venv, cwd=tmp_path).returncode != 0:  # hard links: the cache stays as is
+        shutil.rmtree(venv, ignore_errors=True)  # another file system than the cache's: a full copy
+        _ok(_run("cp", "-a", cached, venv, cwd=tmp_path), "copying the torch venv")
     python, site = venv / "bin" / "python", venv / SITE
     version, record, stats = _torch_files(site)
     before_dists, before_mb = _distributions(python), _megabytes(site)

@@ -53,9 +53,9 @@ def test_an_arrow_from_the_inference_side_to_the_trainer_side_breaks_the_contrac
 
 
 def test_product_code_importing_the_test_helpers_breaks_the_testing_contract(tmp_path):
-    """An experiment importing r3lab.testing (as drift and rl once did for the corpus) breaks exactly that contract;
-    the layers allow the arrow (testing sits below experiments), so only the forbidden contract catches it."""
-    r = _lint(_copy_with(tmp_path, "experiments/drift.py", "from r3lab.testing import corpus_prompts"))
+    """An experiment importing r3lab.testing breaks exactly that contract; the layers allow the arrow (testing sits
+    below experiments), so only the forbidden contract catches it."""
+    r = _lint(_copy_with(tmp_path, "experiments/drift.py", "from r3lab.testing import random_routes"))
     assert r.returncode != 0, r.stdout
     (broken,) = _broken(r.stdout)
     assert "nothing but r3lab.testing imports" in broken, r.stdout

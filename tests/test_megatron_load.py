@@ -17,7 +17,10 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from port_grabber import grabbing_ports
 
+from r3lab.errors import LaunchTimeout, MegatronLoadError
+from r3lab.families import group_routing_mismatch
 from r3lab.paths import model_dir
 from r3lab.replay import load_hf_model, score_batch
 from r3lab.routes import Routes
@@ -195,26 +198,26 @@ def test_megatron_group_routing_differs_from_transformers_by_construction():
     assert differ > 0.05, differ  # a real share of tokens routes differently
     assert torch.equal(mg_map, emu)  # and the cause is exactly the group score: with Megatron's score they agree
     assert torch.equal(mg_map, mg_plain)  # top_k == topk_group: Megatron's groups never restrict anything
-    assert tm.group_routing_mismatch(cfg.to_dict()) is not None
+    assert group_routing_mismatch(cfg.to_dict()) is not None
 
 
 def test_group_routing_mismatch_is_named_and_only_when_it_applies():
     glm = {"n_group": 4, "topk_group": 2, "num_experts_per_tok": 2}
-    why = tm.group_routing_mismatch(glm)
+    why = group_routing_mismatch(glm)
     assert "top_k // topk_group = 1" in why and "sum of the best 2" in why
-    assert tm.group_routing_mismatch({**glm, "num_experts_per_tok": 4}) is None  # 4 // 2 == 2: DeepSeek-V3's case
-    assert tm.group_routing_mismatch({**glm, "n_group": 1}) is None
-    assert tm.group_routing_mismatch({"num_experts_per_tok": 2}) is None  # no groups (Qwen3-MoE)
-    assert tm.group_routing_mismatch({**glm, "topk_group": 4}) is None  # every group kept
+    assert group_routing_mismatch({**glm, "num_experts_per_tok": 4}) is None  # 4 // 2 == 2: DeepSeek-V3's case
+    assert group_routing_mismatch({**glm, "n_group": 1}) is None
+    assert group_routing_mismatch({"num_experts_per_tok": 2}) is None  # no groups (Qwen3-MoE)
+    assert group_routing_mismatch({**glm, "topk_group": 4}) is None  # every group kept
 
 
 def test_build_model_refuses_cp_and_warns_or_raises_on_group_routing():
     layout = tm.layout_for(model_dir("tiny-glm4-moe"), cp=2)
-    with pytest.raises(tm.MegatronLoadError, match="TEDotProductAttention"):
+    with pytest.raises(MegatronLoadError, match="TEDotProductAttention"):
         tm.build_model(model_dir("tiny-glm4-moe"), layout)
-    with pytest.raises(tm.MegatronLoadError, match="top_k // topk_group"):
+    with pytest.raises(MegatronLoadError, match="top_k // topk_group"):
         tm.build_model(model_dir("tiny-glm4-moe"), tm.layout_for(model_dir("tiny-glm4-moe")), group_routing="raise")
-    with pytest.raises(tm.MegatronLoadError, match="layers"):
+    with pytest.raises(MegatronLoadError, match="layers"):
         tm.build_model(model_dir("tiny-glm4-moe"), ParallelLayout(num_layers=8))
 
 
@@ -241,39 +244,49 @@ def _world_sum(rank: int, world: int) -> int:
     return int(t.item())
 
 
-def _grab_freed_ports(stop, grabbed) -> None:
-    """Another process that keeps taking ports the moment they are free (what broke a fresh-clone CI run once)."""
-    import socket
-    import time as _time
-
-    held = []
-    while not stop.is_set():
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))  # the OS hands out the port a free_port() caller would have been told
-        s.listen()
-        held.append(s)
-        grabbed.value += 1
-        if len(held) > 64:
-            held.pop(0).close()
-        _time.sleep(0.002)
-    for s in held:
-        s.close()
-
-
 def test_launch_never_loses_its_rendezvous_port_to_another_process():
+    with grabbing_ports() as grabbed:
+        for _ in range(4):
+            assert tm.launch(_world_sum, 2, timeout_s=120) == [3, 3]
+    assert grabbed.value > 100  # the other process was grabbing all along
+
+
+def _one_process_worlds(out) -> None:
+    """Three one-rank worlds in turn, as a scorer's process makes them: each must form and sum, and none may have
+    chosen a port (``MASTER_PORT`` is what a port-choosing setup would leave behind)."""
+    import os
+
+    import torch.distributed as dist
+
+    from r3lab.trainers.megatron.cpu import destroy_parallel, init_parallel
+
+    os.environ.pop("MASTER_ADDR", None)
+    os.environ.pop("MASTER_PORT", None)
+    sums = []
+    for _ in range(3):
+        init_parallel()
+        t = torch.tensor([2])
+        dist.all_reduce(t)
+        sums.append(int(t.item()))
+        destroy_parallel(keep_process_group=False)
+    out.put((sums, os.environ.get("MASTER_PORT")))
+
+
+def test_a_one_process_world_takes_no_port_another_process_could_take():
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
-    stop, grabbed = ctx.Event(), ctx.Value("i", 0)
-    grabber = ctx.Process(target=_grab_freed_ports, args=(stop, grabbed), daemon=True)
-    grabber.start()
-    try:
-        for _ in range(4):
-            assert tm.launch(_world_sum, 2, timeout_s=120) == [3, 3]
-    finally:
-        stop.set()
-        grabber.join(10)
-    assert grabbed.value > 100  # the other process was grabbing all along
+    out = ctx.Queue()
+    with grabbing_ports() as grabbed:
+        child = ctx.Process(target=_one_process_worlds, args=(out,))
+        child.start()
+        try:
+            sums, master_port = out.get(timeout=120)
+        finally:
+            child.join(30)
+    assert child.exitcode == 0
+    assert sums == [2, 2, 2] and master_port is None  # formed three times, with no rendezvous port at all
+    assert grabbed.value > 100
 
 
 def test_launch_is_bounded_and_all_or_none():
@@ -285,6 +298,6 @@ def test_launch_is_bounded_and_all_or_none():
     with pytest.raises(mp.ProcessRaisedException, match="rank 1 fails on purpose"):
         tm.launch(_fail_on_rank_1, 2)
     t0 = time.monotonic()
-    with pytest.raises(tm.LaunchTimeout):
+    with pytest.raises(LaunchTimeout):
         tm.launch(_sleep_on_rank_1, 2, timeout_s=20)
     assert time.monotonic() - t0 < 60  # the sleeping rank was terminated, not waited for

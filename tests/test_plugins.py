@@ -35,7 +35,7 @@ TOY_SOURCES = {
         """A zlib byte stage (composes after any id codec: "bitpack+zlib")."""
         import zlib
 
-        from r3lab.compaction import ByteCodec
+        from r3lab.compaction.codecs import ByteCodec
         from r3lab.errors import RouteFormatError
 
 
@@ -158,7 +158,7 @@ TOY_ENTRY_POINTS = {
 CLASH = "r3lab-toy-clash"
 CLASH_SOURCES = {
     "plugins.py": '''
-        from r3lab.compaction import ByteCodec
+        from r3lab.compaction.codecs import ByteCodec
         from r3lab.trainer_registry import TrainerSpec
 
 
@@ -265,7 +265,7 @@ REGISTRIES = '''
     import json, sys
     from r3lab.trainer_registry import TRAINER_REGISTRY
     unread = {"trainers": TRAINER_REGISTRY.read}
-    from r3lab.compaction import CODECS
+    from r3lab.compaction.codecs import CODECS
     from r3lab.importers.registry import REGISTRY
     from r3lab.families import FAMILIES
     unread.update(codecs=CODECS.read, importers=REGISTRY.read, families=FAMILIES.read,
@@ -289,7 +289,7 @@ def test_plugins_are_read_on_the_first_lookup_into_every_registry(installed, tmp
     # importing the registries imports no plugin; each group is read when its registry is first looked up
     assert got["unread"] == {"codecs": False, "importers": False, "trainers": False, "families": False,
                              "imported": ["r3lab_toy_plugins", "r3lab_toy_plugins.trainer"]}
-    from r3lab.compaction import CODECS
+    from r3lab.compaction.codecs import CODECS
     from r3lab.families import FAMILIES
     from r3lab.importers.registry import REGISTRY
     from r3lab.trainer_registry import TRAINER_REGISTRY
@@ -309,7 +309,8 @@ def test_the_plugin_codec_encodes_and_decodes_by_name(installed, tmp_path):
     r = _python('''
     import json, sys
     import numpy as np
-    from r3lab.compaction import decode, encode, pipeline_configs
+    from r3lab.compaction import decode, encode
+    from r3lab.compaction.codecs import pipeline_configs
     from r3lab.testing import random_routes
     routes = random_routes(np.random.default_rng(3), num_experts=64, top_k=8, num_layers=4, lengths=[40, 25])
     buf = encode(routes, "bitpack+zlib")

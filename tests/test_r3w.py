@@ -13,7 +13,8 @@ import pytest
 import torch
 import transformers
 
-from r3lab.compaction import PIPELINES, READ_VERSIONS, WeightCodec, decode, encode, read_header
+from r3lab.compaction import READ_VERSIONS, WeightCodec, decode, encode, read_header
+from r3lab.compaction.codecs import PIPELINES
 from r3lab.errors import ReplayError, RouteFormatError
 from r3lab.replay import find_hf_routers, hf_replay, megatron_replay, megatron_weight_replay
 from r3lab.replay.megatron_weights import check_megatron_router, count_weight_patches
@@ -240,6 +241,7 @@ def _ids_and_weights():
 @pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("mode", ["stop", "straight"])
 def test_megatron_r3w_gives_the_experts_exactly_the_engine_weights(megatron_world, recompute, mode):
+    from r3lab.trainers.megatron import forward_tokens
     mc = megatron_world
     model = _gpt(mc, recompute=recompute)
     model.train()
@@ -252,12 +254,12 @@ def test_megatron_r3w_gives_the_experts_exactly_the_engine_weights(megatron_worl
              for g, r in routers.items()]
     with megatron_replay(model, [ids]) as rep:
         rep.begin_microbatch()
-        r3 = mc.forward_tokens(model, MTOK)
+        r3 = forward_tokens(model, MTOK)
     seen.clear()
     with megatron_weight_replay(model, [ids], [w], weights=mode) as rep:
         assert count_weight_patches(model) == 4
         rep.begin_microbatch()
-        out = mc.forward_tokens(model, MTOK, grad=True)
+        out = forward_tokens(model, MTOK, grad=True)
         rep.after_forward()
         out.float().square().mean().backward()
     for h in hooks:
@@ -279,13 +281,14 @@ def test_megatron_r3w_gives_the_experts_exactly_the_engine_weights(megatron_worl
 
 
 def test_megatron_r3w_guards(megatron_world, monkeypatch):
+    from r3lab.trainers.megatron import forward_tokens
     mc = megatron_world
     model = _gpt(mc, moe_expert_capacity_factor=0.5, moe_token_drop_policy="probs")
     ids, w = _ids_and_weights()
     with pytest.raises(ReplayError, match="routing_map is not the replayed ids"):
         with megatron_weight_replay(model, [ids], [w]) as rep:
             rep.begin_microbatch()
-            mc.forward_tokens(model, MTOK)
+            forward_tokens(model, MTOK)
     assert count_weight_patches(model) == 0
     bad = {g: t[:, :1] for g, t in w.items()}
     from megatron.core.transformer.moe.router_replay import RouterReplay

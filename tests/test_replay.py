@@ -362,7 +362,7 @@ def test_token_logprobs_bad_inputs(hf_model):
     for kw, msg in [
         (dict(prompt_len=0), "prompt_len"),
         (dict(prompt_len=13), "prompt_len"),
-        (dict(routes=own.values), "must be r3lab.Routes"),
+        (dict(routes=own.values), "must be r3lab.routes.Routes"),
         (dict(routes=Routes(own.values[:11], [0, 11], E, own.layer_ids)), "11 token rows for 12 tokens"),
     ]:
         with pytest.raises(ReplayError, match=msg):
@@ -438,6 +438,7 @@ def test_check_route_tensor_accepts_wire_dtypes():
 
 # ==== Megatron backend ==========================================================================
 from r3lab.testing import megatron as mc  # noqa: E402  (megatron-core is a test requirement: the cpu extra)
+from r3lab.trainers.megatron import forward_tokens  # noqa: E402  (the same: megatron-core)
 
 
 @pytest.fixture(scope="module")
@@ -492,7 +493,7 @@ def test_megatron_record_returns_trainer_routes_and_replays_them_exactly(megatro
     seen, handles = _spy_routers(model)
     with megatron_replay(model, mode="record") as rec:
         rec.begin_microbatch()
-        ref = mc.forward_tokens(model, MTOK)
+        ref = forward_tokens(model, MTOK)
         got = rec.after_forward()
     assert list(got) == [1, 2] and rec.recorded == [got]
     for g, ids in got.items():
@@ -501,7 +502,7 @@ def test_megatron_record_returns_trainer_routes_and_replays_them_exactly(megatro
     assert _replay_state_clean(model)
     with megatron_replay(model, [got]) as rep:  # R2: replay the trainer's own routes
         rep.begin_microbatch()
-        out = mc.forward_tokens(model, MTOK)
+        out = forward_tokens(model, MTOK)
     assert torch.equal(out, ref)
     for h in handles:
         h.remove()
@@ -509,12 +510,12 @@ def test_megatron_record_returns_trainer_routes_and_replays_them_exactly(megatro
 
 def test_megatron_replay_forward_makes_every_router_use_the_routes(megatron_world):
     model = _gpt()
-    ref = mc.forward_tokens(model, MTOK)
+    ref = forward_tokens(model, MTOK)
     new = _random_routes(20, [1, 2])
     seen, handles = _spy_routers(model)
     with megatron_replay(model, [[new[1].numpy().astype(np.uint8), new[2]]], num_experts=E) as rep:
         rep.begin_microbatch()
-        out = mc.forward_tokens(model, MTOK)
+        out = forward_tokens(model, MTOK)
     for h in handles:
         h.remove()
     for g in (1, 2):
@@ -532,7 +533,7 @@ def test_megatron_replay_backward_under_recompute_pops_each_microbatch(megatron_
         outs = []
         for _ in mbs:  # 1F1B-like order: both forwards, then both backwards
             rep.begin_microbatch()
-            outs.append(mc.forward_tokens(model, MTOK, grad=True))
+            outs.append(forward_tokens(model, MTOK, grad=True))
             rep.after_forward()
         rrs = [r.router_replay for r in rep.routers.values()]
         assert all(len(rr.replay_backward_list) == 2 for rr in rrs)
@@ -554,10 +555,10 @@ def test_megatron_wrap_forward_step_and_forward_only(megatron_world):
     with megatron_replay(model, [new]) as rep:
         rep.begin_microbatch(new, forward_only=True)  # old log-probs: no backward follows
         with torch.no_grad():
-            mc.forward_tokens(model, MTOK)
+            forward_tokens(model, MTOK)
         rrs = [r.router_replay for r in rep.routers.values()]
         assert all(rr.replay_backward_list == [] for rr in rrs)
-        step = rep.wrap_forward_step(lambda tok, m: mc.forward_tokens(m, tok, grad=True))
+        step = rep.wrap_forward_step(lambda tok, m: forward_tokens(m, tok, grad=True))
         out = step(MTOK, model)
         assert all(rr.router_replay_action.name == "REPLAY_BACKWARD" for rr in rrs)
         out.float().sum().backward()
@@ -595,7 +596,7 @@ def test_megatron_quantile_balancing_ignores_router_replay_and_r3lab_refuses_it(
         RouterReplay.set_replay_data([want[1], want[2]])
         RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         with torch.no_grad():
-            mc.forward_tokens(model, MTOK)
+            forward_tokens(model, MTOK)
     finally:
         for h in hooks:
             h.remove()
@@ -637,14 +638,14 @@ def test_megatron_detects_orphaned_router_replays(megatron_world):
     with megatron_replay(model, [new], orphans="ignore") as rep:  # e.g. a live reference model owns them
         assert len(RouterReplay.global_router_replay_instances) == 4
         rep.begin_microbatch()
-        mc.forward_tokens(model, MTOK)
+        forward_tokens(model, MTOK)
     for h in handles:
         h.remove()
     assert all(torch.equal(seen[g][0], _as_map(new[g])) for g in (1, 2))
     with megatron_replay(model, [new], orphans="prune") as rep:
         assert len(RouterReplay.global_router_replay_instances) == 2
         rep.begin_microbatch()
-        mc.forward_tokens(model, MTOK)
+        forward_tokens(model, MTOK)
     RouterReplay.clear_global_router_replay_instances()
     with pytest.raises(ReplayError, match="not in RouterReplay's global registry"):
         MegatronReplay(model)
@@ -671,7 +672,7 @@ def test_megatron_exit_leaves_another_models_router_replays_alone(megatron_world
         model, [_random_routes(20, [1, 2])] if mode == "replay" else None, mode, orphans="ignore"
     ) as rep:
         rep.begin_microbatch()
-        mc.forward_tokens(model, MTOK)
+        forward_tokens(model, MTOK)
         rep.after_forward()
     assert _replay_state_clean(model)
     for rr, (action, target, recorded, queue) in zip(other_rrs, before, strict=True):
@@ -680,7 +681,7 @@ def test_megatron_exit_leaves_another_models_router_replays_alone(megatron_world
             a is b for a, b in zip(rr.replay_backward_list, queue, strict=True)
         )
     seen, handles = _spy_routers(other)
-    mc.forward_tokens(other, MTOK)  # and the other model still replays what it held
+    forward_tokens(other, MTOK)  # and the other model still replays what it held
     for h in handles:
         h.remove()
     assert all(torch.equal(seen[g][0], _as_map(held[g])) for g in (1, 2))
@@ -697,7 +698,7 @@ def test_megatron_cleanup_on_exception(megatron_world):
     with pytest.raises(ReplayError, match="token rows"):  # the check in the routers' pre-hook
         with megatron_replay(model, [_random_routes(12, [1, 2])]) as rep:
             rep.begin_microbatch()
-            mc.forward_tokens(model, MTOK)
+            forward_tokens(model, MTOK)
     assert _replay_state_clean(model)
 
 
@@ -735,7 +736,7 @@ def test_megatron_without_model_drives_the_registry(megatron_world):
     seen, handles = _spy_routers(model)
     with megatron_replay(None, [[new[1], new[2]]], num_experts=E) as rep:
         rep.begin_microbatch()
-        mc.forward_tokens(model, MTOK)
+        forward_tokens(model, MTOK)
     for h in handles:
         h.remove()
     assert all(torch.equal(seen[g][0], _as_map(new[g])) for g in (1, 2))

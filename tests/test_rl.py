@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import r3lab.experiments.rl as rl
+from r3lab import config
 from r3lab.config import RLConfig
 from r3lab.errors import BatchError, ConfigError
 from r3lab.experiments.rl import comparison_rows, comparison_table, run_rl
@@ -44,7 +45,7 @@ def spied(engine):
         return step(self, batch, update, routes=routes)
 
     runs = {}
-    for mode in rl.DEFAULT_MODES:  # R3W needs an engine that captures weights: its own tests below
+    for mode in config.DEFAULT_MODES:  # R3W needs an engine that captures weights: its own tests below
         calls[mode] = []
         HFTrainer.score, HFTrainer.policy_step = spy_score, spy_step
         try:
@@ -348,5 +349,5 @@ def test_r3w_refuses_an_engine_without_weights_and_a_trainer_that_replays_ids_on
         RLConfig.quick(mode="R3W", trainer="megatron")
     with pytest.raises(ConfigError, match="weight-replay straight applies to --mode R3W"):
         RLConfig.quick(mode="R3", weight_replay="straight")
-    assert "R3W" in rl.MODES and "R3W" not in rl.DEFAULT_MODES
+    assert "R3W" in config.MODES and "R3W" not in config.DEFAULT_MODES
     assert rl.engine_options(R3W)["capture_weights"] and not rl.engine_options(QUICK)["capture_weights"]

@@ -178,6 +178,7 @@ def _oracle_worker(
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
     from r3lab.testing import megatron as mc
+    from r3lab.trainers.megatron import forward_tokens, pipeline_forward
 
     toks = _tokens()
     out = {"truth": {}, "cases": []}
@@ -189,7 +190,7 @@ def _oracle_worker(
         RouterReplay.set_global_router_replay_action(RouterReplayAction.RECORD)
         per_seq = []
         for t in toks:
-            mc.forward_tokens(model, torch.from_numpy(t)[None])
+            forward_tokens(model, torch.from_numpy(t)[None])
             per_seq.append(np.stack([r.numpy() for r in RouterReplay.get_recorded_data()], axis=1))
         out["truth"][key] = np.concatenate(per_seq)  # [T, num_moe_layers, K]
         mc.destroy_cpu_parallel()
@@ -221,13 +222,13 @@ def _oracle_worker(
             tokens, pos, mask = _micro_batch_inputs(layout, seqs, toks)
             RouterReplay.clear_global_indices()
             RouterReplay.set_global_router_replay_action(RouterReplayAction.RECORD)
-            mc.pipeline_forward(chunks, tokens, position_ids=pos, attention_mask=mask, hidden_size=spec.hidden_size)
+            pipeline_forward(chunks, tokens, position_ids=pos, attention_mask=mask, hidden_size=spec.hidden_size)
             rec_mb.append([r.numpy().copy() for r in RouterReplay.get_recorded_data()])
             data = shard(replay_routes, layout, micro_batch=mb, **coords)
             RouterReplay.set_replay_data([torch.from_numpy(d) for d in data])
             RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
             maps.clear()
-            mc.pipeline_forward(chunks, tokens, position_ids=pos, attention_mask=mask, hidden_size=spec.hidden_size)
+            pipeline_forward(chunks, tokens, position_ids=pos, attention_mask=mask, hidden_size=spec.hidden_size)
             rep_mb.append(list(maps))
             RouterReplay.clear_global_router_replay_action()
         for h in handles:
@@ -329,6 +330,7 @@ def _e2e_worker(rank: int, world: int, case: Case, wire: bytes) -> dict:
     from r3lab.compaction import decode
     from r3lab.replay import megatron_replay, megatron_routers
     from r3lab.testing import megatron as mc
+    from r3lab.trainers.megatron import pipeline_forward
 
     layout, spec = case.layout, case.spec()
     chunks = mc.build_tiny_gpt(spec)
@@ -353,7 +355,7 @@ def _e2e_worker(rank: int, world: int, case: Case, wire: bytes) -> dict:
         for seqs in plan:
             tokens, pos, mask = _micro_batch_inputs(layout, seqs, toks)
             rep.begin_microbatch(forward_only=True)
-            mc.pipeline_forward(chunks, tokens, position_ids=pos, attention_mask=mask, hidden_size=spec.hidden_size)
+            pipeline_forward(chunks, tokens, position_ids=pos, attention_mask=mask, hidden_size=spec.hidden_size)
             rep.after_forward()
     for h in handles:
         h.remove()

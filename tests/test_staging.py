@@ -443,7 +443,10 @@ def test_ray_report_is_bounded_by_the_ranks_grace(ray_workers):
     routes, plan = _routes(seed=6), _plan("dp4")
     backend = RayBackend(coordinator_name="r3lab-staging-busy", max_concurrency=8)
     staged, _ = stage(routes, plan, backend)
-    hold = [staged.coordinator.wait.remote(staged.stage_id, 0, 25.0) for _ in range(8)]  # all 8 threads wait
+    # all 8 threads wait for as long as the rank below may take (it starts a second after them): the coordinator
+    # stays busy for the whole time the rank is allowed
+    hold_s = 1.0 + 5.0 + SLACK_S
+    hold = [staged.coordinator.wait.remote(staged.stage_id, 0, hold_s) for _ in range(8)]
     time.sleep(1.0)
     t0 = time.monotonic()
     res = ray.get(workers[0].receive.remote(staged, RankCoords(0), 0, timeout=5.0, return_arrays=False), timeout=60)

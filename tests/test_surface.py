@@ -1,6 +1,8 @@
-"""The public surface: each public name is exported (listed in an ``__all__``) by the module that defines it and, at
-most, by the packages above that module (its facades, e.g. ``r3lab.viz`` for ``r3lab.viz.routing``), never by a
-sibling that imports it (``r3lab.widgets`` re-exporting ``r3lab.config.MODES`` was one: two homes for one name).
+"""The public surface: each public name is exported (listed in an ``__all__``) by exactly one module, its face: the
+package facade nearest above the module that defines it (``r3lab.viz`` for ``r3lab.viz.routing``) when that facade
+lists it, otherwise the defining module itself; never also by the defining module beside its facade, by an outer
+facade beside an inner one, or by a sibling that imports it (``r3lab.widgets`` re-exporting ``r3lab.config.MODES``
+would be one: two homes for one name).
 
 The home of a name is found by reading each module's source: a name a module binds with ``from X import name`` is X's
 (followed to the module that binds it otherwise), so constants and exceptions are traced as classes are.
@@ -73,6 +75,17 @@ def test_each_public_name_is_exported_by_its_home_and_its_facades_only():
             if where != module and not where.startswith(module + "."):
                 stray.append(f"{module} exports {name}, whose home is {where}")
     assert not stray, "\n".join(stray)
+
+
+def test_each_public_name_is_exported_by_one_module_only():
+    """One face per name: the same object (its home module and name) in two ``__all__`` lists fails."""
+    exporters: dict[tuple[str, str], list[str]] = {}
+    for module, names in _exports().items():
+        for name in names:
+            exporters.setdefault((home(module, name), name), []).append(module)
+    twice = [f"{where}.{name} is exported by {', '.join(mods)}" for (where, name), mods in sorted(exporters.items())
+             if len(mods) > 1]
+    assert not twice, f"{len(twice)} names exported twice:\n" + "\n".join(twice)
 
 
 def test_every_exported_name_exists():

@@ -69,13 +69,10 @@ def test_a_walk_of_distinct_uncommon_edges_scores_one(tokenizer, successors):
     assert task.reward(_ids(tokenizer, walk)) == pytest.approx(1.0)
 
 
-def test_letter_task_moved_unchanged(tokenizer):
+def test_letter_task_rewards_the_words_starting_with_its_letter(tokenizer):
     task = LetterTask(tokenizer, "m")
     words = ["mime", "kupi", "mime", "mamefu", "tali"]
     assert task.reward(_ids(tokenizer, words)) == pytest.approx(2 / 5)  # mime once, mamefu once, over 5 words
-    import r3lab.experiments.rl as rl
-
-    assert rl.LetterTask is LetterTask  # still importable from the RL module
 
 
 def test_the_registry_builds_every_task_by_name(tokenizer):

@@ -21,6 +21,7 @@ from r3lab.routes import Routes
 from r3lab.slicing import ParallelLayout
 from r3lab.testing import megatron as mc
 from r3lab.trainers import Scorer, TokenBatch
+from r3lab.trainers.megatron import forward_tokens
 from r3lab.trainers.megatron_bridge import MegatronBridgeTrainer, load_bridge_model, megatron_token_logprobs
 
 # Replaying routes that differ from the model's own in some rows (a flipped row, the engine's appended last row)
@@ -48,7 +49,7 @@ def model():
 
 
 def forward(m, ids):
-    return mc.forward_tokens(m, ids)
+    return forward_tokens(m, ids)
 
 
 def _oracle_logprobs(logits: np.ndarray, seq: list[int], prompt_len: int, vocab: int | None = None) -> np.ndarray:

@@ -15,9 +15,11 @@ from r3lab.viz import EXPORT_FORMATS, export, find_chromium, paper_figures
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 # what the committed results hold: the transport table, the drift run (of three models), RL runs of three models and
-# the phase diagram's runs (bench/results/phase/: the diagram and its staleness figure)
+# the phase diagram's runs (bench/results/phase/: the diagram and its staleness figure), the long-horizon runs and the
+# collapse experiment's runs (bench/results/collapse/: its survival curves and k3 at each collapse)
 PAPER_FIGURES = ("transport", "drift", "expert_load_qwen3", "expert_load_glm4", "expert_load_olmoe", "rl_k3_glm4",
-                 "rl_k3_olmoe", "rl_k3_qwen3", "phase", "phase_staleness", "horizon", "horizon_search")
+                 "rl_k3_olmoe", "rl_k3_qwen3", "phase", "phase_staleness", "horizon", "horizon_search",
+                 "collapse_survival", "collapse_k3")
 
 
 def check_figure_file(path: Path, min_bytes: int = 4000) -> None:
@@ -173,8 +175,8 @@ def test_the_paper_figures_are_read_from_the_results_not_named_in_the_code(tmp_p
     meta["config"]["models"] = ["tiny-glm4-moe"]
     cfg.write_text(json.dumps(meta))
     figures = paper_figure_set(results)
-    assert list(figures) == ["transport", "drift", "expert_load_glm4", "rl_k3_glm4", "phase",
-                             "phase_staleness", "horizon", "horizon_search"]  # one RL model left
+    assert list(figures) == ["transport", "drift", "expert_load_glm4", "rl_k3_glm4", "phase", "phase_staleness",
+                             "horizon", "horizon_search", "collapse_survival", "collapse_k3"]  # one RL model left
     assert "bf16 trainer (5 seeds)" in figures["expert_load_glm4"].layout.title.text  # the run's first setting
     for run in (results / "rl").glob("tiny-glm4-moe-default-*"):  # only runs with changed knobs are left
         shutil.rmtree(run)
@@ -202,7 +204,8 @@ def test_the_phase_figures_come_from_the_phase_runs_and_a_broken_set_is_named(tm
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         figures = paper_figure_set(results)
-    assert list(figures)[-4:] == ["phase", "phase_staleness", "horizon", "horizon_search"]
+    assert list(figures)[-6:] == ["phase", "phase_staleness", "horizon", "horizon_search", "collapse_survival",
+                                  "collapse_k3"]
     want = phase_figure(phase_records(load_runs(results / "phase")))
     assert [(t.name, list(t.x), list(t.y)) for t in figures["phase"].data] == [
         (t.name, list(t.x), list(t.y)) for t in want.data]

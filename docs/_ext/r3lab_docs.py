@@ -144,7 +144,15 @@ class SubmodulesDirective(SphinxDirective):
             first = tree.body[0].lineno if ast.get_docstring(tree) else 0  # warnings name the module's own lines
             # a module named like an object of its facade (r3lab.cluster.connect the module and the function): the
             # object keeps the name in the index, references to the module read as code
-            shadowed = name.rsplit(".", 1)[-1] in getattr(facade, "__all__", ())
+            parent, _, last = name.rpartition(".")
+            shadowed = last in getattr(facade, "__all__", ()) or last in getattr(importlib.import_module(parent),
+                                                                                   "__all__", ())
+            if path.name == "__init__.py" and not shadowed:
+                # a package below this one is a facade of its own (one face per public name): its members here
+                for line in [f"``{name}``", "~" * (len(name) + 4), "", f".. automodule:: {name}", "   :members:",
+                             "   :undoc-members:", ""]:
+                    content.append(line, here)
+                continue
             directive = [f".. py:module:: {name}", "   :no-index:"] if shadowed else [f".. py:module:: {name}"]
             for line in [f"``{name}``", "~" * (len(name) + 4), "", *directive, ""]:
                 content.append(line, here)

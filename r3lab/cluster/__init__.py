@@ -48,7 +48,6 @@ from r3lab.cluster.placement import (
 )
 from r3lab.cluster.trainer import RayTrainer
 from r3lab.cluster.waits import Member, gather
-from r3lab.errors import ClusterError  # noqa: F401  (importable here as before; exported by r3lab.errors)
 
 __all__ = [
     "DEFAULT_RESOURCES",

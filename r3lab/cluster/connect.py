@@ -28,8 +28,7 @@ from typing import Any
 
 from r3lab.errors import ClusterError
 
-__all__ = ["resolve_address", "connect", "parse_resources", "actor_options", "check_placeable", "node_here",
-           "DEFAULT_RESOURCES"]
+__all__ = ["node_here"]
 
 #: what an actor asks for when no resources are given: one CPU (Ray's own default for actors is 0 for scheduling)
 DEFAULT_RESOURCES: dict[str, float] = {"CPU": 1.0}
@@ -54,7 +53,8 @@ def resolve_address(cluster: str) -> str:
 
 
 def _probe(address: str, timeout_s: float) -> None:
-    """A TCP connect to the address's host and port within ``timeout_s``, or a :class:`ClusterError` naming it."""
+    """A TCP connect to the address's host and port within ``timeout_s``, or a :class:`~r3lab.errors.ClusterError`
+    naming it."""
     hostport = address.removeprefix("ray://")
     host, _, port = hostport.rpartition(":")
     try:
@@ -68,7 +68,7 @@ def connect(cluster: str = "ray", *, timeout_s: float = 10.0, namespace: str = "
     """Connect this process to the Ray cluster ``cluster`` names (see the module docstring); returns the address.
 
     Already connected (``ray.is_initialized()``): that connection is used, whatever ``cluster`` says.
-    No cluster running: :class:`ClusterError` saying how to start one; never a private cluster.
+    No cluster running: :class:`~r3lab.errors.ClusterError` saying how to start one; never a private cluster.
     """
     try:
         import ray

@@ -22,10 +22,10 @@ from typing import Any
 
 from r3lab._process import Closing
 from r3lab.cluster.connect import actor_options, check_placeable, connect, node_here, parse_resources
-from r3lab.cluster.waits import Member, get_one
+from r3lab.cluster.waits import RAY_TIMEOUTS, Member, RayTimeouts, get_one
 from r3lab.errors import ClusterError, R3LabError
 
-__all__ = ["RayEngine", "EngineHost"]
+__all__ = ["EngineHost"]
 
 
 class EngineHost:
@@ -70,18 +70,20 @@ class RayEngine(Closing):
 
     ``resources``: what the actor needs, JSON or a mapping (``{"GPU": 1}``; default one CPU), checked against the
     cluster's nodes before anything waits. ``cluster``: as :func:`~r3lab.cluster.connect`. ``timeout_s`` bounds
-    every call, ``start_timeout_s`` the placement and the engine's start. ``engine_kwargs`` go to
+    every call, ``start_timeout_s`` the placement and the engine's start; ``timeouts``: the fixed waits
+    (:class:`~r3lab.cluster.waits.RayTimeouts`: a dead peer's grace, the polite close). ``engine_kwargs`` go to
     ``RolloutEngine`` unchanged (``seed``, ``dtype``, ``engine_quant``, vLLM's parallel settings).
     """
 
     def __init__(self, model: str | os.PathLike, *, resources: str | Mapping[str, Any] | None = None,
                  cluster: str = "ray", timeout_s: float = 300.0, start_timeout_s: float = 600.0,
-                 name: str | None = None, **engine_kwargs: Any):
+                 name: str | None = None, timeouts: RayTimeouts = RAY_TIMEOUTS, **engine_kwargs: Any):
         import ray
 
         connect(cluster)
         self.model_dir = Path(model)
         self.timeout_s = float(timeout_s)
+        self.timeouts = timeouts
         self.resources = parse_resources(resources, what="--engine-resources")
         check_placeable(self.resources, what="the engine actor")
         self._closed = False
@@ -121,7 +123,7 @@ class RayEngine(Closing):
 
     def _get(self, ref: Any, what: str, timeout: float | None = None) -> Any:
         return get_one(ref, self.member, what, self.timeout_s if timeout is None else timeout, self._fail,
-                       passthrough=(R3LabError,))
+                       passthrough=(R3LabError,), timeouts=self.timeouts)
 
     def _actor(self) -> Any:
         if self._closed:
@@ -129,7 +131,7 @@ class RayEngine(Closing):
         return self.member.handle
 
     def close(self) -> None:
-        """End the actor (vLLM shut down politely first, within a few seconds); idempotent."""
+        """End the actor (vLLM shut down politely first, within ``timeouts.close_grace_s``); idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -139,7 +141,7 @@ class RayEngine(Closing):
         import ray
 
         try:
-            ray.get(handle.close.remote(), timeout=10.0)
+            ray.get(handle.close.remote(), timeout=self.timeouts.close_grace_s)
         except Exception:  # noqa: BLE001 - dead or stuck: killed below either way
             pass
         try:

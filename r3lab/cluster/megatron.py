@@ -30,7 +30,7 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from r3lab.cluster.connect import actor_options, check_placeable, connect, node_here, parse_resources
-from r3lab.cluster.waits import Member, gather
+from r3lab.cluster.waits import RAY_TIMEOUTS, Member, RayTimeouts, gather
 from r3lab.errors import ClusterError, R3LabError
 from r3lab.trainers.megatron.trainer import MegatronTrainer
 from r3lab.trainers.megatron.transport import Fail
@@ -132,15 +132,18 @@ class RayRanks:
     :class:`~r3lab.trainers.megatron.transport.RankTransport`.
 
     ``resources``: one rank's bundle (JSON or a mapping; default one CPU), checked against the cluster before anything
-    waits; ``cluster``: as :func:`~r3lab.cluster.connect` (joined here, when the transport is made).
+    waits; ``cluster``: as :func:`~r3lab.cluster.connect` (joined here, when the transport is made); ``timeouts``: the
+    fixed waits (:class:`~r3lab.cluster.waits.RayTimeouts`: a dead peer's grace, the ranks' polite close).
     """
 
     label = "Megatron trainer on Ray"
     ended = "every rank actor was ended"
     error: type[R3LabError] = ClusterError
 
-    def __init__(self, *, resources: str | Mapping[str, Any] | None = None, cluster: str = "ray"):
+    def __init__(self, *, resources: str | Mapping[str, Any] | None = None, cluster: str = "ray",
+                 timeouts: RayTimeouts = RAY_TIMEOUTS):
         connect(cluster)
+        self.timeouts = timeouts
         self.resources = parse_resources(resources, what="--trainer-resources")
         self._members: list[Member] = []
         self._pg: Any = None
@@ -193,23 +196,24 @@ class RayRanks:
             self._members.append(Member(handle, name))
         hold_s = float(spec["collective_timeout_s"])
         where = gather([m.handle.where.remote(hold_s) for m in self._members], self._members, "placement", timeout,
-                       fail)
+                       fail, timeouts=self.timeouts)
         for m, w in zip(self._members, where, strict=True):
             m.node_id, m.ip, m.pid = w["node_id"], w["ip"], w["pid"]
         master, port = where[0]["ip"], where[0]["port"]  # the world's master: rank 0's node, its store's port
         ranks = gather([m.handle.start.remote(master, port, spec) for m in self._members], self._members, "start",
-                       timeout, fail)
+                       timeout, fail, timeouts=self.timeouts)
         self.master = f"{master}:{port}"
         return ranks
 
     def call(self, cmd: str, kwargs: dict[str, Any], timeout: float, fail: Fail) -> list[Any]:
-        return gather([m.handle.call.remote(cmd, kwargs) for m in self._members], self._members, cmd, timeout, fail)
+        return gather([m.handle.call.remote(cmd, kwargs) for m in self._members], self._members, cmd, timeout, fail,
+                      timeouts=self.timeouts)
 
     def export(self, timeout: float, fail: Fail) -> RemoteWeights:
         """Every shard gathered on rank 0, left in the object store (:class:`RemoteWeights`); the driver waits for
         every rank's status within the deadline, never for the weights' bytes."""
         calls = [m.handle.export_weights.options(num_returns=2).remote() for m in self._members]
-        status = gather([c[0] for c in calls], self._members, "export", timeout, fail)
+        status = gather([c[0] for c in calls], self._members, "export", timeout, fail, timeouts=self.timeouts)
         return RemoteWeights(calls[0][1], status[0] or {}, timeout)
 
     def stage_info(self, info: dict[str, Any], staged: Any) -> dict[str, Any]:
@@ -231,7 +235,7 @@ class RayRanks:
 
         polite = [m.handle.close.remote() for m in self._members if m.handle is not None]
         if polite:
-            ray.wait(polite, num_returns=len(polite), timeout=5.0)
+            ray.wait(polite, num_returns=len(polite), timeout=self.timeouts.polite_stop_s)
         for m in self._members:
             try:
                 ray.kill(m.handle, no_restart=True)
@@ -255,7 +259,8 @@ class RayMegatronTrainer(MegatronTrainer):
 
     Only the transport differs: ``resources`` (one rank's bundle) and ``cluster`` make the :class:`RayRanks`;
     ``timeout_s`` bounds every call (and the ranks' collectives), ``start_timeout_s`` the placement and the ranks'
-    start. :attr:`members`, :attr:`node_ids` and :attr:`master` are the transport's.
+    start; ``timeouts``: the transport's fixed waits. :attr:`members`, :attr:`node_ids` and :attr:`master` are the
+    transport's.
     """
 
     transport: RayRanks
@@ -263,10 +268,10 @@ class RayMegatronTrainer(MegatronTrainer):
     def __init__(self, model_dir: str | os.PathLike, *, tp: int = 1, pp: int = 1, ep: int = 1, dp: int | None = None,
                  dtype: str = "float32", lr: float | None = None, codec: str = "raw", timeout_s: float = 180.0,
                  start_timeout_s: float = 300.0, resources: str | Mapping[str, Any] | None = None,
-                 cluster: str = "ray", megatron_loader: str | None = None):
+                 cluster: str = "ray", megatron_loader: str | None = None, timeouts: RayTimeouts = RAY_TIMEOUTS):
         super().__init__(model_dir, tp=tp, pp=pp, ep=ep, dp=dp, dtype=dtype, lr=lr, codec=codec, timeout_s=timeout_s,
                          start_timeout_s=start_timeout_s, megatron_loader=megatron_loader,
-                         transport=RayRanks(resources=resources, cluster=cluster))
+                         transport=RayRanks(resources=resources, cluster=cluster, timeouts=timeouts))
 
     @property
     def resources(self) -> dict[str, float]:

@@ -65,8 +65,6 @@ if TYPE_CHECKING:  # mypy proves each engine class an Engine, each trainer a Tra
         transports: list[RankTransport] = [spawned, ray_ranks]  # the Megatron trainer's two ways to its ranks
         del engines, trainers, scorers, transports
 
-__all__ = ["ENGINE", "TRAINER", "PLACEMENTS", "PlacementSpec", "Placement", "Placed", "register_placement",
-           "placement_spec", "placement_of", "place"]
 
 ENGINE, TRAINER = "engine", "trainer"
 

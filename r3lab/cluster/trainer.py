@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING, Any
 
 from r3lab._process import Closing
 from r3lab.cluster.connect import actor_options, check_placeable, connect, node_here, parse_resources
-from r3lab.cluster.waits import Member, get_one
+from r3lab.cluster.waits import RAY_TIMEOUTS, Member, RayTimeouts, get_one
 from r3lab.errors import ClusterError, R3LabError
 from r3lab.trainer_registry import TrainerOptions, trainer_spec
 
 if TYPE_CHECKING:
     from r3lab.cluster.megatron import RemoteWeights
 
-__all__ = ["RayTrainer", "TrainerHost"]
+__all__ = ["TrainerHost"]
 
 
 class TrainerHost:
@@ -55,14 +55,19 @@ class TrainerHost:
 
 
 class RayTrainer(Closing):
-    """A registered trainer in a Ray actor, with the :class:`~r3lab.trainers.base.Trainer` calls."""
+    """A registered trainer in a Ray actor, with the :class:`~r3lab.trainers.base.Trainer` calls.
+
+    ``timeout_s`` bounds every call; ``timeouts``: the fixed waits (:class:`~r3lab.cluster.waits.RayTimeouts`: a dead
+    peer's grace, the polite close)."""
 
     def __init__(self, name: str, path: str | os.PathLike, options: TrainerOptions, *, cluster: str = "ray",
-                 resources: str | Mapping[str, Any] | None = None, timeout_s: float = 300.0):
+                 resources: str | Mapping[str, Any] | None = None, timeout_s: float = 300.0,
+                 timeouts: RayTimeouts = RAY_TIMEOUTS):
         import ray
 
         connect(cluster)
         self.timeout_s = float(timeout_s)
+        self.timeouts = timeouts
         self.resources = parse_resources(resources, what="--trainer-resources")
         check_placeable(self.resources, what="the trainer actor")
         self._closed = False
@@ -88,7 +93,8 @@ class RayTrainer(Closing):
         return ClusterError(f"trainer on Ray: {message}; the trainer actor was ended")
 
     def _get(self, ref: Any, what: str) -> Any:
-        return get_one(ref, self.member, what, self.timeout_s, self._fail, passthrough=(R3LabError,))
+        return get_one(ref, self.member, what, self.timeout_s, self._fail, passthrough=(R3LabError,),
+                       timeouts=self.timeouts)
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         if self._closed:
@@ -123,7 +129,7 @@ class RayTrainer(Closing):
         import ray
 
         try:
-            ray.get(self.member.handle.close.remote(), timeout=10.0)
+            ray.get(self.member.handle.close.remote(), timeout=self.timeouts.close_grace_s)
         except Exception:  # noqa: BLE001 - dead or stuck: killed below either way
             pass
         try:

@@ -7,6 +7,10 @@ communication"): a rank that dies makes its peers' collectives fail a moment lat
 the other calls get a short grace to show a dead actor, and a dead actor is named before a peer's error. A member
 that neither answers nor dies within ``timeout`` s is named as hung. The caller ends every actor before it raises
 (the ``on_fail`` it passes to :func:`gather`).
+
+Every fixed wait of the cluster code (the grace above, fetching a result Ray reports ready, an actor's polite close
+before it is killed) is one field of :class:`RayTimeouts`, the one policy the actor classes take and pass to each
+wait; the per-call deadline is the config's ``cluster_timeout``.
 """
 
 from __future__ import annotations
@@ -16,10 +20,35 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["Member", "gather", "get_one"]
+from r3lab.errors import ConfigError
 
-#: seconds a peer's task error waits for a dead actor to show (the cause is named before its effects)
-DEATH_GRACE_S = 3.0
+__all__ = ["get_one"]
+
+@dataclasses.dataclass(frozen=True)
+class RayTimeouts:
+    """The fixed waits of the calls on actors, in seconds: one policy, passed down to every wait.
+
+    ``death_grace_s``: after one call of a job raised, how long the others get to show a dead actor (the cause is
+    named before its effects); ``ready_fetch_s``: the least time fetching a result Ray reports ready may take;
+    ``close_grace_s``: one actor's polite close (the engine's vLLM shutdown, a trainer's) before it is killed;
+    ``polite_stop_s``: the rank actors' polite close, all at once, before they are killed. The deadline of each
+    call is not here: it is the config's ``cluster_timeout``, the ``timeout_s`` each actor class takes.
+    """
+
+    death_grace_s: float = 3.0
+    ready_fetch_s: float = 1.0
+    close_grace_s: float = 10.0
+    polite_stop_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
+                raise ConfigError(f"RayTimeouts.{f.name} must be a number of seconds > 0, got {v!r}")
+
+
+#: the policy an actor class uses when it is given none
+RAY_TIMEOUTS = RayTimeouts()
 
 
 @dataclasses.dataclass
@@ -44,12 +73,13 @@ def _last_line(e: BaseException) -> str:
 
 
 def gather(refs: Sequence[Any], members: Sequence[Member], what: str, timeout: float,
-           on_fail: Callable[[str], BaseException], *, passthrough: tuple[type[BaseException], ...] = ()) -> list[Any]:
+           on_fail: Callable[[str], BaseException], *, passthrough: tuple[type[BaseException], ...] = (),
+           timeouts: RayTimeouts = RAY_TIMEOUTS) -> list[Any]:
     """``ray.get`` of ``refs[i]`` (a call on ``members[i]``) for every i within ``timeout`` s, or
     ``raise on_fail(message)``: the message names the failing member, its node, and what happened.
 
     ``passthrough``: error types a call may raise as itself (a refused input; the actor lives on), never with
-    ``on_fail``."""
+    ``on_fail``. ``timeouts``: the grace for a dead peer and the fetch of a ready result (:class:`RayTimeouts`)."""
     import ray
 
     deadline = time.monotonic() + timeout
@@ -65,7 +95,7 @@ def gather(refs: Sequence[Any], members: Sequence[Member], what: str, timeout: f
         ready, pending = ray.wait(pending, num_returns=1, timeout=left)
         for ref in ready:
             try:
-                values[index[ref]] = ray.get(ref, timeout=max(1.0, deadline - time.monotonic()))
+                values[index[ref]] = ray.get(ref, timeout=max(timeouts.ready_fetch_s, deadline - time.monotonic()))
             except ray.exceptions.RayActorError as e:  # the actor died (killed, OOM, its node lost)
                 raise on_fail(f"{members[index[ref]].where()} died during {what}: {_last_line(e)}") from None
             except Exception as e:  # noqa: BLE001 - the call raised inside the actor: look for a dead peer first
@@ -77,10 +107,10 @@ def gather(refs: Sequence[Any], members: Sequence[Member], what: str, timeout: f
         if passthrough and isinstance(cause, passthrough):
             raise cause
         if pending:  # a peer that died is the cause: give its death a moment to show
-            ready, _ = ray.wait(pending, num_returns=len(pending), timeout=min(DEATH_GRACE_S, timeout))
+            ready, _ = ray.wait(pending, num_returns=len(pending), timeout=min(timeouts.death_grace_s, timeout))
             for ref in ready:
                 try:
-                    ray.get(ref, timeout=1.0)
+                    ray.get(ref, timeout=timeouts.ready_fetch_s)
                 except ray.exceptions.RayActorError as e:
                     raise on_fail(f"{members[index[ref]].where()} died during {what}: {_last_line(e)}; "
                                   f"{members[i].where()} failed after it: {_last_line(err)}") from None
@@ -91,6 +121,6 @@ def gather(refs: Sequence[Any], members: Sequence[Member], what: str, timeout: f
 
 
 def get_one(ref: Any, member: Member, what: str, timeout: float, on_fail: Callable[[str], BaseException], *,
-            passthrough: tuple[type[BaseException], ...] = ()) -> Any:
+            passthrough: tuple[type[BaseException], ...] = (), timeouts: RayTimeouts = RAY_TIMEOUTS) -> Any:
     """:func:`gather` of one call."""
-    return gather([ref], [member], what, timeout, on_fail, passthrough=passthrough)[0]
+    return gather([ref], [member], what, timeout, on_fail, passthrough=passthrough, timeouts=timeouts)[0]

@@ -39,14 +39,15 @@ Versions:
   reader keeps reading them, and a version 2 reader refuses a buffer with weights at its version byte.
 - **2** (ids only): every codec as its class docstring in :mod:`r3lab.compaction.codecs` says;
   the version 1 reader is :mod:`r3lab.compaction.legacy`.
-- **1** (r3lab cf15985 up to d0a0f16): the same frame, and the same layouts for ``raw``,
-  ``topk-set``, ``topk-gaps`` (from 24d9b0c), ``zstd``, and ``bitpack`` with ids of at most 8
-  bits (``num_experts <= 256``). ``bitpack`` with wider ids had *two* layouts under the same version
-  and config: cf15985 wrote a low-byte plane then a high-bit plane (:class:`~r3lab.compaction.legacy.BitPackPlanesV1`),
-  9956a86 and later one bit stream (today's :class:`~r3lab.compaction.BitPack`). Same length, no marker: such a
-  buffer is refused unless the caller says which writer made it, ``decode(buf,
-  legacy_bitpack="planes")`` or ``legacy_bitpack="stream"``. Version 1 knew only the codec ids
-  raw, bitpack, topk-set, topk-gaps and zstd; any other id in a version 1 header is refused.
+- **1** (the first writers; CHANGELOG.md's format table names them): the same frame, and the same layouts for
+  ``raw``, ``topk-set``, ``topk-gaps``, ``zstd``, and ``bitpack`` with ids of at most 8 bits
+  (``num_experts <= 256``). ``bitpack`` with wider ids had *two* layouts under the same version and config:
+  the first writer wrote a low-byte plane then a high-bit plane
+  (:class:`~r3lab.compaction.legacy.BitPackPlanesV1`), the later ones one bit stream
+  (:class:`~r3lab.compaction.codecs.BitPack`'s layout). Same length, no marker: such a buffer is refused
+  unless the caller says which writer made it, ``decode(buf, legacy_bitpack="planes")`` or
+  ``legacy_bitpack="stream"``. Version 1 knew only the codec ids raw, bitpack, topk-set, topk-gaps and zstd;
+  any other id in a version 1 header is refused.
 """
 
 from __future__ import annotations
@@ -66,11 +67,6 @@ from r3lab.compaction.kernels import first_bad_row
 from r3lab.compaction.legacy import LEGACY_BITPACK, v1_coder
 from r3lab.errors import RouteFormatError
 from r3lab.routes import Routes, check_cu_seqlens, compact_dtype
-
-__all__ = [
-    "encode", "decode", "read_header",
-    "MAGIC", "FORMAT_VERSION", "WEIGHTS_FORMAT_VERSION", "READ_VERSIONS", "DEFAULT_MAX_BYTES",
-]
 
 MAGIC = b"R3RT"
 #: the version :func:`encode` writes for ids-only Routes (see the versioning rule above)
@@ -226,8 +222,8 @@ def decode(
 
     Rows come back sorted for set codecs (``topk-set``, ``topk-gaps``). ``legacy_bitpack`` names
     the writer of a format version 1 ``bitpack`` buffer with ids wider than 8 bits, which is
-    otherwise refused as ambiguous: ``"planes"`` (r3lab cf15985) or ``"stream"`` (9956a86 and
-    later); see :data:`LEGACY_BITPACK`. Every other buffer ignores it.
+    otherwise refused as ambiguous: ``"planes"`` (the first version 1 writer) or ``"stream"`` (the
+    later ones); see :data:`LEGACY_BITPACK`. Every other buffer ignores it.
     """
     if legacy_bitpack is not None and legacy_bitpack not in LEGACY_BITPACK:
         raise RouteFormatError(

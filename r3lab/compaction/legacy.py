@@ -1,8 +1,8 @@
 """Readers of older format versions: what version 1 buffers mean where it differs from today, and refusals.
 
 Only one layout changed between versions 1 and 2: ``bitpack`` with ids wider than 8 bits, which
-the first writer (r3lab cf15985) laid out as two planes (:class:`BitPackPlanesV1`) and later
-writers as today's one bit stream. Nothing here is ever written. See
+the first version 1 writer laid out as two planes (:class:`BitPackPlanesV1`) and later
+writers as version 2's one bit stream (:data:`LEGACY_BITPACK` names them). Nothing here is ever written. See
 :mod:`r3lab.compaction.container` for the versioning rule.
 """
 
@@ -18,7 +18,7 @@ from r3lab.compaction.codecs.base import Buffer, IdCodec
 from r3lab.compaction.codecs.bitpack import BitPack, id_bits
 from r3lab.errors import RouteFormatError
 
-__all__ = ["BitPackPlanesV1", "LEGACY_BITPACK", "V1_CODEC_IDS", "v1_coder"]
+__all__ = ["V1_CODEC_IDS", "v1_coder"]
 
 #: the writers of version 1 ``bitpack`` buffers with ids wider than 8 bits, for ``decode(legacy_bitpack=...)``
 LEGACY_BITPACK = {
@@ -30,7 +30,7 @@ V1_CODEC_IDS = frozenset({"raw", "bitpack", "topk-set", "topk-gaps", "zstd"})
 
 
 def _unpack_small_v1(buf: Buffer, n: int, b: int) -> np.ndarray:
-    """cf15985's reader of ``n`` values of ``b <= 8`` bits packed LSB first (a plain bit stream)."""
+    """The planes layout's reader of ``n`` values of ``b <= 8`` bits packed LSB first (a plain bit stream)."""
     g = 8 // math.gcd(b, 8)  # ids per byte-aligned group
     nbytes_group = g * b // 8
     m = -(-n // g)
@@ -47,7 +47,7 @@ def _unpack_small_v1(buf: Buffer, n: int, b: int) -> np.ndarray:
 
 
 class BitPackPlanesV1(BitPack):
-    """Read-only: ``bitpack`` as the first writer (r3lab cf15985, format version 1) laid out ids wider than 8 bits.
+    """Read-only: ``bitpack`` as the first format version 1 writer laid out ids wider than 8 bits.
 
     Two planes, for ``n`` ids of ``b`` bits (8 < b <= 16): first the low byte of every id (``n``
     bytes), then the high ``b - 8`` bits of every id as one LSB-first bit stream of

@@ -21,8 +21,6 @@ from r3lab.compaction.payload import from_payload, to_payload
 from r3lab.errors import RouteFormatError
 from r3lab.routes import Routes
 
-__all__ = ["BASELINE", "measure_codecs"]
-
 BASELINE = "compact + base64 + orjson"  # the field's best today (r3lab's to_payload, serialized with orjson)
 
 
@@ -44,7 +42,7 @@ def measure_codecs(routes: Routes, codecs: Sequence[str] | None = None, *, repea
     """One record per codec (the baseline first): ``bytes``, ``bytes_per_id``, ``ratio_to_baseline``,
     ``encode_ms`` / ``decode_ms`` (medians) and ``mids_per_s`` (million ids per second, encode + decode).
 
-    ``codecs`` default: every built-in pipeline (:data:`~r3lab.compaction.PIPELINES`). Raises
+    ``codecs`` default: every built-in pipeline (:data:`~r3lab.compaction.codecs.PIPELINES`). Raises
     :class:`RouteFormatError` if a codec does not give the routes back (set codecs: each row sorted).
     """
     names = [BASELINE, *(list(PIPELINES) if codecs is None else [c for c in codecs if c != BASELINE])]

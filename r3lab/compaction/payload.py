@@ -44,11 +44,6 @@ from r3lab.compaction.container import DEFAULT_MAX_BYTES
 from r3lab.errors import RouteFormatError
 from r3lab.routes import SENTINEL, Routes
 
-__all__ = ["to_payload", "from_payload", "read_vllm_npy_base64", "read_vllm_nested_list", "read_sglang_base64_int32",
-           "read_sglang_meta_info", "SGLANG_WIRE_DTYPES", "uncaptured_rows", "stitch_turns",
-           "vllm_turn_start"]
-
-
 #: SGLang PR #31219's wire dtypes (``_WIRE_DTYPES`` in ``routed_experts_wire.py``), little-endian as its hosts write
 SGLANG_WIRE_DTYPES: dict[str, np.dtype[Any]] = {
     "int32": np.dtype("<i4"), "uint16": np.dtype("<u2"), "uint8": np.dtype("u1"),

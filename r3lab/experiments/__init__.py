@@ -7,7 +7,6 @@ trainer (``DriftConfig.trainer``: transformers on CPU, a megatron-bridge GPTMode
 ``notebook``: what the notebooks share (load finished runs, else run the experiment small).
 """
 
-from r3lab.config import DriftConfig  # noqa: F401  (importable here as before; exported by r3lab.config)
 from r3lab.experiments.drift import (
     DriftRow,
     DriftSample,

@@ -33,7 +33,7 @@ from typing import Any
 
 from r3lab.cluster import place
 from r3lab.config import CaptureConfig
-from r3lab.errors import ConfigError, R3LabError
+from r3lab.errors import ConfigError, R3LabError, RolloutError, RunFormatError
 from r3lab.paths import model_dir
 from r3lab.rollout import Engine, RolloutResult, SamplingConfig, stack_routes
 from r3lab.runs import RunWriter, Samples, load, mark_stopped
@@ -129,7 +129,7 @@ def run_capture(config: CaptureConfig, prompts: str | os.PathLike[str] | Sequenc
     failure after that leaves the run marked stopped with the reason (the server that went away is named)."""
     out = Path(out)
     if out.exists():
-        raise R3LabError(f"{str(out)!r} exists; runs are never overwritten (give another --out)")
+        raise ConfigError(f"{str(out)!r} exists; runs are never overwritten (give another --out)")
     source: dict[str, Any] = {}
     if isinstance(prompts, (str, os.PathLike)):
         f = Path(prompts)
@@ -179,7 +179,7 @@ def write_capture(writer: RunWriter, results: Sequence[RolloutResult], *, model:
     import numpy as np
 
     if not results:
-        raise R3LabError("no samples to write")
+        raise RolloutError("no samples to write")
     n = [len(r.response_ids) for r in results]
     writer.log_step({"step": 0, "model": model, "seed": int(seed), "samples": len(results), "tokens": int(sum(n)),
                      RLMetric.TIME_GENERATE: seconds})
@@ -203,7 +203,7 @@ def sample_or_load(run: str | os.PathLike[str] | None, model: str | os.PathLike[
 
         r = load(run)
         if r.kind != CAPTURE_KIND:
-            raise R3LabError(f"run {r.name!r} is a {r.kind!r} run; give a capture run (r3lab capture)")
+            raise RunFormatError(f"run {r.name!r} is a {r.kind!r} run; give a capture run (r3lab capture)")
         if Path(r.config["model"]).resolve() != path.resolve():
             raise ConfigError(f"run {r.name!r} captured {r.config['model']}, not {path}: set model to its checkpoint",
                               field="model")

@@ -23,28 +23,17 @@ from r3lab import metrics
 from r3lab.cluster import place
 from r3lab.config import TRAINER_DTYPES, DriftConfig
 from r3lab.corpus import corpus_prompts
-from r3lab.errors import ConfigError, R3LabError
+from r3lab.errors import ConfigError, ReplayError
 from r3lab.families import group_routing_note, model_group_routing
 from r3lab.paths import model_dir
 from r3lab.rollout import Engine, RolloutResult, SamplingConfig, append_last_row, stack_routes
 from r3lab.routes import Routes
 from r3lab.runs import RunWriter, Samples, mark_stopped
-from r3lab.trainer_registry import TrainerOptions, trainer_spec
+from r3lab.trainer_registry import TrainerOptions, TrainerSpec, trainer_spec
 from r3lab.trainers import Scorer, TokenBatch
 from r3lab.vocabulary import DriftMetric, RunKind
 
-__all__ = [
-    "DriftSample",
-    "DriftRow",
-    "replay_drift",
-    "drift_summary",
-    "drift_spread",
-    "run_drift",
-    "drift_table",
-    "load_scorer",
-    "seed_inputs",
-    "write_drift_cell",
-]
+__all__ = ["write_drift_cell"]
 
 
 @dataclass(frozen=True)
@@ -84,7 +73,7 @@ def replay_drift(trainer: Scorer, results: Sequence[RolloutResult], *, progress:
     """
     from tqdm.auto import tqdm
 
-    if not isinstance(trainer, Scorer):  # a bare transformers model, as before the trainer interface
+    if not isinstance(trainer, Scorer):  # a bare transformers model: wrapped in the transformers trainer
         from r3lab.trainers.hf import HFTrainer
 
         trainer = HFTrainer(trainer)
@@ -101,7 +90,7 @@ def replay_drift(trainer: Scorer, results: Sequence[RolloutResult], *, progress:
         logp_r3w = None if engine_routes.weights is None else trainer.score(
             one, routes=engine_routes, weights="stop").logprobs
         if native.routes is None:
-            raise R3LabError(f"{type(trainer).__name__}.score(record=True) returned no routes")
+            raise ReplayError(f"{type(trainer).__name__}.score(record=True) returned no routes")
         own_values = native.routes.select_layers(engine_routes.layer_ids).values
         flips = metrics.token_route_flips(engine_routes.values, own_values)
         rows = metrics.response_rows(np.array([0, n]), one.response_lengths, metrics.TRAINER_ROWS)
@@ -217,52 +206,92 @@ def run_drift(
     must hold the checkpoint's weights). A model not named gets its own engine, closed after its sampling pass.
     """
     import torch
-    from tqdm.auto import tqdm
 
     config = config or DriftConfig()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the tiny models score fastest on one thread, beside vLLM's pinned core
-    rows: list[DriftRow] = []
-    writer = None
-    if runs_root is not None:
-        writer = RunWriter(runs_root, run_name or f"drift-{time.strftime('%Y%m%d-%H%M%S')}", RunKind.DRIFT,
-                           config.to_dict())
+    cells = _Cells(_open_run(config, runs_root, run_name), on_row)
     try:
-        for name in tqdm(config.models, desc="models", unit="model", disable=not progress):
-            path = model_dir(name, config.data)
-            placed = place(config, path, engine=_given_engine(engines, name, path, config))
-            with placed.engine(**_engine_options(config)) as engine:
-                results = {s: engine.generate(*seed_inputs(config, s)) for s in config.seeds}
-                again = {s: engine.score([r.token_ids for r in res], start=[len(r.prompt_ids) for r in res])
-                         for s, res in results.items()}
-            _release_device()
-            label = os.path.basename(str(name).rstrip("/"))
-            for dtype in config.trainer_dtypes:
-                with load_scorer(config, path, dtype) as trainer:  # a multi-process trainer ends its ranks on exit
-                    if on_trainer is not None:
-                        on_trainer(label, trainer, results[config.seeds[0]])
-                    for s in config.seeds:
-                        samples = replay_drift(trainer, results[s], progress=progress, engine_again=again[s])
-                        row = DriftRow(label, dtype, s, drift_summary(samples), writer.path if writer else None)
-                        rows.append(row)
-                        if writer is not None:
-                            write_drift_cell(writer, len(rows) - 1, row, samples, results[s])
-                        if on_row is not None:
-                            on_row(row)
-                del trainer
-                _release_device()
-        if writer is not None:
-            writer.finish(_run_summary(rows))
+        _run_models(config, cells, progress=progress, on_trainer=on_trainer, engines=engines)
+        if cells.writer is not None:
+            cells.writer.finish(_run_summary(cells.rows))
     except BaseException as e:  # an engine gone away, Ctrl-C: the run folder says stopped and why, never half-done
-        if writer is not None and not writer.finished:
-            writer.close()
-            mark_stopped(writer.path, f"{type(e).__name__}: {e}")
+        if cells.writer is not None and not cells.writer.finished:
+            cells.writer.close()
+            mark_stopped(cells.writer.path, f"{type(e).__name__}: {e}")
         raise
     finally:
         torch.set_num_threads(threads)
-        if writer is not None:
-            writer.close()
-    return rows
+        if cells.writer is not None:
+            cells.writer.close()
+    return cells.rows
+
+
+def _open_run(config: DriftConfig, runs_root: Any, run_name: str | None) -> RunWriter | None:
+    """The run the experiment writes under ``runs_root`` (None: no run), named ``run_name`` or by the time."""
+    if runs_root is None:
+        return None
+    return RunWriter(runs_root, run_name or f"drift-{time.strftime('%Y%m%d-%H%M%S')}", RunKind.DRIFT,
+                     config.to_dict())
+
+
+@dataclass
+class _Cells:
+    """Where each scored cell goes, in order: the rows :func:`run_drift` returns, the run's files (``writer``, a step
+    each) and the caller's ``on_row``."""
+
+    writer: RunWriter | None
+    on_row: Callable[[DriftRow], None] | None
+    rows: list[DriftRow] = field(default_factory=list)
+
+    def add(self, label: str, dtype: str, seed: int, samples: Sequence[DriftSample],
+            results: Sequence[RolloutResult]) -> None:
+        row = DriftRow(label, dtype, seed, drift_summary(samples), self.writer.path if self.writer else None)
+        self.rows.append(row)
+        if self.writer is not None:
+            write_drift_cell(self.writer, len(self.rows) - 1, row, samples, results)
+        if self.on_row is not None:
+            self.on_row(row)
+
+
+def _run_models(config: DriftConfig, cells: _Cells, *, progress: bool,
+                on_trainer: Callable[[str, Scorer, list[RolloutResult]], None] | None,
+                engines: Mapping[str, Engine] | None) -> None:
+    """Every model of the config: its sampling pass, then a scoring pass per trainer dtype, each cell to ``cells``."""
+    from tqdm.auto import tqdm
+
+    for name in tqdm(config.models, desc="models", unit="model", disable=not progress):
+        path = model_dir(name, config.data)
+        results, again = _sample(config, name, path, engines)
+        label = os.path.basename(str(name).rstrip("/"))
+        for dtype in config.trainer_dtypes:
+            _score(config, path, label, dtype, results, again, cells, progress=progress, on_trainer=on_trainer)
+            _release_device()  # after the trainer is gone (closed, and its last reference dropped with _score's frame)
+
+
+def _sample(config: DriftConfig, name: str, path: Any, engines: Mapping[str, Engine] | None
+            ) -> tuple[dict[int, list[RolloutResult]], dict[int, list[np.ndarray]]]:
+    """One model's sampling pass, by seed: the engine's samples, and its prefill scores of the same tokens (the
+    engine's noise floor); the engine is closed (unless the caller's) and the device released after it."""
+    placed = place(config, path, engine=_given_engine(engines, name, path, config))
+    with placed.engine(**_engine_options(config)) as engine:
+        results = {s: engine.generate(*seed_inputs(config, s)) for s in config.seeds}
+        again = {s: engine.score([r.token_ids for r in res], start=[len(r.prompt_ids) for r in res])
+                 for s, res in results.items()}
+    _release_device()
+    return results, again
+
+
+def _score(config: DriftConfig, path: Any, label: str, dtype: str, results: Mapping[int, list[RolloutResult]],
+           again: Mapping[int, list[np.ndarray]], cells: _Cells, *, progress: bool,
+           on_trainer: Callable[[str, Scorer, list[RolloutResult]], None] | None) -> None:
+    """One scoring pass: the trainer in ``dtype`` scores every seed's samples (a cell each, to ``cells``)."""
+    with load_scorer(config, path, dtype) as trainer:  # a multi-process trainer ends its ranks on exit
+        if on_trainer is not None:
+            on_trainer(label, trainer, results[config.seeds[0]])
+        for s in config.seeds:
+            samples = replay_drift(trainer, results[s], progress=progress, engine_again=again[s])
+            cells.add(label, dtype, s, samples, results[s])
 
 
 def write_drift_cell(writer: RunWriter, step: int, row: DriftRow, samples: Sequence[DriftSample],
@@ -362,18 +391,20 @@ def drift_table(rows: Sequence[DriftRow], config: DriftConfig, *, command: str =
 
     ``device`` names where it ran (default: this machine's architecture).
     """
+    spec = trainer_spec(config.trainer)
+    intro = _table_intro(config, spec, command, device)
+    notes = _group_routing_notes(config) if spec.group_routing_notes else []
+    lines = [*intro, *_spread_lines(rows, len(config.seeds)), *notes, *_cell_lines(rows), *_TABLE_FOOTNOTE]
+    return "\n".join(lines) + "\n"
+
+
+def _table_intro(config: DriftConfig, spec: TrainerSpec, command: str, device: str | None) -> list[str]:
+    """The table's title and the paragraph saying what ran: command, seeds, engine, scorer, torch and device."""
     import torch
 
-    nan = float("nan")
-
-    def span(t: tuple[float, float, float], fmt: str) -> str:
-        return f"{t[0]:{fmt}} / {t[1]:{fmt}} / {t[2]:{fmt}}" if len(config.seeds) > 1 else f"{t[1]:{fmt}}"
-
-    spec = trainer_spec(config.trainer)
     engine = f"{spec.engine} (bf16{_quant_note(config)})"
     scorer = spec.scoring_text(config.tp, config.pp, config.ep)
-    notes = _group_routing_notes(config) if spec.group_routing_notes else []
-    lines = [
+    return [
         "# What replay changes: train-inference k3 KL on the shipped tiny models",
         "",
         f"`{command}`: for each of {len(config.seeds)} seeds s (prompts drawn with s, sampled with seed s + 1), "
@@ -381,6 +412,17 @@ def drift_table(rows: Sequence[DriftRow], config: DriftConfig, *, command: str =
         f"{config.temperature:g}); {scorer} without replay and with the engine's routes "
         f"replayed (R3). torch {torch.__version__}, {device or platform.machine()}. A token counts as route-flipped "
         "when engine and trainer chose a different expert set in any layer at its input position.",
+    ]
+
+
+def _span(t: tuple[float, float, float], fmt: str, seeds: int) -> str:
+    """min / median / max over seeds, or the one value of a single seed."""
+    return f"{t[0]:{fmt}} / {t[1]:{fmt}} / {t[2]:{fmt}}" if seeds > 1 else f"{t[1]:{fmt}}"
+
+
+def _spread_lines(rows: Sequence[DriftRow], seeds: int) -> list[str]:
+    """The spread table: per (model, trainer dtype), :func:`drift_spread` over ``seeds`` seeds."""
+    lines = [
         "",
         "## Spread over seeds (min / median / max)",
         "",
@@ -391,12 +433,18 @@ def drift_table(rows: Sequence[DriftRow], config: DriftConfig, *, command: str =
     for g in drift_spread(rows):
         lines.append(
             f"| {g['model']} | {TRAINER_DTYPES[g['trainer_dtype']]} | {g['seeds']} | {g['tokens']} | "
-            f"{span(tuple(100 * x for x in g[DriftMetric.FLIPPED_SHARE]), '.1f')} % | "
-            f"{span(g[DriftMetric.CUT_OVERALL], '.1f')} x | {span(g[DriftMetric.CUT_FLIPPED], '.0f')} x | "
-            f"{span(g[DriftMetric.AGREEING_R3_OVER_NONE], '.2f')} |"
+            f"{_span(tuple(100 * x for x in g[DriftMetric.FLIPPED_SHARE]), '.1f', seeds)} % | "
+            f"{_span(g[DriftMetric.CUT_OVERALL], '.1f', seeds)} x | "
+            f"{_span(g[DriftMetric.CUT_FLIPPED], '.0f', seeds)} x | "
+            f"{_span(g[DriftMetric.AGREEING_R3_OVER_NONE], '.2f', seeds)} |"
         )
-    lines += notes
-    lines += [
+    return lines
+
+
+def _cell_lines(rows: Sequence[DriftRow]) -> list[str]:
+    """The table of every (model, trainer dtype, seed) cell; a value the cell lacks reads nan."""
+    nan = float("nan")
+    lines = [
         "",
         "## Every cell",
         "",
@@ -414,10 +462,13 @@ def drift_table(rows: Sequence[DriftRow], config: DriftConfig, *, command: str =
             f"{s[DriftMetric.F2_NONE]:.2%} | {s[DriftMetric.F2_R3]:.2%} | "
             f"{s.get(DriftMetric.K3_TRAINER_FLOOR, nan):.1e} | {s.get(DriftMetric.K3_ENGINE_FLOOR, nan):.1e} |"
         )
-    lines += [
-        "",
-        "F(2): share of tokens whose trainer/engine probability ratio is beyond 2 either way. Noise floors (k3 KL of "
-        "a scorer against itself on the same tokens): trainer = one padded batch vs one sequence at a time; engine = "
-        "vLLM's prefill scores vs the log-probs it returned while sampling.",
-    ]
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+#: what the table's columns mean, under it
+_TABLE_FOOTNOTE = [
+    "",
+    "F(2): share of tokens whose trainer/engine probability ratio is beyond 2 either way. Noise floors (k3 KL of "
+    "a scorer against itself on the same tokens): trainer = one padded batch vs one sequence at a time; engine = "
+    "vLLM's prefill scores vs the log-probs it returned while sampling.",
+]

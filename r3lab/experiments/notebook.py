@@ -15,8 +15,6 @@ from r3lab.config import DEFAULT_MODES, DriftConfig, RLConfig
 from r3lab.errors import ConfigError
 from r3lab.runs import Run, load
 
-__all__ = ["load_or_run"]
-
 Folders = str | os.PathLike | Sequence[str | os.PathLike] | None
 
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from r3lab import metrics
 from r3lab.config import TRAINER_DTYPES, TRAINERS, DriftConfig
-from r3lab.errors import ConfigError, R3LabError, RunFormatError
+from r3lab.errors import ConfigError, RunFormatError
 from r3lab.experiments.drift import (
     DriftRow,
     DriftSample,
@@ -45,7 +45,7 @@ from r3lab.runs.format import CAPTURE_KIND, check_run_name
 from r3lab.trainer_registry import TRAINER_REGISTRY, trainer_spec
 from r3lab.vocabulary import DriftMetric, RLMetric, RunKind
 
-__all__ = ["rescore_run", "rescore_table", "stored_results", "RESCORE_KINDS"]
+__all__ = ["stored_results", "RESCORE_KINDS"]
 
 RESCORE_KINDS = (RunKind.DRIFT, RunKind.RL, CAPTURE_KIND)  # the runs whose samples can be scored again
 CAPTURE_DTYPE = "float32"  # a capture run's trainer dtype when none is given (it has no trainer of its own)
@@ -217,11 +217,11 @@ def rescore_run(run_path: str | os.PathLike[str], *, trainer: str = "hf", tp: in
     src_path = Path(run_path)
     source = load(src_path)
     if source.kind not in RESCORE_KINDS:
-        raise R3LabError(f"run {source.name!r} is a {source.kind!r} run; rescore scores drift, RL and capture runs "
-                         "(their per-sample tables)")
+        raise RunFormatError(f"run {source.name!r} is a {source.kind!r} run; rescore scores drift, RL and capture runs "
+                             "(their per-sample tables)")
     if not source.finished:
-        raise R3LabError(f"run {source.name!r} is not finished ({source.state}: no summary.json); rescore scores "
-                         "finished runs only")
+        raise RunFormatError(f"run {source.name!r} is not finished ({source.state}: no summary.json); rescore scores "
+                             "finished runs only")
     if trainer not in TRAINERS:
         raise ConfigError(f"--trainer must be one of {sorted(TRAINERS)}, got {trainer!r}")
     if trainer_dtype is not None and trainer_dtype not in TRAINER_DTYPES:
@@ -274,7 +274,7 @@ def rescore_run(run_path: str | os.PathLike[str], *, trainer: str = "hf", tp: in
 def _present(routes: Routes | None, what: str) -> Routes:
     """The routes, or an error naming which are missing (a scored sample always carries both)."""
     if routes is None:
-        raise R3LabError(f"rescore: a scored sample has no {what}")
+        raise RunFormatError(f"rescore: a scored sample has no {what}")
     return routes
 
 
@@ -310,7 +310,7 @@ def rescore_table(run: Run | str | os.PathLike[str]) -> str:
     r = run if isinstance(run, Run) else load(run)
     c = r.config
     if "rescore_of" not in c:
-        raise R3LabError(f"run {r.name!r} is not a rescored run (its config has no 'rescore_of')")
+        raise RunFormatError(f"run {r.name!r} is not a rescored run (its config has no 'rescore_of')")
     trainer = _trainer_label(c) + ", " + ("each cell's own dtype" if c.get("trainer_dtype") is None
                                           else TRAINER_DTYPES[c["trainer_dtype"]])
     lines = [f"rescore of {c['source_kind']} run {c['rescore_of']!r} ({c['source_trainer']}) -> {r.name!r} "

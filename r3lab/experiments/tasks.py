@@ -14,8 +14,8 @@ the ``--task`` knob):
   (``max_tokens`` up to 256) can only keep scoring by leaving its topic, which the chain almost never does. The
   levels are many and the ceiling is far above the start: corpus windows of 16 words score about 0.27, a greedy
   walk over real edges 0.79 (0.57 at 64 words, 0.16 at 256 without leaving the topic). Measured
-  (bench/results/tasks.md, 40 quick steps): GRPO rose from 0.31 to about 0.42 in 15 steps and then flattened,
-  GSPO kept rising to 0.53. Over hundreds of quick steps (lr 3e-3) it does not keep rising: a one-seed pilot of
+  (bench/results/tasks.md, 40 quick steps, one seed): GRPO rose from 0.28 to 0.53 and GSPO from 0.27 to 0.47,
+  both still rising at step 40. Over hundreds of quick steps (lr 3e-3) it does not keep rising: a one-seed pilot of
   300 steps at int4 rose to about 0.67 and then fell (to 0.12 without replay around steps 125-175, to 0.27 with R3
   after step 200), both flagged by the collapse detector.
 * ``ladder`` (:class:`LadderTask`): transitions onto the next letter of the first-letter cycle, per transition;
@@ -24,7 +24,7 @@ the ``--task`` knob):
   deterministic walk that hits about half its transitions is a fixed point of GRPO, whose groups then hold
   (nearly) identical samples and no gradient.
 * ``chain`` (:class:`ChainTask`): the ladder's steps, each counted once per distinct word it lands on, per
-  transition. A loop no longer pays (b d b d ... scores 1 / (len - 1)), so the reward only grows by extending
+  transition. A loop does not pay here (b d b d ... scores 1 / (len - 1)), so the reward only grows by extending
   the chain rung by rung: a full lap of the 14 letters is worth 14 / (len - 1), and past one lap (``max_tokens``
   above 15) every further point needs a second word per letter. The levels are many, each a new word-specific
   transition, and the ceiling (1.0) is far above the start (corpus windows of 32 words score about 0.05).
@@ -42,7 +42,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from r3lab.errors import R3LabError
+from r3lab.errors import ConfigError
 from r3lab.paths import corpus_path
 from r3lab.vocabulary import TASKS as TASK_REWARDS
 from r3lab.vocabulary import TaskName
@@ -70,7 +70,7 @@ class LetterTask:
         for word, i in vocab.items():
             self.hits[i] = word.startswith(letter) and not word.startswith("<")
         if not self.hits.any():
-            raise R3LabError(f"no word of the vocabulary starts with {letter!r}")
+            raise ConfigError(f"no word of the vocabulary starts with {letter!r}")
 
     def reward(self, response_ids: Sequence[int]) -> float:
         ids = np.asarray(response_ids, dtype=np.int64)
@@ -86,7 +86,7 @@ class EdgeTask:
 
     def __init__(self, tokenizer: Any, *, data: str | os.PathLike | None = None, min_count: int = 4):
         if min_count < 1:
-            raise R3LabError(f"min_count must be >= 1, got {min_count}")
+            raise ConfigError(f"min_count must be >= 1, got {min_count}")
         vocab = tokenizer.get_vocab()
         size = max(vocab.values()) + 1
         counts = np.zeros((size, size), dtype=np.int64)
@@ -95,15 +95,15 @@ class EdgeTask:
             words = line.split()
             missing = [w for w in words if w not in vocab]
             if missing:
-                raise R3LabError(f"{path}:{n + 1}: words {missing[:3]} are not in the tokenizer's vocabulary "
-                                 "(the corpus and the model must come from one build)")
+                raise ConfigError(f"{path}:{n + 1}: words {missing[:3]} are not in the tokenizer's vocabulary "
+                                  "(the corpus and the model must come from one build)")
             ids = np.array([vocab[w] for w in words], dtype=np.int64)
             np.add.at(counts, (ids[:-1], ids[1:]), 1)
         dominant = counts.argmax(axis=1)
         self.targets = counts >= min_count
         self.targets[np.arange(size), dominant] = False
         if not self.targets.any():
-            raise R3LabError(f"no corpus transition is seen {min_count} times besides the dominant ones")
+            raise ConfigError(f"no corpus transition is seen {min_count} times besides the dominant ones")
         self.size = size
 
     def reward(self, response_ids: Sequence[int]) -> float:
@@ -133,10 +133,10 @@ class LadderTask:
         size = max(vocab.values()) + 1
         first = {w: w[0] for w in vocab if w and not w.startswith("<")}
         if not first:
-            raise R3LabError("the vocabulary has no word to climb (every token is special)")
+            raise ConfigError("the vocabulary has no word to climb (every token is special)")
         self.letters = sorted(set(first.values()))
         if len(self.letters) < 2:
-            raise R3LabError(f"the ladder needs two first letters at least, the vocabulary has {self.letters}")
+            raise ConfigError(f"the ladder needs two first letters at least, the vocabulary has {self.letters}")
         index = {c: i for i, c in enumerate(self.letters)}
         self.letter_of = np.full(size, -1, dtype=np.int64)  # token id -> its first letter's rung (-1: special)
         for w, c in first.items():
@@ -177,11 +177,11 @@ TASKS: dict[str, Callable[[Any, Any], Task]] = {
     TaskName.CHAIN: lambda tokenizer, config: ChainTask(tokenizer),
 }
 if set(TASKS) != set(TASK_REWARDS):
-    raise R3LabError(f"the task registry {sorted(TASKS)} and r3lab.vocabulary.TASKS {sorted(TASK_REWARDS)} disagree")
+    raise ConfigError(f"the task registry {sorted(TASKS)} and r3lab.vocabulary.TASKS {sorted(TASK_REWARDS)} disagree")
 
 
 def make_task(tokenizer: Any, config: Any) -> Task:
     """The task ``config.task`` of an :class:`~r3lab.config.RLConfig` on ``tokenizer``'s ids."""
     if config.task not in TASKS:
-        raise R3LabError(f"unknown task {config.task!r}: the tasks are {sorted(TASKS)}")
+        raise ConfigError(f"unknown task {config.task!r}: the tasks are {sorted(TASKS)}")
     return TASKS[config.task](tokenizer, config)

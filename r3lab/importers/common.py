@@ -39,9 +39,10 @@ from r3lab.routes import SENTINEL, Routes
 from r3lab.runs import IMPORT_KIND, RunWriter
 from r3lab.vocabulary import CAPTURE_LOG_KEY, RLMetric
 
-__all__ = ["NUMPY_ALLOWLIST", "safe_torch_load", "refuse_pickles",
-           "read_jsonl", "file_sha256", "file_hashes", "LayerMap", "Sample", "CaptureLog", "write_run",
-           "sample_tokens", "mtp_layer_count", "MTP_CONFIG_KEYS", "jsonl_samples", "layout_config", "FLOAT_COLUMNS"]
+__all__ = [
+    "NUMPY_ALLOWLIST", "refuse_pickles", "read_jsonl", "file_sha256", "file_hashes", "Sample", "CaptureLog",
+    "write_run", "mtp_layer_count", "MTP_CONFIG_KEYS", "jsonl_samples", "layout_config", "FLOAT_COLUMNS",
+]
 
 REFUSED_SUFFIXES = {".pkl": "a Python pickle", ".pickle": "a Python pickle", ".dill": "a dill pickle",
                     ".joblib": "a joblib pickle"}
@@ -350,8 +351,8 @@ def file_hashes(files: Sequence[Path]) -> dict[str, str]:
     """SHA-256 of each source file, keyed by its path relative to the folder all of them share (POSIX ``/``).
 
     A file name alone is not a key: prime-rl writes a ``rank_0.jsonl`` per step folder and verl a ``gen_batch.dp``
-    per step, which collided (one hash kept). Files of one folder keep their names as keys, so runs imported
-    before this (``config.source.files`` keyed by name) read the same."""
+    per step, which collided (one hash kept). Files of one folder keep their names as keys, so a run whose
+    ``config.source.files`` is keyed by file name reads the same."""
     paths = [Path(os.path.abspath(f)) for f in files]
     if not paths:
         return {}

@@ -3,11 +3,11 @@
 Read in radixark/miles at ``31f1ca96`` (2026-08-21, the newest commit of ``main`` when read):
 
 * ``--save-debug-rollout-data`` (``--dump-details D`` sets ``D/rollout_data/{rollout_id}.pt`` and
-  ``D/train_data/{rollout_id}_{rank}.pt``, ``miles/utils/arguments.py:3184-3185``): ``save_debug_rollout_data``
-  (``miles/ray/rollout/debug_data.py``) writes ``torch.save({"rollout_id": N, "metadata": {...},
-  "samples": [Sample.to_dict()]})``, eval rollouts as ``eval_N`` through the same template with
-  ``"rollout_id": N`` (``miles/ray/rollout/rollout_manager.py``; Miles' reader tells them apart by the
-  ``eval_`` prefix, ``miles/dashboard/dump_reader.py:rollout_ids``). It also writes
+  ``D/train_data/{rollout_id}_{rank}.pt``, ``miles/utils/arguments.py`` ``miles_validate_args``):
+  ``save_debug_rollout_data`` (``miles/ray/rollout/debug_data.py``) writes
+  ``torch.save({"rollout_id": N, "metadata": {...}, "samples": [Sample.to_dict()]})``, eval rollouts as ``eval_N``
+  through the same template with ``"rollout_id": N`` (``miles/ray/rollout/rollout_manager.py``; Miles' reader tells them
+  apart by the ``eval_`` prefix, ``miles/dashboard/dump_reader.py:rollout_ids``). It also writes
   ``D/dashboard_columns/rollout_{N}.parquet`` and ``D/trajectory/`` beside ``rollout_data/``.
   ``Sample.rollout_routed_experts`` is a numpy int32 array ``[len(tokens) - 1, num_layers, topk]``
   (``miles/utils/types.py``); ``spec_info`` is slime's top-level dict.
@@ -41,7 +41,7 @@ from r3lab.importers.slime import LAYOUTS as _SLIME_LAYOUTS
 from r3lab.importers.slime import OPTIONS as _SLIME_OPTIONS
 from r3lab.importers.slime import _detect, import_slime
 
-__all__ = ["import_miles", "detect", "OPTIONS", "FORMAT", "LAYOUTS"]
+__all__ = ["detect", "OPTIONS", "FORMAT", "LAYOUTS"]
 
 _MILES = "radixark/miles"
 _RECOVERY = next(lay for lay in _SLIME_LAYOUTS if lay.name == "recovery-files")

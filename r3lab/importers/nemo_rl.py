@@ -2,25 +2,26 @@
 
 Read from NVIDIA-NeMo/RL at commit ``7ea279ab`` (also its newest at the time of reading):
 
-* ``nemo_rl/algorithms/grpo.py`` (sync loop, ~l.3630-3655; async loop ~l.5260-5282; ``grpo_sync.py`` ~l.1226-1256
+* ``nemo_rl/algorithms/grpo.py`` (``grpo_train``; ``async_grpo_train`` and ``grpo_sync.py`` ``grpo_train_sync``
   the same keys) writes ``logger.log_batched_dict_as_jsonl(log_data, f"train_data_step{total_steps + 1}.jsonl")``
   unless ``env.should_log_nemo_gym_responses`` is set. ``log_data`` holds ``content``, ``rewards`` (the unfiltered
   ``total_reward`` under dynamic sampling, then also ``filtered_rewards``), ``input_lengths``, ``token_ids``,
   ``token_loss_mask``, ``sample_loss_mask``, ``advantages``, ``generation_logprobs``, ``prev_logprobs`` (and
   ``agent_ref`` for NeMo Gym), each ``.tolist()``-ed. ``N = total_steps + 1`` counts from 1; it is the step NeMo's
   logger files the same step's ``train/`` metrics under, and r3lab keeps it: **r3lab step = NeMo's N**.
-* ``nemo_rl/utils/logger.py`` ``log_batched_dict_as_jsonl`` (l.1071-1097): ``BatchedDataDict(to_log)
+* ``nemo_rl/utils/logger.py`` ``Logger.log_batched_dict_as_jsonl``: ``BatchedDataDict(to_log)
   .make_microbatch_iterator(1)`` slices every value ``[i:i+1]``, so each line is one sample whose every value is
   a **length-1 list** (``"token_ids": [[...]]``, ``"input_lengths": [n]``, ``"rewards": [r]``) plus ``"idx": i``.
   Files go to ``base_log_dir`` = the logger's ``log_dir``, which the examples point at ``get_next_experiment_dir``
   (``logs/exp_NNN``): SRC may be a file, that folder, or a folder above it holding exactly one such folder.
-* Alignment (``nemo_rl/models/policy/lm_policy.py`` ``get_logprobs``; ``models/megatron/train.py`` l.668,
-  ``dtensor_policy_worker.py`` l.1281-1292): log-prob ``t`` is of token ``t`` given the tokens before it, and
-  position 0 is a prepended 0 (nothing predicts the first token). ``generation_logprobs`` are the **engine's**
-  (vLLM's, from the rollout's assistant messages; 0 on other messages: ``add_grpo_token_loss_masks_and_generation_
-  logprobs``); ``prev_logprobs`` are the **trainer's** (``policy.get_logprobs`` before the update). Under
-  ``loss_fn.force_on_policy_ratio`` (without ``seq_logprob_error_threshold``) that forward is skipped and
-  ``prev_logprobs = torch.zeros_like(generation_logprobs)`` (grpo.py l.3238-3249): a placeholder, not a log-prob.
+* Alignment (``nemo_rl/models/policy/lm_policy.py`` ``get_logprobs``; ``models/megatron/train.py``
+  ``LogprobsPostProcessor``, ``dtensor_policy_worker.py`` ``DTensorPolicyWorkerImpl.get_logprobs``): log-prob ``t`` is
+  of token ``t`` given the tokens before it, and position 0 is a prepended 0 (nothing predicts the first token).
+  ``generation_logprobs`` are the **engine's** (vLLM's, from the rollout's assistant messages; 0 on other messages:
+  ``add_grpo_token_loss_masks_and_generation_logprobs``); ``prev_logprobs`` are the **trainer's**
+  (``policy.get_logprobs`` before the update). Under ``loss_fn.force_on_policy_ratio`` (without
+  ``seq_logprob_error_threshold``) that forward is skipped and ``prev_logprobs = torch.zeros_like(generation_logprobs)``
+  (``grpo_train``): a placeholder, not a log-prob.
 
 What r3lab reads: tokens ``[0, n)`` (``n = input_lengths``; the rest is padding), the response from the first
 loss-masked token ``P`` (``P >= 1``, so the always-zero position 0 is never read), ``logp_infer`` =
@@ -52,8 +53,7 @@ from r3lab.errors import ImportFormatError
 from r3lab.importers.common import LayerMap, Sample, jsonl_samples, layout_config, write_run
 from r3lab.importers.layouts import Layout, LayoutsSeen
 
-__all__ = ["import_nemo_rl", "step_files", "iter_samples", "detect", "FORMAT", "OPTIONS", "PLACEHOLDER_FLAG",
-           "LAYOUTS"]
+__all__ = ["step_files", "iter_samples", "detect", "FORMAT", "OPTIONS", "PLACEHOLDER_FLAG", "LAYOUTS"]
 
 FORMAT = "nemo-rl"
 OPTIONS: dict[str, str] = {

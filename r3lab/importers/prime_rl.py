@@ -13,7 +13,7 @@ source files as stored at the commits named below (the mirror holds none of them
   ``null`` (``_json_float``); so are the optional columns that were not computed. After every rank flushed a step
   (a barrier), ``STABLE`` is touched in its folder (``mark_stable``): a step folder without it is still being
   written (or its run stopped mid-step) and is skipped, named in the run config (``unfinished_steps``).
-  The newer exporter (read at ``004274ec``, ``token_export.py``) keeps ``schema_version`` 1 and adds
+  The newer exporter (read at prime-rl ``004274ec``, ``token_export.py``) keeps ``schema_version`` 1 and adds
   ``export_step`` (``micro_batch["run_step"]`` when the trainer serves several runs, else ``step``), ``run_id``,
   per-token ``losses`` (``{loss: {"advantage", "mask"}}`` per loss channel; ``loss_mask`` is their OR,
   ``advantages`` the ``rl`` channel's or ``null``) and per-token ``rewards`` (the sample's reward repeated,
@@ -43,25 +43,25 @@ Routes (filesystem transport only) come from the micro-batches the trainer read,
   advantages, inference_logprobs, position_ids, sequence_lengths, temperatures, env_names, seq_lens, ref_logprobs,
   routed_experts, mm_kwargs, ...``: at most 16; ``routed_experts`` = ``[data: bytes, shape: [tokens, layers,
   top_k], dtype]``).
-* #3354 (merged 2026-08-23, "rename transports.rollouts to transports.batch"; read at ``6bc6e998``
+* prime-rl #3354 (merged 2026-08-23, "rename transports.rollouts to transports.batch"; read at ``6bc6e998``
   ``transports/batch/filesystem.py`` and ``0f59b241`` ``transports/batch/types.py``): the same writer as
   ``FileSystemBatchSender`` to ``{output_dir}/batches/step_{S}/rank_{D}.bin``. ``MicroBatch`` then has up to 20
   fields, appended only ("array_like structs encode positionally"): field 11 is ``mm_refs`` (an array, where
-  559b4477 had the ``mm_kwargs`` map), then ``mm_token_type_ids``, the three weight streams, ``sampling_mask``,
+  prime-rl 559b4477 had the ``mm_kwargs`` map), then ``mm_token_type_ids``, the three weight streams, ``sampling_mask``,
   ``trace_ids``, ``branch_indices`` and ``payload`` (19).
-* ``transports/payload.py`` (``0f59b241``): per-token side arrays may travel **by handle**: ``payload`` is a list of
-  ``PayloadSegment`` = ``[field, file, offset, pos, rows, dtype, shape]``: ``rows`` rows of ``field`` for
+* ``transports/payload.py`` (prime-rl ``0f59b241``): per-token side arrays may travel **by handle**: ``payload`` is a
+  list of ``PayloadSegment`` = ``[field, file, offset, pos, rows, dtype, shape]``: ``rows`` rows of ``field`` for
   micro-batch positions ``[pos, pos + rows)``, a C-contiguous ``[rows, *shape]`` array at byte ``offset`` of
   ``file`` (written by the inference server under a shared payload root); ``routed_experts`` is then None in the
   ``.bin``. r3lab reads the ``routed_experts`` segments' rows from their files, one sequence at a time
   (``os.pread``, as ``read_field``); rows no segment covers are uncaptured (:data:`r3lab.routes.SENTINEL`).
   ``file`` is the writer's path: where it does not exist, the same path's tail is looked for under the output
   folder (a dump copied elsewhere); a payload file found nowhere is an error naming it.
-* #3523 (open, "Add Total Router Recall for MoE training", description of 2026-09-10; its code is not in any
+* prime-rl #3523 (open, "Add Total Router Recall for MoE training", description of 2026-09-10; its code is not in any
   source r3lab could read): routes as ``int32`` of width ``2 * top_k``, the expert ids then the FP32 bits of their
   normalized combine weights. Recognised when an ``int32`` route array's last axis is twice the model's top-k;
   split into ids and :attr:`Sample.weights` (the weight half must be finite and non-negative).
-* #3509 (open, "feat(rl): add experimental Total Router Recall"; read at ``cec3a005``
+* prime-rl #3509 (open, "feat(rl): add experimental Total Router Recall"; read at ``cec3a005``
   ``transports/batch/routing.py``, ``validate_routed_experts``): ``RoutedExperts`` gains ``weights`` (``<f4``
   bytes, one per id), ``valid`` (one byte per token, 0 or 1) and ``format_version`` (0: ids only; 1: with
   weights; ids ``uint8``/``<u2``). The struct's field order is taken from that file's constructor calls (data,
@@ -105,8 +105,7 @@ from r3lab.importers.common import LayerMap, Sample, jsonl_samples, layout_confi
 from r3lab.importers.layouts import Layout, LayoutsSeen, unknown_layout
 from r3lab.routes import SENTINEL
 
-__all__ = ["import_prime_rl", "export_files", "iter_samples", "read_micro_batches", "detect", "FORMAT", "OPTIONS",
-           "LAYOUTS"]
+__all__ = ["export_files", "iter_samples", "read_micro_batches", "detect", "FORMAT", "OPTIONS", "LAYOUTS"]
 
 FORMAT = "prime-rl"
 OPTIONS: dict[str, str] = {
@@ -146,14 +145,14 @@ LAYOUTS: tuple[Layout, ...] = (
 _STEP = re.compile(r"^step_(\d+)$")
 _RANK = re.compile(r"^rank_(\d+)\.jsonl$")
 _BIN = re.compile(r"^rank_(\d+)\.bin$")
-_BIN_DIRS = ("batches", "rollouts")  # #3354's folder first, then 559b4477's
+_BIN_DIRS = ("batches", "rollouts")  # prime-rl #3354's folder first, then 559b4477's
 REQUIRED = ("token_ids", "loss_mask", "inference_logprobs", "trainer_logprobs")
 SCHEMA_VERSIONS = (1,)
 # MicroBatch's fields in declaration order (transports/batch/types.py): positions in the msgpack array
 _MB = {"input_ids": 0, "sequence_lengths": 5, "routed_experts": 10, "mm": 11, "payload": 19}
 _MB_FIELDS_OLD, _MB_FIELDS_NEW = 16, 20
 _ROUTES_FIELD = "routed_experts"  # the PayloadSegment.field of the route rows (MicroBatch.routed_experts by handle)
-_RE_FIELDS = 6  # RoutedExperts with #3509: data, shape, dtype, weights, valid, format_version
+_RE_FIELDS = 6  # RoutedExperts with prime-rl #3509: data, shape, dtype, weights, valid, format_version
 _RE_VERSIONS = (0, 1)
 
 
@@ -300,8 +299,8 @@ class _Pack:
     input_ids: np.ndarray
     offsets: np.ndarray
     routes: np.ndarray | None = None  # [tokens, layers, width] as the dump has them (a view of its bytes)
-    weights: np.ndarray | None = None  # fp32 beside routes (#3509)
-    valid: np.ndarray | None = None  # one bool per token (#3509): False rows are uncaptured
+    weights: np.ndarray | None = None  # fp32 beside routes (prime-rl #3509)
+    valid: np.ndarray | None = None  # one bool per token (prime-rl #3509): False rows are uncaptured
     segments: list[_Segment] = field(default_factory=list)
     where: str = ""
 
@@ -312,8 +311,8 @@ class _Pack:
 
 def _routed_experts(re_: Any, n_ids: int, where: str, seen: LayoutsSeen
                     ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
-    """``(ids, weights or None, valid or None)`` of an inline ``RoutedExperts`` (559b4477's three fields or #3509's
-    six), as views of the msgpack bytes (converted a sequence at a time)."""
+    """``(ids, weights or None, valid or None)`` of an inline prime-rl ``RoutedExperts`` (559b4477's three fields or
+    #3509's six), as views of the msgpack bytes (converted a sequence at a time)."""
     if not (isinstance(re_, list) and 3 <= len(re_) and isinstance(re_[0], bytes)):
         raise ImportFormatError(f"{where}: routed_experts is not [data, shape, dtype, ...]")
     if len(re_) > _RE_FIELDS:
@@ -455,7 +454,7 @@ class _Routes:
 
     def _split(self, r: np.ndarray, w: np.ndarray | None, dtype_i32: bool, where: str
                ) -> tuple[np.ndarray, np.ndarray | None]:
-        """#3523: ``int32`` rows of width ``2 * top_k`` = ids, then the fp32 bits of their weights."""
+        """prime-rl #3523: ``int32`` rows of width ``2 * top_k`` = ids, then the fp32 bits of their weights."""
         K = self.top_k
         if K is None or r.shape[2] == K or w is not None:
             return r, w
@@ -496,7 +495,7 @@ class _Routes:
                 rr = p.routes[a:b].astype(np.int64)
                 ww = None if p.weights is None else p.weights[a:b].astype(np.float32)
                 if p.valid is not None:
-                    rr[~p.valid[a:b]] = SENTINEL  # uncaptured rows (#3509 valid 0): never expert ids
+                    rr[~p.valid[a:b]] = SENTINEL  # uncaptured rows (prime-rl #3509 valid 0): never expert ids
                 return self._split(rr, ww, p.routes.dtype == np.dtype(np.int32), p.where)
             if p.segments:
                 i32 = all(s.dtype == np.dtype(np.int32) for s in p.segments)
@@ -572,7 +571,7 @@ def _parser(routes: _Routes | None, seen: LayoutsSeen):
 def iter_samples(files: Sequence[tuple[int, Path]], routes_from: Path | None = None, *,
                  seen: LayoutsSeen | None = None, top_k: int | None = None) -> Iterator[Sample]:
     """Every exported sequence, one line at a time; with ``routes_from`` (the output folder), its engine routes
-    (``top_k``: the model's, to split #3523's ids and weight bits)."""
+    (``top_k``: the model's, to split prime-rl #3523's ids and weight bits)."""
     seen = seen if seen is not None else LayoutsSeen(LAYOUTS)
     routes = _Routes(routes_from, seen, top_k) if routes_from is not None else None
     return jsonl_samples(files, _parser(routes, seen), required=REQUIRED,

@@ -25,7 +25,7 @@ from typing import Any
 from r3lab._plugins import PluginRegistry
 from r3lab.errors import ConfigError, ImporterMissingError, ImportFormatError
 
-__all__ = ["ImporterSpec", "REGISTRY", "spec", "detect_kind", "AUTO"]
+__all__ = ["REGISTRY", "spec"]
 
 AUTO = "auto"  # the kind that asks every importer's detect
 

@@ -40,21 +40,24 @@ read at those pull requests' heads ``c1e71a0b`` (#2080), ``0caad2f2`` (#2081) an
   (``skyrl/backends/skyrl_train/utils/routed_experts.py``) pads the trace itself to ``P + R`` rows with the same dummy
   rows, so the mask counts them as captured: here a trailing run of exact dummy rows inside the mask's prefix is read
   as uncaptured too (top-k >= 2, where a real row holds distinct ids in every layer and ``[0..K-1]`` in all of them is
-  no plausible capture). ``rollout_sample_support`` (#2238) is the sampler's bounded support per response token (top-k
-  vocabulary ids, ``-1`` padded, int32 ``[sum(R_i), top_k]``): r3lab has no place for it and ignores it by name.
+  no plausible capture). ``rollout_sample_support`` (SkyRL #2238) is the sampler's bounded support per response token
+  (top-k vocabulary ids, ``-1`` padded, int32 ``[sum(R_i), top_k]``): r3lab has no place for it and ignores it by
+  name.
 * ``training_batch.py`` ``pad_training_input_batch`` appends ``metadata["pad_size"]`` DP pad rows at the end (copies
   of row 0, ``loss_mask`` zero, ``router_padding_mask`` all True); packed fields get one segment per pad row, as long
-  as segment 0, of dummy rows (``append_packed_replay_padding``; #2238: ``append_packed_field_padding``). Dropped.
-* ``preprocess.py`` ``convert_prompts_responses_to_batch_tensors`` (layout since #1285, 2026-03-20): ``sequences``/
-  ``attention_mask`` ``[B, S]`` left-padded (``S = max(P_i + R_i)``), response tensors ``[B, max R]`` right-aligned
-  with ``response_mask`` 1 on the last ``R_i`` columns (``loss_mask``, ``rollout_logprobs`` engine log-probs,
-  ``action_log_probs`` trainer log-probs, ``advantages``). Tokens are read where ``attention_mask`` is 1 and response
-  values where ``response_mask`` is 1, so the layout before #1285 (response right-padded) reads the same.
-* Dense routes (before #2235) ``rollout_expert_indices`` ``[B, S, layers, topk]`` (uint8/int16/int32,
+  as segment 0, of dummy rows (``append_packed_replay_padding``; SkyRL #2238: ``append_packed_field_padding``).
+  Dropped.
+* ``preprocess.py`` ``convert_prompts_responses_to_batch_tensors`` (layout since SkyRL #1285, 2026-03-20):
+  ``sequences``/``attention_mask`` ``[B, S]`` left-padded (``S = max(P_i + R_i)``), response tensors ``[B, max R]``
+  right-aligned with ``response_mask`` 1 on the last ``R_i`` columns (``loss_mask``, ``rollout_logprobs`` engine
+  log-probs, ``action_log_probs`` trainer log-probs, ``advantages``). Tokens are read where ``attention_mask`` is 1
+  and response values where ``response_mask`` is 1, so the layout before SkyRL #1285 (response right-padded) reads
+  the same.
+* Dense routes (before SkyRL #2235) ``rollout_expert_indices`` ``[B, S, layers, topk]`` (uint8/int16/int32,
   ``compact_routed_expert_indices``) hold the engine's captured rows from the sequence's first real position; since
   #1908 (2026-07-29) ``router_padding_mask`` is True on left padding and on the uncaptured suffix, which holds dummy
-  rows ``[0..k-1]``. Before #1908 (read at ``68326807a~1``) the suffix was zero-filled and no mask was written: there
-  the captured prefix ends at the last row that is not all zero (exact for top-k >= 2).
+  rows ``[0..k-1]``. Before SkyRL #1908 (read at ``68326807a~1``) the suffix was zero-filled and no mask was written:
+  there the captured prefix ends at the last row that is not all zero (exact for top-k >= 2).
 
 Row convention (r3lab's ``P + R - 1``): vLLM captures ``P + R - 1`` rows (the last sampled token is never fed
 back), so the first ``P + R - 1`` captured rows are the sample's routes and a padded row is never read. A sample
@@ -309,7 +312,7 @@ def _load(path: Path) -> tuple[dict[str, Any], dict[str, Any], str]:
         layout = "packed-2026-09"
     elif "router_padding_mask" in arrays or ("router_padding_mask" in state["batch_dict"]
                                              and "rollout_expert_indices" not in arrays):
-        layout = "tensorbatch-2026-07"  # since #1908 a batch with routes has the mask; without, the key (None)
+        layout = "tensorbatch-2026-07"  # since SkyRL #1908 a batch with routes has the mask; without, the key (None)
     else:
         layout = "tensorbatch-2026-03"
     return arrays, meta if isinstance(meta, dict) else {}, layout

@@ -4,25 +4,25 @@ Read in THUDM/slime at ``624b824a`` (2026-08-21, the newest commit of ``main`` w
 train dump also at ``d38dc29c9``, before #2266):
 
 * ``--save-debug-rollout-data TEMPLATE`` (``--dump-details D`` sets ``D/rollout_data/{rollout_id}.pt``,
-  ``slime/utils/arguments.py``): ``save_debug_rollout_data`` (``slime/observability/rollout_data_utils.py:140-153``)
+  ``slime/utils/arguments.py``): ``save_debug_rollout_data`` (``slime/observability/rollout_data_utils.py``)
   writes ``torch.save({"rollout_id": N, "samples": [Sample.to_dict(), ...]})``. Eval rollouts go through the same
-  template with ``rollout_id="eval_N"`` (``slime/ray/rollout.py:500,522``): the path says ``eval_N`` while the dict
-  still says ``"rollout_id": N``. **Eval rollouts are never training steps**: r3lab skips them and records them
-  (file, rollout id, sample count) under ``eval_rollouts`` in the run's config; an ``eval_N`` file passed alone is
-  refused. Training samples are the rollout's flattened groups in order (``_get_rollout_data``), so a sample's
-  position in ``samples`` is its ``rollout_position``.
+  template with ``rollout_id="eval_N"`` (``slime/ray/rollout.py`` ``RolloutManager.eval``): the path says
+  ``eval_N`` while the dict still says ``"rollout_id": N``. **Eval rollouts are never training steps**: r3lab skips
+  them and records them (file, rollout id, sample count) under ``eval_rollouts`` in the run's config; an ``eval_N``
+  file passed alone is refused. Training samples are the rollout's flattened groups in order
+  (``_get_rollout_data``), so a sample's position in ``samples`` is its ``rollout_position``.
 * ``Sample`` (``slime/utils/types.py``): ``tokens`` (prompt + response), ``response_length``, ``loss_mask`` (over the
   response; multi-turn tool tokens are 0), ``rollout_log_probs``, ``rollout_routed_experts`` (an int32 tensor
   ``[len(tokens) - 1, num_layers, topk]``: all decoder layers, turns concatenated via ``routed_experts_start_len``),
   ``reward`` (a float or a dict: ``--reward-key``), ``index`` (the global ``Sample.index``,
-  ``slime/rollout/data_source.py:110-115``), ``status`` and ``spec_info`` (a top-level dict
+  ``slime/rollout/data_source.py`` ``RolloutDataSource.get_samples``), ``status`` and ``spec_info`` (a top-level dict
   ``{spec_accept_token_num, spec_draft_token_num, spec_verify_ct, completion_token_num}``, non-zero only when
   SGLang speculative decoding ran: that is what marks a sample speculative; keys in ``metadata`` are read too).
-* ``--save-debug-train-data``: both layouts (v2 since #2266, per-rank v1 before it) are read by
+* ``--save-debug-train-data``: both layouts (v2 since slime #2266, per-rank v1 before it) are read by
   :mod:`r3lab.importers.train_dumps`, which gives each sample its trainer ``log_probs`` and ``advantages``.
 
-Newer slime (read in the index's stored versions of THUDM/slime, newer than ``624b824a``; not on ``main`` when
-the importer was first written):
+Newer slime (read in the index's stored versions of THUDM/slime, newer than ``624b824a`` and on no ``main`` commit
+read):
 
 * ``slime/ray/training_recovery.py`` at ``13b347f8`` (``TrainingRecovery``): with ``--save-debug-rollout-data`` and
   the Megatron backend, ``remember_converted`` writes ``<dump>.train-recovery.pt`` beside each rollout dump (the
@@ -73,8 +73,10 @@ from r3lab.importers.common import LayerMap, Sample, write_run
 from r3lab.importers.layouts import Layout, LayoutsSeen, unknown_layout
 from r3lab.importers.train_dumps import TrainDumps, TrainRollout, TrainRow, load_dump, to_numpy
 
-__all__ = ["import_slime", "rollout_files", "eval_files", "recovery_files", "iter_samples", "detect", "OPTIONS",
-           "FORMAT", "LAYOUTS", "IGNORED_KEYS", "WeightVersions", "sample_from_dict", "reward_of", "rollout_layout"]
+__all__ = [
+    "rollout_files", "eval_files", "recovery_files", "iter_samples", "detect", "OPTIONS", "FORMAT", "LAYOUTS",
+    "IGNORED_KEYS", "WeightVersions", "sample_from_dict", "reward_of", "rollout_layout",
+]
 
 _SLIME = "THUDM/slime"
 LAYOUTS: tuple[Layout, ...] = (

@@ -3,19 +3,20 @@
 Three layouts, each read in its writer's source:
 
 * **slime v2** (THUDM/slime ``681b3adca`` #2266, 2026-08-12, read at ``624b824a``):
-  ``slime/observability/train_data_utils.py:104-242``. One file per rollout, written by the DP source rank of TP 0
-  on the last PP stage: ``{"format_version": 2, "rollout_id", "rank", "samples": [...], "dp_shards": [...],
-  "raw_reward"}``. Each sample dict holds that sample's columns (``log_probs``, ``advantages``, ``tokens``,
-  ``response_lengths``, ...), ``sample_index`` (``Sample.index``) and ``rollout_position`` (its place in the
-  rollout dump's ``samples``: the DP ``partition``). CP fields are already gathered to the full response
-  (``restore_context_parallel_fields_to_cpu`` with ``all_gather_with_cp``). Joined on ``rollout_position``.
-* **slime v1** (before #2266; read at ``d38dc29c9``, the parent of ``681b3adca``):
-  ``slime/utils/train_dump_utils.py``: every global rank writes ``{"rollout_id", "rank", "rollout_data"}``
-  (default ``{dump_details}/train_data/{rollout_id}_{rank}.pt``), ``rollout_data`` being that rank's DP shard
-  as the trainer holds it: ``partition`` popped (``slime/utils/data.py:process_rollout_data``),
-  ``sample_indices`` = the global ``Sample.index`` (``slime/rollout/data_source.py:110-115`` numbers samples
-  across the whole run), TP ranks duplicate, only the last PP stage has ``log_probs``, and CP fields are each
-  CP rank's zigzag slice. The file does not name its CP rank: it is inferred (see :func:`infer_cp_ranks`).
+  ``slime/observability/train_data_utils.py`` ``save_debug_train_data``. One file per rollout, written by the DP source
+  rank of TP 0 on the last PP stage:
+  ``{"format_version": 2, "rollout_id", "rank", "samples": [...], "dp_shards": [...], "raw_reward"}``. Each sample dict
+  holds that sample's columns (``log_probs``, ``advantages``, ``tokens``, ``response_lengths``, ...), ``sample_index``
+  (``Sample.index``) and ``rollout_position`` (its place in the rollout dump's ``samples``: the DP ``partition``). CP
+  fields are already gathered to the full response (``restore_context_parallel_fields_to_cpu`` with
+  ``all_gather_with_cp``). Joined on ``rollout_position``.
+* **slime v1** (before #2266; read at ``d38dc29c9``, the parent of ``681b3adca``): ``slime/utils/train_dump_utils.py``:
+  every global rank writes ``{"rollout_id", "rank", "rollout_data"}`` (default
+  ``{dump_details}/train_data/{rollout_id}_{rank}.pt``), ``rollout_data`` being that rank's DP shard as the trainer
+  holds it: ``partition`` popped (``slime/utils/data.py:process_rollout_data``), ``sample_indices`` = the global
+  ``Sample.index`` (``slime/rollout/data_source.py`` ``RolloutDataSource.get_samples`` numbers samples across the whole
+  run), TP ranks duplicate, only the last PP stage has ``log_probs``, and CP fields are each CP rank's zigzag slice. The
+  file does not name its CP rank: it is inferred (see :func:`infer_cp_ranks`).
 * **Miles** (radixark/miles ``31f1ca96``): ``miles/utils/train_dump_utils.py`` writes slime v1's dict plus
   ``cp_rank``, ``cp_size`` and ``qkv_format`` (``train_data/{rollout_id}_{rank}.pt``); Miles' own reader
   ``miles/dashboard/dump_reader.py`` joins on ``sample_indices`` (``Sample.index``) and reassembles CP slices with

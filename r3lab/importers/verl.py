@@ -1,7 +1,7 @@
 """verl RolloutSkip dumps (``gen_batch.dp``, pickled ``DataProto``; ``tq_batch.pt``, ``torch.save``) into r3lab runs.
 
 Read from verl's source (verl-project/verl, formerly volcengine/verl, commit ``1dda039b`` of 2026-08-22, the newest
-commit of its main branch when read again for issue 37):
+commit of its main branch when read):
 
 * ``verl/utils/skip/rollout_skip.py`` ``RolloutSkip.prepare_data`` (``skip.rollout.enable``): writes
   ``{dump_dir}/{experiment_name}_{project_name}/GBS{gbs}_N{n}_in{P}_out{R}/{global_step}/gen_batch.dp`` with

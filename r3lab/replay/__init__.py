@@ -1,6 +1,6 @@
 """Trainer-side routing replay: inject recorded expert ids into the trainer's routers (or record its own).
 
-Two backends share one validation (:func:`check_route_tensor`) and one exception (:class:`ReplayError`),
+Two backends share one validation (:func:`check_route_tensor`) and one exception (:class:`~r3lab.errors.ReplayError`),
 both in :mod:`r3lab.replay.common`:
 
 * :mod:`r3lab.replay.megatron`: Megatron-core (>= 0.16, ``moe_enable_routing_replay=True``);
@@ -22,7 +22,6 @@ from r3lab._extras import importing
 with importing("torch", for_="r3lab.replay"):
     import torch  # noqa: F401  (every module below needs it)
 
-from r3lab.errors import ReplayError  # noqa: F401  (importable here as before; exported by r3lab.errors)
 from r3lab.replay.common import check_route_tensor
 from r3lab.replay.hf import ROUTER_RULES, WEIGHT_REPLAY, HFReplay, count_replay_hooks, find_hf_routers, hf_replay
 from r3lab.replay.hf_model import (

@@ -9,7 +9,7 @@ import torch
 
 from r3lab.errors import ReplayError
 
-__all__ = ["check_route_tensor", "release_tuple", "in_release_range"]
+__all__ = ["release_tuple", "in_release_range"]
 
 
 def release_tuple(version: str) -> tuple[int, ...]:

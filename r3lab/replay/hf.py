@@ -56,15 +56,6 @@ from r3lab.replay import hf_api
 from r3lab.replay.common import ReplayError, check_route_tensor
 from r3lab.routes import Routes
 
-__all__ = [
-    "ROUTER_RULES",
-    "HFReplay",
-    "hf_replay",
-    "find_hf_routers",
-    "count_replay_hooks",
-    "WEIGHT_REPLAY",
-]
-
 #: how :func:`hf_replay` treats routing weights: None (ids only, R3; the live rule's weights), "stop" (the
 #: engine's weights, no router gradient: R3W), "straight" (the engine's weights forward, the live gradient back)
 WEIGHT_REPLAY = (None, "stop", "straight")

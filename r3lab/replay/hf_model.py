@@ -23,19 +23,6 @@ from r3lab.replay.common import ReplayError
 from r3lab.replay.hf import find_hf_routers, hf_replay
 from r3lab.routes import Routes
 
-__all__ = [
-    "RouterCasts",
-    "keep_routers_fp32",
-    "remove_router_casts",
-    "count_router_cast_hooks",
-    "load_hf_model",
-    "Scores",
-    "score_batch",
-    "hf_token_logprobs",
-    "recompute_routes",
-]
-
-
 # ---- fp32 routers in a lower-precision model ----------------------------------------------------
 _CASTS: weakref.WeakKeyDictionary[torch.nn.Module, RouterCasts] = weakref.WeakKeyDictionary()
 
@@ -205,7 +192,7 @@ def score_batch(
             mask = None  # the plain causal forward: the same numerics as an unpadded call
     if routes is not None:
         if not isinstance(routes, Routes):
-            raise ReplayError(f"routes must be r3lab.Routes, got {type(routes).__name__}")
+            raise ReplayError(f"routes must be r3lab.routes.Routes, got {type(routes).__name__}")
         ctx: Any = hf_replay(model, routes, record_replayed=record, attention_mask=mask, weights=weights)
     elif weights is not None:
         raise ReplayError(f"weights={weights!r} needs routes (the engine's ids and weights)")
@@ -264,7 +251,7 @@ def hf_token_logprobs(
         raise ReplayError(f"prompt_len must be an int in [1, {n}] (len(token_ids)), got {prompt_len!r}")
     if routes is not None:
         if not isinstance(routes, Routes):
-            raise ReplayError(f"routes must be r3lab.Routes, got {type(routes).__name__}")
+            raise ReplayError(f"routes must be r3lab.routes.Routes, got {type(routes).__name__}")
         if routes.total_tokens != n:
             raise ReplayError(f"routes have {routes.total_tokens} token rows for {n} tokens; pass one row per token")
     scored = torch.zeros_like(ids, dtype=torch.bool)

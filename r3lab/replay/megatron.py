@@ -48,16 +48,6 @@ import torch
 from r3lab.replay import mcore_api
 from r3lab.replay.common import ReplayError, check_route_tensor
 
-__all__ = [
-    "MegatronReplay",
-    "megatron_replay",
-    "megatron_routers",
-    "find_orphaned_router_replays",
-    "MegatronRouterMap",
-    "megatron_router_map",
-    "MTP_MODES",
-]
-
 
 def _megatron_classes() -> tuple[Any, Any, Any]:
     mcore_api.check_mcore_api()  # a release outside the checked ones, or a changed internal, fails here

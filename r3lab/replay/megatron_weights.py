@@ -42,8 +42,7 @@ import torch
 from r3lab.replay.common import ReplayError
 from r3lab.replay.megatron import MegatronReplay, _megatron_classes, megatron_routers
 
-__all__ = ["MegatronWeightReplay", "megatron_weight_replay", "check_megatron_router", "count_weight_patches",
-           "MEGATRON_WEIGHT_REPLAY"]
+__all__ = ["check_megatron_router", "count_weight_patches", "MEGATRON_WEIGHT_REPLAY"]
 
 #: "stop": the engine's weights, no router gradient from the loss (R3W); "straight": straight-through
 MEGATRON_WEIGHT_REPLAY = ("stop", "straight")

@@ -14,12 +14,6 @@ and nothing here imports the trainer side (slicing, replay).
 """
 
 
-from r3lab.errors import (
-    AttachError,  # noqa: F401  (importable here as before; exported by r3lab.errors)
-    ModelConfigError,  # noqa: F401  (importable here as before; exported by r3lab.errors)
-    RolloutError,  # noqa: F401  (importable here as before; exported by r3lab.errors)
-)
-from r3lab.moe_layout import MoELayout  # noqa: F401  (importable here as before; exported by r3lab.moe_layout)
 from r3lab.rollout.attach import API_KEY_ENV, AttachedServer, connect, parse_completion, served_model
 from r3lab.rollout.base import Engine
 from r3lab.rollout.engine import RolloutEngine

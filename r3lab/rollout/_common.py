@@ -16,10 +16,6 @@ from typing import Any
 
 import numpy as np
 
-from r3lab._process import (
-    Closing,  # noqa: F401  (importable here as before; exported by r3lab._process)
-    free_port,  # noqa: F401  (importable here as before; exported by r3lab._process)
-)
 from r3lab.moe_layout import ModelConfigError, MoELayout
 from r3lab.rollout.types import RolloutError
 

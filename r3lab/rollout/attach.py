@@ -38,8 +38,7 @@ from r3lab.moe_layout import MoELayout
 from r3lab.rollout._common import check_model_dir, check_prompts
 from r3lab.rollout.types import RolloutError, RolloutResult, SamplingConfig, validate_engine_routes
 
-__all__ = ["API_KEY_ENV", "CompletionsClient", "AttachedServer", "connect", "served_model",
-           "parse_completion"]
+__all__ = ["CompletionsClient"]
 
 API_KEY_ENV = "R3LAB_ENGINE_API_KEY"
 START_HINT = ("start it as: python -m vllm.entrypoints.openai.api_server --model {model} "

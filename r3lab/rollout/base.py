@@ -28,8 +28,6 @@ import numpy as np
 
 from r3lab.rollout.types import RolloutResult, SamplingConfig
 
-__all__ = ["Engine"]
-
 
 class Engine(Protocol):
     """A rollout engine: sampling with routes, prefill scoring, weight updates (or a refusal that says why), close."""

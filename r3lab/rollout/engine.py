@@ -50,8 +50,6 @@ from r3lab.rollout.quant import QUANT_SETTINGS, is_quantized_weight, quantize_st
 from r3lab.rollout.types import RolloutError, RolloutResult, SamplingConfig, stack_routes, validate_engine_routes
 from r3lab.routes import Routes
 
-__all__ = ["RolloutEngine"]
-
 
 class RolloutEngine(Closing):
     """vLLM with routed-expert capture, validated outputs, and in-place weight updates.

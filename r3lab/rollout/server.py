@@ -28,12 +28,13 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-from r3lab._process import end_process_group, free_port
+from r3lab._process import end_process_group, free_port, port_in_use
 from r3lab.compaction import DEFAULT_MAX_BYTES
+from r3lab.errors import ServerPortError
 from r3lab.rollout._common import (
     CPU_DEFAULTS,
     ENGINE_DEFAULTS,
@@ -44,13 +45,68 @@ from r3lab.rollout._common import (
     quiet_log_level,
     vllm_env,
 )
-from r3lab.rollout.attach import (
-    CompletionsClient,
-    parse_completion,  # noqa: F401  (importable here as before; exported by r3lab.rollout.attach)
-)
+from r3lab.rollout.attach import CompletionsClient
 from r3lab.rollout.types import RolloutError
 
-__all__ = ["RolloutServer"]
+
+def launch_server(command: Callable[[int], Sequence[str]], *, host: str, port: int | None, timeout: float,
+                  log: IO[bytes], env: Mapping[str, str] | None = None, log_tail: Callable[[], str] = lambda: "",
+                  what: str = "server") -> tuple[subprocess.Popen[bytes], int]:
+    """Start ``command(port)``, a server that binds ``host:port`` itself, and wait until its ``/health`` answers 200
+    within ``timeout`` s: (the process, leading its own process group, and its port).
+
+    ``port`` None: a port free now (:func:`~r3lab._process.free_port`). Another process may take it before the server
+    binds it; the server then exits during startup (vLLM's binds before it loads anything) with the port held by
+    someone else (:func:`~r3lab._process.port_in_use`), and the launch is tried once more on a new free port. A port
+    lost twice, or a port the caller chose that is held, raises :class:`~r3lab.errors.ServerPortError`; any other
+    exit during startup, or no answer in time, a :class:`~r3lab.rollout.types.RolloutError` with ``log_tail()``.
+    Output goes to ``log``; the process of a failed launch is ended before the error is raised.
+    """
+    deadline = time.monotonic() + timeout
+    lost: list[int] = []
+    while True:
+        chosen = int(port or free_port(host))
+        proc = subprocess.Popen(list(command(chosen)), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=None if env is None else dict(env))
+        try:
+            if _wait_healthy(proc, host, chosen, deadline, timeout, log_tail, what):
+                return proc, chosen
+        except BaseException:
+            end_process_group(proc, grace_s=30.0)
+            raise
+        end_process_group(proc)
+        lost.append(chosen)
+        if port is not None:
+            raise ServerPortError(f"the {what} could not bind {host}:{port}, the port given: another process holds it; "
+                                  f"last log lines:\n{log_tail()}")
+        if len(lost) == 2:
+            raise ServerPortError(f"the {what} could not bind a port on {host}: another process took port {lost[0]}, "
+                                  f"then port {lost[1]}, each found free, before the server bound it; last log "
+                                  f"lines:\n{log_tail()}")
+        log.write(f"r3lab: port {chosen} was taken by another process before the {what} bound it; launching "
+                  "again on another port\n".encode())
+        log.flush()
+
+
+def _wait_healthy(proc: subprocess.Popen[bytes], host: str, port: int, deadline: float, timeout: float,
+                  log_tail: Callable[[], str], what: str) -> bool:
+    """True once ``http://host:port/health`` answers 200; False when ``proc`` exited during startup and another
+    process holds its port (it could not bind it); else a :class:`RolloutError` (exited, or not ready in time)."""
+    url = f"http://{host}:{port}/health"
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            if port_in_use(host, port):
+                return False
+            raise RolloutError(f"{what} exited with code {proc.returncode} during startup; "
+                               f"last log lines:\n{log_tail()}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return True
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            pass
+        time.sleep(0.5)
+    raise RolloutError(f"{what} not ready after {timeout:.0f} s; last log lines:\n{log_tail()}")
 
 
 class RolloutServer(CompletionsClient):
@@ -70,51 +126,37 @@ class RolloutServer(CompletionsClient):
         self.model_dir, self.layout = check_model_dir(model, need_tokenizer=True)
         self.max_model_len = int(max_model_len or self.layout.max_position_embeddings or 2048)
         self.max_routes_bytes = int(max_routes_bytes)
-        self.host, self.port = host, int(port or free_port(host))
-        self.url = f"http://{host}:{self.port}"
+        self.host = host
         self.served_name = str(self.model_dir)
         with vllm_env():
             from vllm.platforms import current_platform
 
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
-               "--host", host, "--port", str(self.port), "--seed", str(seed), *as_cli_args(ENGINE_DEFAULTS),
-               "--max-model-len", str(self.max_model_len), "--enable-return-routed-experts",
-               "--disable-log-stats"]
+        before = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
+                  "--host", host]
+        after = ["--seed", str(seed), *as_cli_args(ENGINE_DEFAULTS), "--max-model-len", str(self.max_model_len),
+                 "--enable-return-routed-experts", "--disable-log-stats"]
         env = dict(os.environ)
         if quiet_log_level() is not None:  # the user did not choose a level: only warnings and errors
             env[LOG_LEVEL_ENV] = quiet_log_level()
-            cmd += ["--uvicorn-log-level", "warning"]
+            after += ["--uvicorn-log-level", "warning"]
         if current_platform.is_cpu():
-            cmd += as_cli_args(CPU_DEFAULTS)
+            after += as_cli_args(CPU_DEFAULTS)
             env["VLLM_CPU_OMP_THREADS_BIND"] = default_cpu_bind(cpu_threads_bind)
-        cmd += list(extra_args)  # last: the caller's flags win
+        after += list(extra_args)  # last: the caller's flags win
         if log_path is None:
             log_path = tempfile.mkstemp(prefix="r3lab-vllm-server-", suffix=".log")[1]
         self.log_path = Path(log_path)
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in close()
         t0 = time.perf_counter()
-        self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         try:
-            self._wait_ready(startup_timeout)
+            self._proc, self.port = launch_server(lambda p: [*before, "--port", str(p), *after], host=host, port=port,
+                                                  timeout=startup_timeout, log=self._log, env=env,
+                                                  log_tail=self.log_tail, what="vLLM server")
         except BaseException:
             self.close()
             raise
+        self.url = f"http://{host}:{self.port}"
         self.start_seconds = time.perf_counter() - t0
-
-    def _wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise RolloutError(f"vLLM server exited with code {self._proc.returncode} during startup; "
-                                   f"last log lines:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-                pass
-            time.sleep(0.5)
-        raise RolloutError(f"vLLM server not ready after {timeout:.0f} s; last log lines:\n{self.log_tail()}")
 
     @property
     def weights_refusal(self) -> str:

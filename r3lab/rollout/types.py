@@ -19,16 +19,6 @@ from r3lab.errors import RolloutError, RouteFormatError
 from r3lab.moe_layout import MoELayout
 from r3lab.routes import Routes, check_distinct_rows
 
-__all__ = [
-    "SamplingConfig",
-    "RolloutResult",
-    "validate_engine_routes",
-    "append_last_row",
-    "stack_routes",
-    "assemble_turns",
-    "split_turn_routes",
-]
-
 
 @dataclass(frozen=True)
 class SamplingConfig:

@@ -32,7 +32,7 @@ factor each chosen expert's output is multiplied by, with ``routed_scaling_facto
 convention (transformers' GLM-4-MoE / DeepSeek gates return ``topk_weights * routed_scaling_factor``). vLLM either
 scales inside the router or, where the layer was built with ``apply_routed_scale_to_output`` (GLM-4-MoE on CPU,
 ``models/glm4_moe.py``; the router then gets 1.0 and ``MoERunner.routed_scaling_factor`` scales the summed
-expert output, ``fused_moe/layer.py`` l.295-302 and l.419-425), after the experts; in that case r3lab multiplies
+expert output, ``fused_moe/layer.py`` ``FusedMoEFactory``), after the experts; in that case r3lab multiplies
 the captured weights by the runner's factor (tests/test_r3w_engine.py checks both models against the transformers
 gate on the same tokens).
 """

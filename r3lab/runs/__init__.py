@@ -30,7 +30,6 @@ Modules: ``format`` (the version, the error, file names), ``writer`` (:class:`Ru
 per replay mode).
 """
 
-from r3lab.errors import RunFormatError  # noqa: F401  (importable here as before; exported by r3lab.errors)
 from r3lab.runs.follow import FollowedRun, Job, RunFollower
 from r3lab.runs.format import IMPORT_KIND, READABLE_VERSIONS, RUN_FORMAT, RUN_FORMAT_VERSION
 from r3lab.runs.reader import Run, list_runs, load, load_runs, parse_step_line, read_stopped, reference_runs_dir

@@ -17,11 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from r3lab.errors import ConfigError, R3LabError
+from r3lab.errors import ConfigError, R3LabFailure
 from r3lab.runs.format import STOPPED_FILE
 from r3lab.runs.reader import load, parse_step_line
-
-__all__ = ["FollowedRun", "Job", "RunFollower"]
 
 
 @dataclass(frozen=True)
@@ -118,12 +116,12 @@ class RunFollower:
                  folder_wait_s: float = 0.0, on_update: Callable[[RunFollower], None] | None = None):
         src = Path(source)
         if src.exists() and not src.is_dir():
-            raise R3LabError(f"{str(src)!r} is a file, not a run folder or a folder of runs")
+            raise ConfigError(f"{str(src)!r} is a file, not a run folder or a folder of runs")
         if folder_wait_s < 0:
             raise ConfigError(f"folder_wait_s must be >= 0, got {folder_wait_s}")
         if not src.exists() and job is None and not folder_wait_s:
-            raise R3LabError(f"{str(src)!r} does not exist (give a run folder, a folder of runs, or the job that "
-                             "will write it; folder_wait_s waits for a folder a job is about to create)")
+            raise ConfigError(f"{str(src)!r} does not exist (give a run folder, a folder of runs, or the job that "
+                              "will write it; folder_wait_s waits for a folder a job is about to create)")
         if expect is not None and expect < 1:
             raise ConfigError(f"expect must be >= 1, got {expect}")
         if interval <= 0:
@@ -174,8 +172,8 @@ class RunFollower:
         job_exited = self.job is not None and not self.job.running  # before reading: a last step is not missed
         if (self.job is None and not self.root.exists()
                 and time.monotonic() - self._created > self.folder_wait_s):
-            raise R3LabError(f"{str(self.root)!r} did not appear within {self.folder_wait_s:g} s (is the job "
-                             "writing there? `r3lab rl --runs DIR --name PREFIX` creates DIR/PREFIX-*)")
+            raise R3LabFailure(f"{str(self.root)!r} did not appear within {self.folder_wait_s:g} s (is the job "
+                               "writing there? `r3lab rl --runs DIR --name PREFIX` creates DIR/PREFIX-*)")
         changed = False
         with self._lock:
             for path in self._candidates():
@@ -228,7 +226,7 @@ class RunFollower:
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the follower ends by itself (True) or ``timeout`` passes (False)."""
         if self._thread is None:
-            raise R3LabError("the follower was never started")
+            raise ConfigError("the follower was never started")
         self._thread.join(timeout)
         return not self._thread.is_alive()
 

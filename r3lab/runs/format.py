@@ -9,8 +9,8 @@ from r3lab.errors import RunFormatError
 from r3lab.vocabulary import RunKind
 
 __all__ = [
-    "RUN_FORMAT", "RUN_FORMAT_VERSION", "READABLE_VERSIONS", "SAMPLES_VERSION", "STOPPED_FILE", "CAPTURE_KIND",
-    "check_run_name", "check_routes_name", "tokens_file", "samples_file", "routes_file", "step_of", "IMPORT_KIND",
+    "SAMPLES_VERSION", "STOPPED_FILE", "CAPTURE_KIND", "check_run_name", "check_routes_name", "tokens_file",
+    "samples_file", "routes_file", "step_of",
 ]
 
 RUN_FORMAT = "r3lab-run"

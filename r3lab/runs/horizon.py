@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from r3lab.errors import R3LabError
+from r3lab.errors import MetricError
 from r3lab.metrics import (
     bootstrap_mean_diff,
     k3_trend,
@@ -49,7 +49,7 @@ def horizon_runs_dir() -> Path:
     """The committed runs (``bench/results/horizon``); missing: an error naming the command that makes them."""
     p = results_dir() / "horizon"
     if not p.is_dir():
-        raise R3LabError(f"no long-horizon runs at {p}: `python bench/bench_horizon.py --work DIR` makes them")
+        raise MetricError(f"no long-horizon runs at {p}: `python bench/bench_horizon.py --work DIR` makes them")
     return p
 
 
@@ -76,7 +76,7 @@ def horizon_record(run: Run) -> dict[str, Any]:
     """One finished RL run's long-horizon numbers (``None`` where it is too short or did not log them)."""
     run.require_kind(RunKind.RL)
     if not run.finished:
-        raise R3LabError(f"run {run.name!r} is {run.state}: the horizon table reads finished runs only")
+        raise MetricError(f"run {run.name!r} is {run.state}: the horizon table reads finished runs only")
     cfg = run.config
     reward, k3 = _series(run, RLMetric.REWARD), _series(run, RLMetric.K3_KL)
     rec: dict[str, Any] = {"run": run.name, "model": cfg["model"], "engine_quant": cfg.get("engine_quant", "none"),
@@ -111,7 +111,7 @@ def horizon_bands(runs: Iterable[Run], key: str = RLMetric.K3_KL, *, smooth: int
     ``{"steps", "median", "lo", "hi", "seeds"}``, over the steps every seed of the group has; ``smooth`` > 1 takes
     a trailing moving mean of each seed first (rewards of 32 samples are noisy step to step)."""
     if smooth < 1:
-        raise R3LabError(f"smooth must be >= 1, got {smooth}")
+        raise MetricError(f"smooth must be >= 1, got {smooth}")
     groups: dict[str, list[np.ndarray]] = {}
     for run in runs:
         cfg = run.config
@@ -173,7 +173,7 @@ def horizon_table(runs: Iterable[Run], *, header: str = "") -> str:
     the seed statistics of each objective against none; the collapse search, one row per setting and mode."""
     records = horizon_records(runs)
     if not records:
-        raise R3LabError("no finished RL runs to tabulate")
+        raise MetricError("no finished RL runs to tabulate")
     curve = " / ".join(str(s) for s in CURVE_STEPS)
     lines = ["# The long horizon: k3, spikes and collapse over hundreds of RL steps", "", header, "",
              f"Cells: median (min - max) over seeds. Reward at {curve}: the mean of the 10 steps from each (the "

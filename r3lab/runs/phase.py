@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from r3lab.config import ENGINE_QUANTS, MODES
-from r3lab.errors import R3LabError
+from r3lab.errors import MetricError
 from r3lab.paths import results_dir
 from r3lab.runs.reader import Run, load_runs
 from r3lab.vocabulary import RLMetric, RunKind, collapse_prose
@@ -47,9 +47,9 @@ def phase_objective(config: Mapping[str, Any]) -> str:
         if all(config.get(k, None if k == "tis_cap" else "") == v for k, v in fields.items()) and (
                 "tis_cap" in fields or config.get("tis_cap") is None):
             return name
-    raise R3LabError(f"an RL run with mode={config.get('mode')!r}, loss={config.get('loss')!r}, "
-                     f"tis_cap={config.get('tis_cap')!r} is none of the phase diagram's objectives "
-                     f"{list(PHASE_OBJECTIVES)}")
+    raise MetricError(f"an RL run with mode={config.get('mode')!r}, loss={config.get('loss')!r}, "
+                      f"tis_cap={config.get('tis_cap')!r} is none of the phase diagram's objectives "
+                      f"{list(PHASE_OBJECTIVES)}")
 
 
 def _short(model: str) -> str:
@@ -78,7 +78,7 @@ def phase_record(run: Run) -> dict[str, Any]:
     """Where a finished RL run sits in the diagram and what it measured (``None`` where the run did not log it)."""
     run.require_kind(RunKind.RL)
     if not run.finished:
-        raise R3LabError(f"run {run.name!r} is {run.state}: the phase diagram reads finished runs only")
+        raise MetricError(f"run {run.name!r} is {run.state}: the phase diagram reads finished runs only")
     cfg = run.config
     stale = int(cfg.get("staleness", 0))
     start = stale  # from step `staleness` on, the rollouts are `staleness` updates behind
@@ -112,8 +112,8 @@ def phase_runs_dir() -> Path:
     makes them."""
     p = results_dir() / "phase"
     if not p.is_dir():
-        raise R3LabError(f"no phase-diagram runs at {p}: `python bench/bench_phase.py` makes them (or pass a folder "
-                         "of your own runs)")
+        raise MetricError(f"no phase-diagram runs at {p}: `python bench/bench_phase.py` makes them (or pass a folder "
+                          "of your own runs)")
     return p
 
 
@@ -124,10 +124,10 @@ def r3w_phase_runs(folder: str | Path | None = None) -> list[Run]:
     them bit for bit: other thread settings), so pooling them would count those cells twice."""
     root = Path(folder) if folder is not None else results_dir() / "r3w_rl"
     if not root.is_dir():
-        raise R3LabError(f"no R3W runs at {root}: `python bench/bench_r3w.py --rl` makes them")
+        raise MetricError(f"no R3W runs at {root}: `python bench/bench_r3w.py --rl` makes them")
     runs = [r for r in load_runs(root) if r.kind == RunKind.RL and phase_objective(r.config) == "R3W"]
     if not runs:
-        raise R3LabError(f"{root} holds no finished R3W run (mode R3W, the phase diagram's setting)")
+        raise MetricError(f"{root} holds no finished R3W run (mode R3W, the phase diagram's setting)")
     return runs
 
 
@@ -156,7 +156,7 @@ def phase_table(runs: Iterable[Run], *, header: str = "") -> str:
     over seeds; then the staleness runs (matched weights)."""
     records = phase_records(runs)
     if not records:
-        raise R3LabError("no finished RL runs to tabulate")
+        raise MetricError("no finished RL runs to tabulate")
     grid = [r for r in records if r["staleness"] == 0 and r["old_logprobs"] == "current"]
     stale = [r for r in records if r["old_logprobs"] == "behaviour"]
     objectives = list(PHASE_OBJECTIVES)
@@ -222,10 +222,10 @@ def phase_summary(records: Iterable[Mapping[str, Any]], numbers: Sequence[str] =
 
     unknown = [n for n in numbers if n not in SUMMARY_COLUMNS]
     if unknown:
-        raise R3LabError(f"no summary number(s) {unknown}; the numbers are {list(SUMMARY_COLUMNS)}")
+        raise MetricError(f"no summary number(s) {unknown}; the numbers are {list(SUMMARY_COLUMNS)}")
     grid = [r for r in records if r["staleness"] == 0 and r["old_logprobs"] == "current"]
     if not grid:
-        raise R3LabError("no phase-diagram records (staleness 0, old_logprobs=current) to summarize")
+        raise MetricError("no phase-diagram records (staleness 0, old_logprobs=current) to summarize")
     names = [SUMMARY_COLUMNS[n] for n in numbers] + (["collapsed"] if collapsed else [])
     rows: dict[tuple[str, str], dict[tuple[str, str], Any]] = {}
     for (model, quant, obj), sel in _group(grid, "model", "engine_quant", "objective").items():

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from r3lab.compaction import decode
-from r3lab.errors import R3LabError, RunFormatError
+from r3lab.errors import RunFormatError
 from r3lab.paths import results_dir
 from r3lab.routes import Routes
 from r3lab.runs.format import (
@@ -29,8 +29,6 @@ from r3lab.vocabulary import RunKind
 
 if TYPE_CHECKING:
     import pandas as pd
-
-__all__ = ["Run", "load", "list_runs", "load_runs", "reference_runs_dir", "parse_step_line", "read_stopped"]
 
 
 def parse_step_line(line: bytes, path: str | os.PathLike[str], lineno: int) -> dict[str, Any]:
@@ -124,8 +122,8 @@ class Run:
     def require_kind(self, kind: str) -> Run:
         """This run, if it is of ``kind`` (``"rl"``, ``"drift"``); else an error naming both."""
         if self.kind != kind:
-            raise R3LabError(f"run {self.name!r} is a {self.kind!r} run, not "
-                             f"{'an RL' if kind == RunKind.RL else 'a ' + kind} run")
+            raise RunFormatError(f"run {self.name!r} is a {self.kind!r} run, not "
+                                 f"{'an RL' if kind == RunKind.RL else 'a ' + kind} run")
         return self
 
     @property
@@ -254,7 +252,7 @@ def load_runs(folder: str | os.PathLike[str], prefix: str = "") -> list[Run]:
     """Every run in ``folder`` whose name starts with ``prefix``, by name; raises if there is none or one is bad."""
     root = Path(folder)
     if not root.is_dir():
-        raise R3LabError(f"runs folder {str(root)!r} does not exist")
+        raise RunFormatError(f"runs folder {str(root)!r} does not exist")
     found: list[Run] = []
     for path, run in list_runs(root):
         if not path.name.startswith(prefix):
@@ -263,7 +261,7 @@ def load_runs(folder: str | os.PathLike[str], prefix: str = "") -> list[Run]:
             raise run
         found.append(run)
     if not found:
-        raise R3LabError(f"no runs named {prefix!r}* in {str(root)!r}")
+        raise RunFormatError(f"no runs named {prefix!r}* in {str(root)!r}")
     return found
 
 
@@ -271,6 +269,6 @@ def reference_runs_dir() -> Path:
     """The committed reference RL runs of a source checkout (``bench/results/rl``)."""
     p = results_dir() / RunKind.RL  # bench/bench_rl.py writes its runs under their kind
     if not p.is_dir():
-        raise R3LabError(f"no reference runs at {p}: they ship in a source checkout's bench/results/rl "
-                         "(or pass a folder of your own runs)")
+        raise RunFormatError(f"no reference runs at {p}: they ship in a source checkout's bench/results/rl "
+                             "(or pass a folder of your own runs)")
     return p

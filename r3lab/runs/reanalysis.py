@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from r3lab.errors import R3LabError
+from r3lab.errors import MetricError, R3LabError
 from r3lab.metrics import reward_collapse
 from r3lab.runs.horizon import TREND_WINDOW, horizon_record
 from r3lab.runs.reader import Run
@@ -47,7 +47,7 @@ def fixed_entropy_trend(run: Run) -> dict[str, float]:
     k3, ent = _series(run, RLMetric.K3_KL), _series(run, ENTROPY)
     ok = np.isfinite(k3) & (k3 > 0) & np.isfinite(ent)
     if ok.sum() < 3:
-        raise R3LabError(f"run {run.name!r}: {int(ok.sum())} steps with k3 and entropy, at least 3 needed")
+        raise MetricError(f"run {run.name!r}: {int(ok.sum())} steps with k3 and entropy, at least 3 needed")
     steps = np.arange(k3.size, dtype=float)[ok] / 100.0
     y = np.log10(k3[ok])
     both = least_squares(y, ent[ok], steps)
@@ -79,7 +79,7 @@ def precollapse_rank(k3: np.ndarray, drop: int, window: int = PRE_DROP_WINDOW) -
     and its rank among all the run's steps (1: the run's largest; NaN steps rank last)."""
     x = np.asarray(k3, dtype=np.float64)
     if not window <= drop <= x.size:
-        raise R3LabError(f"a drop at step {drop} leaves no {window}-step window in a run of {x.size} steps")
+        raise MetricError(f"a drop at step {drop} leaves no {window}-step window in a run of {x.size} steps")
     w = np.nan_to_num(x[drop - window:drop], nan=-np.inf)
     at = drop - window + int(np.argmax(w))
     filled = np.nan_to_num(x, nan=-np.inf)
@@ -100,7 +100,7 @@ def rank_permutation_p(series: Sequence[np.ndarray], drops: Mapping[int, int], *
     to distinct runs of the setting, counted exactly. Returns (observed mean rank, one-sided p: the share of
     assignments with a mean rank at most the observed, number of assignments)."""
     if not drops:
-        raise R3LabError("rank_permutation_p: no collapse to rank")
+        raise MetricError("rank_permutation_p: no collapse to rank")
     steps = list(drops.values())
     obs = float(np.mean([precollapse_rank(series[i], d, window)[2] for i, d in drops.items()]))
     ranks = {}  # (run, drop) -> rank, each computed once
@@ -122,7 +122,7 @@ def rank_placement_p(series: Sequence[np.ndarray], drops: Mapping[int, int], *, 
     ``earliest`` on, uniformly and independently: the exact p that the summed rank is at most the observed one
     (the per-run rank distributions convolved)."""
     if not drops:
-        raise R3LabError("rank_placement_p: no collapse to rank")
+        raise MetricError("rank_placement_p: no collapse to rank")
     dist = np.array([1.0])
     obs = 0
     for i, d in drops.items():
@@ -178,7 +178,7 @@ def seed_sd(records: Sequence[Mapping[str, Any]], key: str = "reward_last50") ->
             ss += float(((v - v.mean()) ** 2).sum())
             df += v.size - 1
     if df == 0:
-        raise R3LabError("seed_sd: no arm with two seeds")
+        raise MetricError("seed_sd: no arm with two seeds")
     return math.sqrt(ss / df), df
 
 
@@ -211,7 +211,7 @@ def step_separation(records: Sequence[Mapping[str, Any]], quant: str, a: str = "
     xa = [r["k3_series"] for r in _base(records, quant, a)]
     xb = [r["k3_series"] for r in _base(records, quant, b)]
     if not xa or not xb:
-        raise R3LabError(f"step_separation: no {a} or {b} runs at {quant}")
+        raise MetricError(f"step_separation: no {a} or {b} runs at {quant}")
     n = min(x.size for x in xa + xb)
     ma, mb = np.stack([x[:n] for x in xa]), np.stack([x[:n] for x in xb])
     return {"median_below": float(np.mean(np.median(ma, axis=0) < np.median(mb, axis=0))),
@@ -237,7 +237,7 @@ def reanalysis_text(records: Sequence[Mapping[str, Any]]) -> str:
     """The re-analysis sections of horizon.md (markdown), every number computed here from ``records``
     (:func:`reanalysis_records`)."""
     if not records:
-        raise R3LabError("no records to re-analyse")
+        raise MetricError("no records to re-analyse")
     lines = ["## k3 at fixed entropy", "",
              "Per run, least squares of log10 k3 on the step's policy entropy (`train/entropy`, nats) and the step "
              "(r3lab.runs.reanalysis.fixed_entropy_trend): the step slope at fixed entropy (log10 per 100 steps; "

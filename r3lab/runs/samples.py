@@ -28,7 +28,6 @@ from r3lab.errors import RunFormatError
 if TYPE_CHECKING:
     import pyarrow as pa
 
-__all__ = ["Samples"]
 
 _INT32_MAX = np.iinfo(np.int32).max
 

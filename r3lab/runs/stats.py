@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from r3lab.errors import R3LabError
+from r3lab.errors import MetricError
 
 __all__ = ["t_cdf", "t_ppf", "normal_cdf", "least_squares", "Tost", "tost", "detectable_difference", "seeds_needed",
            "fisher_exact", "KaplanMeier", "kaplan_meier", "LogRank", "logrank"]
@@ -39,7 +39,7 @@ def _betacf(a: float, b: float, x: float) -> float:
             h *= d * c
         if abs(d * c - 1.0) < 1e-15:
             return h
-    raise R3LabError(f"incomplete beta: the continued fraction did not converge (a={a}, b={b}, x={x})")
+    raise MetricError(f"incomplete beta: the continued fraction did not converge (a={a}, b={b}, x={x})")
 
 
 def _betainc(a: float, b: float, x: float) -> float:
@@ -57,7 +57,7 @@ def _betainc(a: float, b: float, x: float) -> float:
 def t_cdf(t: float, df: float) -> float:
     """P(T <= t) for Student's t with ``df`` degrees of freedom (``df`` > 0, not necessarily whole: Welch's)."""
     if not df > 0:
-        raise R3LabError(f"t_cdf needs df > 0, got {df}")
+        raise MetricError(f"t_cdf needs df > 0, got {df}")
     if math.isinf(t):
         return 1.0 if t > 0 else 0.0
     tail = 0.5 * _betainc(df / 2.0, 0.5, df / (df + t * t))
@@ -67,7 +67,7 @@ def t_cdf(t: float, df: float) -> float:
 def t_ppf(p: float, df: float) -> float:
     """The ``p`` quantile of Student's t with ``df`` degrees of freedom (bisection on :func:`t_cdf`)."""
     if not 0.0 < p < 1.0:
-        raise R3LabError(f"t_ppf needs p in (0, 1), got {p}")
+        raise MetricError(f"t_ppf needs p in (0, 1), got {p}")
     lo, hi = -1.0, 1.0
     while t_cdf(lo, df) > p:
         lo *= 2.0
@@ -95,10 +95,10 @@ def least_squares(y: np.ndarray, *columns: np.ndarray) -> np.ndarray:
     yy = np.asarray(y, dtype=np.float64).ravel()
     x = np.column_stack([np.ones(yy.size)] + [np.asarray(c, dtype=np.float64).ravel() for c in columns])
     if x.shape[0] != yy.size:
-        raise R3LabError(f"least_squares: {yy.size} values against {x.shape[0]} rows of regressors")
+        raise MetricError(f"least_squares: {yy.size} values against {x.shape[0]} rows of regressors")
     ok = np.isfinite(yy) & np.isfinite(x).all(axis=1)
     if ok.sum() < x.shape[1]:
-        raise R3LabError(f"least_squares: {int(ok.sum())} usable rows for {x.shape[1]} coefficients")
+        raise MetricError(f"least_squares: {int(ok.sum())} usable rows for {x.shape[1]} coefficients")
     coef: np.ndarray = np.linalg.lstsq(x[ok], yy[ok], rcond=None)[0]
     return coef
 
@@ -129,13 +129,13 @@ def tost(a: Sequence[float] | np.ndarray, b: Sequence[float] | np.ndarray, margi
     """:class:`Tost` of two samples (at least 2 values each, not all equal on both sides)."""
     x, y = np.asarray(a, dtype=np.float64).ravel(), np.asarray(b, dtype=np.float64).ravel()
     if x.size < 2 or y.size < 2 or not (np.isfinite(x).all() and np.isfinite(y).all()):
-        raise R3LabError(f"tost needs at least 2 finite values a side, got {x.size} and {y.size}")
+        raise MetricError(f"tost needs at least 2 finite values a side, got {x.size} and {y.size}")
     if margin <= 0 or not 0 < alpha < 0.5:
-        raise R3LabError(f"tost needs margin > 0 and alpha in (0, 0.5), got {margin}, {alpha}")
+        raise MetricError(f"tost needs margin > 0 and alpha in (0, 0.5), got {margin}, {alpha}")
     va, vb = x.var(ddof=1) / x.size, y.var(ddof=1) / y.size
     se = math.sqrt(va + vb)
     if se == 0:
-        raise R3LabError("tost: no spread on either side (every value equal)")
+        raise MetricError("tost: no spread on either side (every value equal)")
     df = (va + vb) ** 2 / (va**2 / (x.size - 1) + vb**2 / (y.size - 1))
     diff = float(x.mean() - y.mean())
     p_lower = 1.0 - t_cdf((diff + margin) / se, df)
@@ -149,7 +149,7 @@ def detectable_difference(sd: float, n: int, *, alpha: float = 0.05, power: floa
     ``power``, for a seed SD ``sd``: ``(t_{1-alpha/2, 2n-2} + t_{power, 2n-2}) * sd * sqrt(2 / n)`` (the usual
     t-corrected normal approximation; exact power needs the noncentral t, within a few percent of this here)."""
     if n < 2 or sd < 0:
-        raise R3LabError(f"detectable_difference needs n >= 2 and sd >= 0, got {n}, {sd}")
+        raise MetricError(f"detectable_difference needs n >= 2 and sd >= 0, got {n}, {sd}")
     df = 2 * n - 2
     return (t_ppf(1 - alpha / 2, df) + t_ppf(power, df)) * sd * math.sqrt(2.0 / n)
 
@@ -158,11 +158,11 @@ def seeds_needed(sd: float, difference: float, *, alpha: float = 0.05, power: fl
                  limit: int = 10000) -> int:
     """The fewest seeds an arm for which :func:`detectable_difference` is at most ``difference``."""
     if difference <= 0:
-        raise R3LabError(f"seeds_needed needs a difference > 0, got {difference}")
+        raise MetricError(f"seeds_needed needs a difference > 0, got {difference}")
     for n in range(2, limit + 1):
         if detectable_difference(sd, n, alpha=alpha, power=power) <= difference:
             return n
-    raise R3LabError(f"seeds_needed: more than {limit} seeds an arm for {difference} at sd {sd}")
+    raise MetricError(f"seeds_needed: more than {limit} seeds an arm for {difference} at sd {sd}")
 
 
 def _hypergeom_pmf(k: int, n_a: int, n_b: int, events: int) -> float:
@@ -173,7 +173,7 @@ def fisher_exact(events_a: int, n_a: int, events_b: int, n_b: int) -> float:
     """Fisher's exact test of the 2x2 table (``events_a`` of ``n_a`` against ``events_b`` of ``n_b``), two-sided: the
     summed probability of every table with the same margins no more likely than the observed one."""
     if not (0 <= events_a <= n_a and 0 <= events_b <= n_b) or n_a < 1 or n_b < 1:
-        raise R3LabError(f"fisher_exact: {events_a} of {n_a} and {events_b} of {n_b} is no 2x2 table")
+        raise MetricError(f"fisher_exact: {events_a} of {n_a} and {events_b} of {n_b} is no 2x2 table")
     m = events_a + events_b
     ks = range(max(0, m - n_b), min(n_a, m) + 1)
     p_obs = _hypergeom_pmf(events_a, n_a, n_b, m)
@@ -194,7 +194,7 @@ def _survival_data(times: Sequence[float] | np.ndarray, events: Sequence[bool] |
                    ) -> tuple[np.ndarray, np.ndarray]:
     t, e = np.asarray(times, dtype=np.float64).ravel(), np.asarray(events, dtype=bool).ravel()
     if t.size != e.size or t.size == 0 or not np.isfinite(t).all():
-        raise R3LabError(f"survival data needs one finite time per event flag, got {t.size} times, {e.size} flags")
+        raise MetricError(f"survival data needs one finite time per event flag, got {t.size} times, {e.size} flags")
     return t, e
 
 

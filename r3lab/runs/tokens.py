@@ -8,11 +8,9 @@ from typing import Any
 import numpy as np
 
 from r3lab.config import MODES
-from r3lab.errors import R3LabError
+from r3lab.errors import RunFormatError
 from r3lab.runs.reader import Run
 from r3lab.vocabulary import RunKind
-
-__all__ = ["mode_order", "rl_token_logprobs"]
 
 
 def mode_order(modes: Iterable[str]) -> list[str]:
@@ -30,7 +28,7 @@ def rl_token_logprobs(runs: Sequence[Run], step: int | None = None) -> tuple[dic
         r.require_kind(RunKind.RL)
         have = r.token_steps()
         if not have or (step is not None and step not in have):
-            raise R3LabError(f"run {r.name!r} has token tables at steps {have}, not at {step}")
+            raise RunFormatError(f"run {r.name!r} has token tables at steps {have}, not at {step}")
         t = r.tokens([have[-1] if step is None else step])
         pairs.setdefault(r.config["mode"], []).append(t)
     order = mode_order(pairs)

@@ -30,7 +30,7 @@ from r3lab.runs.format import (
 )
 from r3lab.runs.samples import Samples
 
-__all__ = ["RunWriter", "versions", "threads", "THREAD_VARIABLES", "r3lab_source", "mark_stopped"]
+__all__ = ["THREAD_VARIABLES"]
 
 
 def r3lab_source() -> str:

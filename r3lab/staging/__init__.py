@@ -27,7 +27,7 @@ DP rank, mini-batch, stage, sequence ids, token count, layer ids), so a mix-up i
 object locally, a threaded Ray actor on Ray, keys in the process group's store on torch.distributed)
 whether it got a good chunk; :func:`barrier` passes only
 when every rank of the layout reported success. If any rank cannot get its chunk in time, gets a
-corrupt or wrong one, or never reports, every rank raises the same :class:`StagingError` naming the
+corrupt or wrong one, or never reports, every rank raises the same :class:`~r3lab.errors.StagingError` naming the
 rank and chunk, before any rank could enter a collective and hang. A rank returns or raises within
 ``timeout + grace`` seconds.
 
@@ -46,7 +46,6 @@ and :mod:`~r3lab.staging.torch_dist` (the backends), :mod:`~r3lab.staging.driver
 (a route buffer decoded straight into device memory with torch operations: raw, bitpack, topk-gaps).
 """
 
-from r3lab.errors import StagingError  # noqa: F401  (importable here as before; exported by r3lab.errors)
 from r3lab.staging.backend import Backend, WaitResult
 from r3lab.staging.coordinator import Coordinator
 from r3lab.staging.driver import StagedBatch, StageStats, stage

@@ -7,8 +7,6 @@ from typing import Any, Protocol, runtime_checkable
 
 from r3lab.staging.plan import StagingPlan
 
-__all__ = ["Backend", "WaitResult"]
-
 #: what :meth:`Backend.wait` returns: ``("ok", "")``, ``("failed", message)`` or ``("pending", ranks not heard from)``
 WaitResult = tuple[str, str | list[str]]
 
@@ -35,7 +33,8 @@ class Backend(Protocol):
         ...
 
     def get(self, ref: Any, timeout: float) -> Any:
-        """The chunk's bytes (any buffer), within ``timeout`` s, or raise (:class:`TimeoutError` when late)."""
+        """The chunk's bytes (any buffer), within ``timeout`` s, or raise (:class:`~r3lab.errors.StagingTimeoutError`,
+        a :class:`TimeoutError`, when late)."""
         ...
 
     def report(

@@ -6,7 +6,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-__all__ = ["Coordinator"]
+from r3lab.errors import StagingTimeoutError
 
 
 class Coordinator:
@@ -38,10 +38,11 @@ class Coordinator:
     def report(
         self, stage_id: str, mini_batch: int, rank: str, failure: str | None = None, timeout: float | None = None
     ) -> None:
-        """Record ``rank``'s outcome; the first failure of a mini-batch wins. Raises :class:`TimeoutError` if
-        the tally cannot be reached within ``timeout`` s (None: wait as long as it takes)."""
+        """Record ``rank``'s outcome; the first failure of a mini-batch wins. Raises
+        :class:`~r3lab.errors.StagingTimeoutError` (a :class:`TimeoutError`) if the tally cannot be reached within
+        ``timeout`` s (None: wait as long as it takes)."""
         if not self._cond.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
-            raise TimeoutError(f"the coordinator was busy for {timeout:.1f} s")
+            raise StagingTimeoutError(f"the coordinator was busy for {timeout:.1f} s")
         try:
             ok = self._ok.setdefault((stage_id, mini_batch), set())
             if stage_id not in self._ranks:

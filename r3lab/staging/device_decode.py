@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 
 from r3lab._extras import importing
-from r3lab.compaction import DEFAULT_MAX_BYTES, BitPack, Raw, TopKGaps, decode, read_header
-from r3lab.compaction.codecs import IdCodec, id_bits, parse_pipeline
+from r3lab.compaction import DEFAULT_MAX_BYTES, decode, read_header
+from r3lab.compaction.codecs import BitPack, IdCodec, Raw, TopKGaps, id_bits, parse_pipeline
 from r3lab.compaction.codecs.weights import WeightCodec
 from r3lab.compaction.framing import byte_view
 from r3lab.compaction.kernels import first_bad_row

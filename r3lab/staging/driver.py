@@ -17,8 +17,6 @@ from r3lab.staging.backend import Backend
 from r3lab.staging.frame import encode_chunk
 from r3lab.staging.plan import StagingError, StagingPlan
 
-__all__ = ["StageStats", "StagedBatch", "stage"]
-
 
 @dataclasses.dataclass
 class StageStats:

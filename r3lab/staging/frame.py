@@ -26,8 +26,6 @@ from r3lab.errors import RouteFormatError
 from r3lab.routes import Routes
 from r3lab.staging.plan import ChunkSpec, StagingError
 
-__all__ = ["encode_chunk", "decode_chunk", "CHUNK_MAGIC", "CHUNK_VERSION"]
-
 CHUNK_MAGIC = b"R3SC"
 #: the chunk frame version :func:`encode_chunk` writes and :func:`decode_chunk` reads
 CHUNK_VERSION = 1

@@ -6,11 +6,10 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from r3lab.errors import StagingTimeoutError
 from r3lab.staging.backend import WaitResult
 from r3lab.staging.coordinator import Coordinator
 from r3lab.staging.plan import StagingPlan
-
-__all__ = ["LocalBackend"]
 
 
 class LocalBackend:
@@ -32,7 +31,7 @@ class LocalBackend:
     def get(self, ref: str, timeout: float) -> memoryview:
         with self._cond:
             if not self._cond.wait_for(lambda: ref in self._store, timeout=max(timeout, 0.0)):
-                raise TimeoutError(f"not put within {timeout:.1f} s")
+                raise StagingTimeoutError(f"not put within {timeout:.1f} s")
             return memoryview(self._store[ref])
 
     def release(self, stage_id: str, refs: Sequence[str]) -> None:

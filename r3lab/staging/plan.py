@@ -11,8 +11,6 @@ import numpy as np
 from r3lab.errors import SlicingError, StagingError
 from r3lab.slicing import ParallelLayout, dp_sequence_ids
 
-__all__ = ["RankCoords", "ChunkSpec", "StagingPlan"]
-
 
 @dataclasses.dataclass(frozen=True, order=True)
 class RankCoords:

@@ -10,8 +10,6 @@ from r3lab.staging.driver import StagedBatch
 from r3lab.staging.frame import decode_chunk
 from r3lab.staging.plan import RankCoords, StagingError
 
-__all__ = ["ReceiveStats", "fetch", "barrier", "receive", "default_grace"]
-
 
 @dataclasses.dataclass
 class ReceiveStats:

@@ -9,11 +9,10 @@ from typing import Any
 import numpy as np
 
 from r3lab._extras import importing
+from r3lab.errors import StagingTimeoutError
 from r3lab.staging.backend import WaitResult
 from r3lab.staging.coordinator import Coordinator
 from r3lab.staging.plan import StagingError, StagingPlan
-
-__all__ = ["RayBackend"]
 
 
 class RayBackend:
@@ -55,7 +54,7 @@ class RayBackend:
         try:
             return ray.get(ref, timeout=max(timeout, 0.0))
         except ray.exceptions.GetTimeoutError as e:
-            raise TimeoutError(f"not in the object store within {timeout:.1f} s") from e
+            raise StagingTimeoutError(f"not in the object store within {timeout:.1f} s") from e
 
     def open(self, stage_id: str, plan: StagingPlan, refs: Mapping[str, Any], layer_ids: Sequence[int]) -> Any:
         """The coordinator actor (created and awaited here, on the driver, so ranks never wait for its start)."""
@@ -91,7 +90,7 @@ class RayBackend:
         try:
             ray.get(coordinator.report.remote(stage_id, mini_batch, rank, failure), timeout=max(timeout, 0.0))
         except ray.exceptions.GetTimeoutError as e:
-            raise TimeoutError(f"the coordinator did not take the report within {timeout:.1f} s") from e
+            raise StagingTimeoutError(f"the coordinator did not take the report within {timeout:.1f} s") from e
 
     def wait(self, coordinator: Any, stage_id: str, mini_batch: int, timeout: float) -> WaitResult:
         ray = self._ray()

@@ -14,7 +14,7 @@ travels through the group. Small metadata goes through the process group's key-v
 
 A rank's wait for its chunk is ``irecv(...).wait(timeout)``: bounded by the rank's own timeout, not the
 group's. Ranks receive their mini-batches in order (NCCL matches sends and receives by order, gloo by tag).
-After a :class:`~r3lab.staging.StagingError` every rank stops; tear the group down rather than reuse it.
+After a :class:`~r3lab.errors.StagingError` every rank stops; tear the group down rather than reuse it.
 """
 
 from __future__ import annotations
@@ -29,11 +29,10 @@ import numpy as np
 import orjson
 
 from r3lab._extras import importing
+from r3lab.errors import StagingTimeoutError
 from r3lab.staging.backend import WaitResult
 from r3lab.staging.driver import StagedBatch
 from r3lab.staging.plan import StagingError, StagingPlan
-
-__all__ = ["TorchDistBackend", "StoreTally"]
 
 
 def _tag(stage_id: str, mini_batch: int) -> int:
@@ -259,7 +258,7 @@ class TorchDistBackend:
             # gloo's timeout is a plain RuntimeError (no type of its own to catch): one raised at the deadline is
             # the deadline, any earlier one a failure of the transfer, raised as it is
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"not received from the driver within {timeout:.1f} s") from e
+                raise StagingTimeoutError(f"not received from the driver within {timeout:.1f} s") from e
             raise
         return buf.cpu().numpy()
 

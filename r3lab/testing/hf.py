@@ -13,8 +13,6 @@ from r3lab.errors import R3LabError
 from r3lab.families import TinyShape, family_of, tiny_families
 from r3lab.moe_layout import MoELayout
 
-__all__ = ["MOE_FAMILIES", "tiny_moe_config", "permuted_experts"]
-
 #: transformers ``model_type`` of every MoE family with a tiny config (r3lab.families: replay supports each).
 MOE_FAMILIES = tiny_families()
 

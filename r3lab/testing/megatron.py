@@ -41,19 +41,8 @@ import torch
 from r3lab.errors import R3LabError
 from r3lab.routes import Routes
 from r3lab.slicing import ParallelLayout
-from r3lab.trainers.megatron.cpu import (
-    CPURMSNorm,  # noqa: F401  (importable here as before; exported by r3lab.trainers.megatron.cpu)
-    destroy_parallel,
-    gpt_chunks,
-    init_parallel,
-    patch_megatron_for_cpu,
-)
-from r3lab.trainers.megatron.forward import (
-    causal_mask,  # noqa: F401  (importable here as before; exported by r3lab.trainers.megatron.forward)
-    forward_tokens,  # noqa: F401  (importable here as before; exported by r3lab.trainers.megatron.forward)
-    pipeline_forward,  # noqa: F401  (importable here as before; exported by r3lab.trainers.megatron.forward)
-)
-from r3lab.trainers.megatron.launch import launch  # noqa: F401  (importable here as before; exported by r3lab.trainers.megatron.launch)
+from r3lab.trainers.megatron.cpu import destroy_parallel, gpt_chunks, init_parallel, patch_megatron_for_cpu
+from r3lab.trainers.megatron.forward import pipeline_forward
 
 __all__ = [
     "TinyGPTSpec",
@@ -67,6 +56,8 @@ __all__ = [
     "RankPass",
     "replay_then_record",
     "export_check",
+    "shard_state",
+    "shard_state_check",
     "router_agreement",
 ]
 
@@ -361,6 +352,26 @@ def export_check(model, checkpoint: str | Path) -> dict | None:
                     or not same_bits(exported[n], ckpt[n].float()))
     return dict(missing=sorted(set(ckpt) - set(exported)), extra=sorted(set(exported) - set(ckpt)), differ=differ,
                 n=len(ckpt))
+
+
+def shard_state(model) -> dict[str, torch.Tensor]:
+    """A copy of every parameter and buffer of this rank's shard (``model.chunks``), by chunk index and name."""
+    out = {}
+    for i, chunk in enumerate(model.chunks):
+        for name, t in [*chunk.named_parameters(), *chunk.named_buffers()]:
+            out[f"{i}.{name}"] = t.detach().clone()
+    return out
+
+
+def shard_state_check(model, before: dict[str, torch.Tensor]) -> dict:
+    """This rank's shard against a :func:`shard_state` taken earlier: names missing and extra, and those whose values
+    differ in any bit. A shard that exported bit for bit (:func:`export_check`) when ``before`` was taken, and holds
+    those bits again, exports the same again: the check of a reload without a second export (a gather of every
+    tensor over the ranks, the slow part of an export)."""
+    after = shard_state(model)
+    differ = sorted(n for n in set(before) & set(after) if not same_bits(after[n], before[n]))
+    return dict(missing=sorted(set(before) - set(after)), extra=sorted(set(after) - set(before)), differ=differ,
+                n=len(before))
 
 
 def router_agreement(routes: Routes, passes: Sequence[RankPass], *, sequence_parallel: bool) -> tuple[int, int]:

@@ -11,9 +11,6 @@ from typing import Any
 import numpy as np
 
 from r3lab.routes import Routes
-from r3lab.workloads import workload_routes  # noqa: F401  (importable here as before; exported by r3lab.workloads)
-
-__all__ = ["random_routes", "random_route_tensors", "vllm_npy_base64"]
 
 
 def random_routes(

@@ -26,7 +26,7 @@ import numpy as np
 from r3lab.errors import BatchError
 from r3lab.routes import Routes
 
-__all__ = ["TokenBatch", "TrainerScores", "PolicyUpdate", "PolicyStepStats", "Scorer", "Trainer", "LoadsWeights"]
+__all__ = ["LoadsWeights"]
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ class PolicyUpdate:
     clip_eps: float = 0.2  # the clip range of the ratio the loss clips (per token for grpo, per sample for gspo)
     tis_cap: float | None = None
     max_grad_norm: float = 1.0
-    # optional, per scored token (default: every scored token counts with weight 1, as before)
+    # optional, per scored token (default: every scored token counts with weight 1)
     loss_mask: np.ndarray | None = None  # bool: the tokens the loss averages over (multi-turn: sampled tokens only)
     token_weights: np.ndarray | None = None  # constant weight per token (the decoupled objective's truncated
     # behaviour -> proximal importance weight); multiplies the TIS weight when both are given

@@ -19,9 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from r3lab._process import free_port
 from r3lab.config import TRAINER_DTYPES
-from r3lab.errors import ConfigError, R3LabError
+from r3lab.errors import ConfigError
 from r3lab.replay import megatron_replay, megatron_routers
 from r3lab.routes import Routes
 from r3lab.slicing import ParallelLayout, shard
@@ -153,8 +152,8 @@ def load_bridge_model(path: str | os.PathLike, dtype: str = "bfloat16") -> Any:
     if dtype not in TRAINER_DTYPES:
         raise ConfigError(f"dtype must be one of {sorted(TRAINER_DTYPES)}, got {dtype!r}")
     if not torch.cuda.is_available():
-        raise R3LabError("the megatron-bridge trainer needs a CUDA GPU (megatron-bridge builds Transformer Engine "
-                         "layers): run it on a GPU node (`bash scripts/gpu_check.sh`); on CPU use --trainer hf")
+        raise ConfigError("the megatron-bridge trainer needs a CUDA GPU (megatron-bridge builds Transformer Engine "
+                          "layers): run it on a GPU node (`bash scripts/gpu_check.sh`); on CPU use --trainer hf")
     from megatron.bridge import AutoBridge
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
@@ -172,11 +171,14 @@ def load_bridge_model(path: str | os.PathLike, dtype: str = "bfloat16") -> Any:
     provider.pipeline_dtype = provider.params_dtype
     provider.finalize()
     if not torch.distributed.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("LOCAL_RANK", "0")
+        if "MASTER_PORT" not in os.environ:  # no launcher (torchrun) named a world: this process is a world of one
+            # its rendezvous an in-memory store (no peer to meet: no port to choose and lose); the provider's
+            # initialize_model_parallel finds the group formed, as it finds a launcher's
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+            torch.distributed.init_process_group("nccl", store=torch.distributed.HashStore(), rank=0, world_size=1)
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
@@ -184,7 +186,7 @@ def load_bridge_model(path: str | os.PathLike, dtype: str = "bfloat16") -> Any:
     RouterReplay.clear_global_router_replay_instances()  # this process builds one trainer model at a time
     chunks = provider.provide_distributed_model(wrap_with_ddp=False, bf16=bf16, fp16=False)
     if len(chunks) != 1:
-        raise R3LabError(f"expected one model chunk without pipeline parallelism, got {len(chunks)}")
+        raise ConfigError(f"expected one model chunk without pipeline parallelism, got {len(chunks)}")
     return chunks[0].eval()
 
 

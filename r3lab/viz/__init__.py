@@ -11,9 +11,10 @@ downloaded).
 Modules: ``style`` (template, sizes, colours, :func:`finish`), ``ticks`` (tick values and labels from the data's
 range), ``exporting`` (files), and the figure builders ``results`` (tables and runs), ``routing`` (routes and
 expert load), ``logprobs`` (log-prob drift per token), ``phase`` (the phase diagram and its staleness figure, from
-``r3lab.runs.phase`` records), ``paper`` (the paper figures from committed results) and ``available`` (every figure
-a run's fields allow, own or imported: :func:`run_figures`; :func:`in_place` and the ``*_or_note`` helpers hand a
-:class:`NotAvailable` note to the notebooks' cells where an imported run lacks a field).
+``r3lab.runs.phase`` records), ``horizon`` (the long-horizon sweep), ``collapse`` (the collapse experiment's
+survival curves and k3 at each collapse), ``paper`` (the paper figures from committed results) and ``available``
+(every figure a run's fields allow, own or imported: :func:`run_figures`; :func:`in_place` and the ``*_or_note``
+helpers hand a :class:`NotAvailable` note to the notebooks' cells where an imported run lacks a field).
 
 Figures need plotly (the ``lab`` extra). Without it ``import r3lab.viz`` still works and lists the same names, and
 using any of them raises :class:`~r3lab.errors.MissingExtraError` saying to install ``r3lab[lab]``.
@@ -31,8 +32,9 @@ __all__ = ["MODE_COLORS", "mode_color", "ONE_COLUMN", "TWO_COLUMN", "TEMPLATE", 
            "most_flipped_sample", "export_figures", "paper_figures", "paper_figure_set",
            "SOURCE_COLORS", "NOT_DRAWN", "NOTEBOOK_CONFIG", "LabFigure", "finish", "axis_ticks", "tick_labels",
            "tick_values", "phase_figure", "staleness_figure", "OBJECTIVE_STYLES", "horizon_figure",
-           "horizon_search_figure", "NotAvailable", "health_figure", "run_figures", "drawn", "expert_load", "in_place",
-           "routes_or_note", "of_kind", "mismatch_logprobs", "noise_floors", "column_or_note", "rl_logprobs_or_note"]
+           "horizon_search_figure", "collapse_survival_figure", "collapse_k3_figure", "NotAvailable", "health_figure",
+           "run_figures", "drawn", "expert_load", "in_place", "routes_or_note", "of_kind", "mismatch_logprobs",
+           "noise_floors", "column_or_note", "rl_logprobs_or_note"]
 
 if installed("plotly"):
     from r3lab.viz.available import (
@@ -49,6 +51,7 @@ if installed("plotly"):
         routes_or_note,
         run_figures,
     )
+    from r3lab.viz.collapse import collapse_k3_figure, collapse_survival_figure
     from r3lab.viz.exporting import EXPORT_FORMATS, export, export_figures, find_chromium
     from r3lab.viz.horizon import horizon_figure, horizon_search_figure
     from r3lab.viz.logprobs import (

@@ -3,7 +3,8 @@ run lacks a field for, a :class:`NotAvailable` that says which field and what ne
 
 The notebooks' cells stay logic-free on imported runs: :func:`in_place` passes a :class:`NotAvailable` on instead of
 drawing, and :func:`routes_or_note`, :func:`of_kind`, :func:`column_or_note` and :func:`rl_logprobs_or_note` hand one
-out where an imported run lacks a field. Runs made by r3lab still raise as before."""
+out where an imported run lacks a field. Runs made by r3lab go to the builders as they are, which raise on a
+missing field."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from r3lab.doctor import HEALTH_NAMES, LOGP_TRAIN_COLUMNS, LayerLoad, facts, health_series, trace_load
-from r3lab.errors import R3LabError
+from r3lab.errors import FigureError, R3LabError
 from r3lab.runs import IMPORT_KIND, Run, load, rl_token_logprobs
 from r3lab.runs.format import CAPTURE_KIND
 from r3lab.vocabulary import RunKind
@@ -46,7 +47,7 @@ def health_figure(run: Run | str | os.PathLike):
     r = run if isinstance(run, Run) else load(run)
     steps, ser, n = health_series(r)
     if not steps:
-        raise R3LabError(f"run {r.name!r} has no engine and trainer log-probs per step")
+        raise FigureError(f"run {r.name!r} has no engine and trainer log-probs per step")
     keys = ["k3_kl", "extreme_frac_tau2", "is_eff_sample_size", "tis_clipfrac"]
     fig = make_subplots(rows=1, cols=4, subplot_titles=[HEALTH_NAMES[k] for k in keys])
     for i, k in enumerate(keys, 1):
@@ -190,7 +191,7 @@ _KIND_NEEDS = {RunKind.DRIFT: "the drift experiment's per-cell k3 of none and R3
 def of_kind(runs: Run | Sequence[Run], kind: str) -> Any:
     """``runs`` (one run or several) when none is imported; else a :class:`NotAvailable` saying what the
     ``kind`` figure needs that an imported run lacks. A run of another kind made by r3lab passes through, so the
-    figure raises on it as before."""
+    figure itself raises on it."""
     some = [runs] if isinstance(runs, Run) else list(runs)
     imported = [r.name for r in some if r.kind in _PARTIAL]
     if imported:
@@ -206,13 +207,13 @@ def mismatch_logprobs(tokens: Any) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """``(logp_infer, {label: trainer log-probs})`` of a token table: a drift run's ``none`` and ``R3`` scores,
     else an imported run's trainer scores (``logp_train``, label ``trainer``)."""
     if "logp_infer" not in tokens:
-        raise R3LabError(f"the token table has no engine log-probs (logp_infer); columns: {list(tokens.columns)}")
+        raise FigureError(f"the token table has no engine log-probs (logp_infer); columns: {list(tokens.columns)}")
     if all(c in tokens for c in _TRAIN_LABELS):
         return tokens["logp_infer"].to_numpy(), {lab: tokens[c].to_numpy() for c, lab in _TRAIN_LABELS.items()}
     col = next((c for c in LOGP_TRAIN_COLUMNS if c in tokens), None)
     if col is None:
-        raise R3LabError(f"the token table has no trainer log-probs {LOGP_TRAIN_COLUMNS}; columns: "
-                         f"{list(tokens.columns)}")
+        raise FigureError(f"the token table has no trainer log-probs {LOGP_TRAIN_COLUMNS}; columns: "
+                          f"{list(tokens.columns)}")
     return tokens["logp_infer"].to_numpy(), {"trainer": tokens[col].to_numpy()}
 
 

@@ -12,7 +12,7 @@ import plotly.graph_objects as go
 import plotly.io as pio
 
 from r3lab._extras import importing
-from r3lab.errors import R3LabError
+from r3lab.errors import FigureError
 
 __all__ = ["EXPORT_FORMATS", "find_chromium", "export", "export_figures"]
 
@@ -31,13 +31,13 @@ def find_chromium() -> str:
     env = os.environ.get("BROWSER_PATH")
     if env:
         if not (os.path.isfile(env) and os.access(env, os.X_OK)):
-            raise R3LabError(f"BROWSER_PATH={env!r} is not an executable file; {_NO_CHROMIUM}")
+            raise FigureError(f"BROWSER_PATH={env!r} is not an executable file; {_NO_CHROMIUM}")
         return env
     for name in _CHROMIUM_NAMES:
         found = shutil.which(name)
         if found:
             return found
-    raise R3LabError(_NO_CHROMIUM)
+    raise FigureError(_NO_CHROMIUM)
 
 
 # kaleido 1.5 starts a Chromium per ``calc_fig_sync`` call (~2 s here, most of an export's time), so every image of
@@ -105,13 +105,13 @@ def _render(images: Sequence[tuple[go.Figure, str, float]], browser: str) -> lis
         try:
             return out + _in_one_browser(todo, browser)
         except ChromeNotFoundError as e:
-            raise R3LabError(f"kaleido could not start the browser {browser!r}: {_NO_CHROMIUM}") from e
+            raise FigureError(f"kaleido could not start the browser {browser!r}: {_NO_CHROMIUM}") from e
         except Exception as e:  # noqa: BLE001 (kaleido's JavascriptError is private: matched by its text)
             if _PAGE_RACE not in str(e):
                 raise
             if attempt == _PAGE_RACE_TRIES:
-                raise R3LabError(f"kaleido's page in {browser!r} never defined its renderer ({_PAGE_RACE!r}) in "
-                                 f"{_PAGE_RACE_TRIES} fresh browsers: the machine may be too loaded") from e
+                raise FigureError(f"kaleido's page in {browser!r} never defined its renderer ({_PAGE_RACE!r}) in "
+                                  f"{_PAGE_RACE_TRIES} fresh browsers: the machine may be too loaded") from e
             rendered = getattr(e, "rendered", [])
             out += rendered
             todo = todo[len(rendered):]
@@ -122,7 +122,7 @@ def _targets(path: str | os.PathLike[str], formats: Sequence[str]) -> list[Path]
     """``path`` with each suffix of ``formats`` (its own export suffix, if any, replaced); its folder is made."""
     bad = [f for f in formats if f not in EXPORT_FORMATS]
     if bad or not formats:
-        raise R3LabError(f"export formats must be among {EXPORT_FORMATS}, got {list(formats)}")
+        raise FigureError(f"export formats must be among {EXPORT_FORMATS}, got {list(formats)}")
     base = Path(path)
     base = base.with_suffix("") if base.suffix.lower().lstrip(".") in EXPORT_FORMATS else base
     base.parent.mkdir(parents=True, exist_ok=True)
@@ -138,7 +138,7 @@ def _write(figures: Sequence[tuple[go.Figure, Path]], scale: float) -> list[Path
     for (_, target), data in zip(figures, images, strict=True):
         target.write_bytes(data)
         if not target.is_file() or target.stat().st_size == 0:
-            raise R3LabError(f"kaleido wrote nothing to {target}")
+            raise FigureError(f"kaleido wrote nothing to {target}")
     return [t for _, t in figures]
 
 
@@ -158,5 +158,5 @@ def export_figures(figures: Mapping[str, go.Figure], out_dir: str | os.PathLike[
     """:func:`export` each named figure as ``out_dir/<name>.{png,svg,pdf}``, all in one browser; returns every file
     written."""
     if not figures:
-        raise R3LabError("no figures to export")
+        raise FigureError("no figures to export")
     return _write([(fig, t) for name, fig in figures.items() for t in _targets(Path(out_dir) / name, formats)], scale)

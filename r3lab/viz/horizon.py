@@ -18,7 +18,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from r3lab.config import RLMetric
-from r3lab.errors import R3LabError
+from r3lab.errors import FigureError
 from r3lab.runs.horizon import AFTERMATH_SERIES, AFTERMATH_STEPS, horizon_bands, horizon_records, horizon_setting
 from r3lab.viz.phase import OBJECTIVE_STYLES
 from r3lab.viz.style import finish, lighter, translucent
@@ -37,13 +37,13 @@ def _of_setting(runs: Sequence[Any], setting: str | None) -> list[Any]:
     """The runs of one search setting (``base``: the sweep's own); None: every run."""
     runs = list(runs)
     if not runs:
-        raise R3LabError("no runs to draw")
+        raise FigureError("no runs to draw")
     if setting is None:
         return runs
     kept = [r for r in runs if horizon_setting(r.config) == setting]
     if not kept:
         have = sorted({horizon_setting(r.config) for r in runs})
-        raise R3LabError(f"no runs of the setting {setting!r} among {len(runs)} runs (settings: {have})")
+        raise FigureError(f"no runs of the setting {setting!r} among {len(runs)} runs (settings: {have})")
     return kept
 
 
@@ -120,7 +120,7 @@ def horizon_search_figure(runs: Sequence[Any], *, smooth: int = 10) -> go.Figure
         of_setting.setdefault(horizon_setting(r.config), []).append(r)
     settings = [s for s in of_setting if s != "base"]
     if not settings:
-        raise R3LabError(f"no collapse-search runs among {len(runs)} runs (every run has the sweep's base setting)")
+        raise FigureError(f"no collapse-search runs among {len(runs)} runs (every run has the sweep's base setting)")
     fig = make_subplots(rows=len(settings), cols=2, shared_xaxes=True, vertical_spacing=0.32 / len(settings),
                         horizontal_spacing=0.08,
                         subplot_titles=[f"{s}: {what}" for s in settings for what in ("k3", "reward")])

@@ -15,7 +15,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from r3lab import metrics
-from r3lab.errors import R3LabError
+from r3lab.errors import FigureError
 from r3lab.viz.style import NOT_DRAWN, ONE_COLUMN, TWO_COLUMN, finish, mode_color
 from r3lab.viz.ticks import axis_ticks, tick_labels, tick_values
 
@@ -27,20 +27,20 @@ def _modes(logp_train: Mapping[str, Any], logp_infer: Any) -> dict[str, tuple[np
     """``{mode: (trainer, engine)}`` log-probs: each value is the trainer's array (against the shared
     ``logp_infer``) or its own ``(logp_train, logp_infer)`` pair (modes scored on different samples, e.g. RL runs)."""
     if not logp_train:
-        raise R3LabError("no trainer log-probs to plot (pass {mode: logp_train})")
+        raise FigureError("no trainer log-probs to plot (pass {mode: logp_train})")
     out = {}
     for mode, v in logp_train.items():
         if isinstance(v, tuple):
             if len(v) != 2:
-                raise R3LabError(f"{mode!r}: pass (logp_train, logp_infer), got a tuple of {len(v)}")
+                raise FigureError(f"{mode!r}: pass (logp_train, logp_infer), got a tuple of {len(v)}")
             v, inf = v
         elif logp_infer is None:
-            raise R3LabError(f"{mode!r} has no engine log-probs: pass logp_infer or a (logp_train, logp_infer) pair")
+            raise FigureError(f"{mode!r} has no engine log-probs: pass logp_infer or a (logp_train, logp_infer) pair")
         else:
             inf = logp_infer
         a, b = np.asarray(v, dtype=np.float64), np.asarray(inf, dtype=np.float64)
         if a.shape != b.shape or a.ndim != 1 or a.size == 0:
-            raise R3LabError(f"trainer log-probs of {mode!r} have shape {a.shape}; the engine's have {b.shape}")
+            raise FigureError(f"trainer log-probs of {mode!r} have shape {a.shape}; the engine's have {b.shape}")
         out[mode] = (a, b)
     return out
 
@@ -153,7 +153,7 @@ def flip_split_figure(logp_infer: Any, logp_train: Mapping[str, Any], flipped: A
     for mode, (lt, inf) in modes.items():
         f = np.asarray(flipped[mode] if isinstance(flipped, Mapping) else flipped, dtype=bool)
         if f.shape != inf.shape:
-            raise R3LabError(f"flipped has shape {f.shape}; the log-probs of {mode!r} have {inf.shape}")
+            raise FigureError(f"flipped has shape {f.shape}; the log-probs of {mode!r} have {inf.shape}")
         split = splits[mode] = _flip_split_k3(lt, inf, f)
         y = [k3 for _, k3 in split.values()]
         shown += y
@@ -175,7 +175,7 @@ def layer_drift_figure(differs: Any, logp_infer: Any, logp_train: Mapping[str, A
     f = np.asarray(differs, dtype=bool)
     lids = list(range(f.shape[1])) if layer_ids is None else [int(g) for g in layer_ids]
     if f.ndim != 2 or len(lids) != f.shape[1]:
-        raise R3LabError(f"differs must be [tokens, layers] with {len(lids)} layers, got shape {f.shape}")
+        raise FigureError(f"differs must be [tokens, layers] with {len(lids)} layers, got shape {f.shape}")
     names = [f"layer {g}" for g in lids]
     fig = make_subplots(specs=[[{"secondary_y": True}]])
     share = f.mean(axis=0)

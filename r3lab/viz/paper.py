@@ -3,7 +3,9 @@
 The list is read from the results, not written here: the transport table, the drift run (its figure, and one
 expert-load figure per model it ran), one RL k3 figure per model of the reference RL runs (the runs with
 :class:`~r3lab.config.RLConfig`'s default knobs, every mode and seed), and, once the phase-diagram runs are
-committed (``bench/results/phase/``), the phase diagram and its staleness figure.
+committed (``bench/results/phase/``), the phase diagram and its staleness figure, the long-horizon figures
+(``bench/results/horizon/``) and the collapse experiment's survival curves and k3 at each collapse
+(``bench/results/collapse/``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 import plotly.graph_objects as go
 
 from r3lab.config import RLConfig
-from r3lab.errors import R3LabError, RunFormatError
+from r3lab.errors import FigureError, RunFormatError
 from r3lab.routes import Routes
 from r3lab.runs import Run, list_runs, load
 from r3lab.runs.phase import phase_records
@@ -25,13 +27,14 @@ from r3lab.viz.results import drift_figure, rl_curves_figure, transport_figure
 from r3lab.viz.routing import expert_load_comparison_figure
 from r3lab.vocabulary import RunKind
 
-__all__ = ["paper_figures", "paper_figure_set", "PHASE_COMMAND", "HORIZON_COMMAND"]
+__all__ = ["paper_figures", "paper_figure_set", "PHASE_COMMAND", "HORIZON_COMMAND", "COLLAPSE_COMMAND"]
 
 TRANSPORT_POPULARITY = "uniform"  # the transport figure's workload: expert popularity as the benchmark draws it
 _DTYPE_SHORT = {"bfloat16": "bf16", "float32": "fp32"}
 _SWEPT = ("mode", "seed")  # what varies inside one comparison
 PHASE_COMMAND = "python bench/bench_phase.py"  # what regenerates bench/results/phase/
 HORIZON_COMMAND = "python bench/bench_horizon.py --work DIR"  # what regenerates bench/results/horizon/
+COLLAPSE_COMMAND = "python bench/bench_collapse.py --work DIR"  # what regenerates bench/results/collapse/
 
 
 def _short(model: str) -> str:
@@ -50,7 +53,8 @@ def paper_figure_set(results: str | os.PathLike) -> dict[str, go.Figure]:
     """Every paper figure by file name, built from the committed results in ``results``.
 
     Reads only files: ``transport.json``, the reference drift run ``drift-run/``, the reference RL runs ``rl/``,
-    the phase-diagram runs ``phase/`` and the long-horizon runs ``horizon/``. A missing input is an error that names
+    the phase-diagram runs ``phase/``, the long-horizon runs ``horizon/`` and the collapse experiment's runs
+    ``collapse/``. A missing input is an error that names
     it and the command that regenerates it, never a silently skipped figure.
     """
     import orjson
@@ -59,7 +63,7 @@ def paper_figure_set(results: str | os.PathLike) -> dict[str, go.Figure]:
 
     def need(path: Path, command: str) -> Path:
         if not path.exists():
-            raise R3LabError(f"{path} is missing: `{command}` regenerates it")
+            raise FigureError(f"{path} is missing: `{command}` regenerates it")
         return path
 
     transport = orjson.loads(need(results / "transport.json", "python bench/bench_transport.py").read_bytes())
@@ -67,7 +71,7 @@ def paper_figure_set(results: str | os.PathLike) -> dict[str, go.Figure]:
     rl_found = list_runs(need(results / RunKind.RL, "python bench/bench_rl.py"))  # the reference runs, by kind
     bad = [f"{p.name}: {r}" for p, r in rl_found if isinstance(r, RunFormatError)]
     if bad:
-        raise R3LabError("unreadable reference RL runs: " + "; ".join(bad))
+        raise FigureError("unreadable reference RL runs: " + "; ".join(bad))
     figures: dict[str, go.Figure] = {
         "transport": transport_figure(transport, popularity=TRANSPORT_POPULARITY),
         RunKind.DRIFT: drift_figure(drift),  # docs/figures/drift.*: the drift run's figure
@@ -76,7 +80,7 @@ def paper_figure_set(results: str | os.PathLike) -> dict[str, go.Figure]:
     for model in drift.config["models"]:
         cells = [r for r in drift.step_records if r["model"] == model and r["trainer_dtype"] == trainer_dtype]
         if not cells:
-            raise R3LabError(f"{drift.path} has no {model} {trainer_dtype} cells for the expert-load figure")
+            raise FigureError(f"{drift.path} has no {model} {trainer_dtype} cells for the expert-load figure")
         figures[f"expert_load_{_short(model)}"] = expert_load_comparison_figure(
             Routes.concat([drift.routes(r["step"], "engine") for r in cells]),
             Routes.concat([drift.routes(r["step"], "trainer") for r in cells]),
@@ -85,15 +89,16 @@ def paper_figure_set(results: str | os.PathLike) -> dict[str, go.Figure]:
     rl_runs = [r for _, r in rl_found if isinstance(r, Run)]
     models = list(dict.fromkeys(r.config["model"] for r in rl_runs))
     if not models:
-        raise R3LabError(f"no reference RL runs in {results / RunKind.RL}: `python bench/bench_rl.py`")
+        raise FigureError(f"no reference RL runs in {results / RunKind.RL}: `python bench/bench_rl.py`")
     for model in models:
         runs = [r for r in rl_runs if r.config["model"] == model and _default_knobs(r)]
         if not runs:
-            raise R3LabError(f"no reference RL runs of {model} with the default knobs in {results / RunKind.RL}: "
-                             "`python bench/bench_rl.py`")
+            raise FigureError(f"no reference RL runs of {model} with the default knobs in {results / RunKind.RL}: "
+                              "`python bench/bench_rl.py`")
         figures[f"rl_k3_{_short(model)}"] = rl_curves_figure(runs, title=f"{model}: train-inference k3 KL per RL step")
     figures.update(_phase_figures(need(results / "phase", PHASE_COMMAND)))
     figures.update(_horizon_figures(need(results / "horizon", HORIZON_COMMAND)))
+    figures.update(_collapse_figures(need(results / "collapse", COLLAPSE_COMMAND)))
     return figures
 
 
@@ -105,11 +110,27 @@ def _horizon_figures(folder: Path) -> dict[str, go.Figure]:
     found = list_runs(folder)
     bad = [f"{p.name}: {r}" for p, r in found if isinstance(r, RunFormatError)]
     if bad:
-        raise R3LabError(f"unreadable long-horizon runs (`{HORIZON_COMMAND}` regenerates them): " + "; ".join(bad))
+        raise FigureError(f"unreadable long-horizon runs (`{HORIZON_COMMAND}` regenerates them): " + "; ".join(bad))
     runs = [r for _, r in found if isinstance(r, Run)]
     if not runs:
-        raise R3LabError(f"no long-horizon runs in {folder}: `{HORIZON_COMMAND}`")
+        raise FigureError(f"no long-horizon runs in {folder}: `{HORIZON_COMMAND}`")
     return {"horizon": horizon_figure(runs), "horizon_search": horizon_search_figure(runs)}
+
+
+def _collapse_figures(folder: Path) -> dict[str, go.Figure]:
+    """The collapse experiment's Kaplan-Meier survival per arm and its k3 aligned at each collapse, from the
+    committed runs."""
+    from r3lab.viz.collapse import collapse_k3_figure, collapse_survival_figure
+
+    found = list_runs(folder)
+    bad = [f"{p.name}: {r}" for p, r in found if isinstance(r, RunFormatError)]
+    if bad:
+        raise FigureError(f"unreadable collapse-experiment runs (`{COLLAPSE_COMMAND}` regenerates them): "
+                          + "; ".join(bad))
+    runs = [r for _, r in found if isinstance(r, Run)]
+    if not runs:
+        raise FigureError(f"no collapse-experiment runs in {folder}: `{COLLAPSE_COMMAND}`")
+    return {"collapse_survival": collapse_survival_figure(runs), "collapse_k3": collapse_k3_figure(runs)}
 
 
 def _phase_figures(folder: Path) -> dict[str, go.Figure]:
@@ -117,12 +138,12 @@ def _phase_figures(folder: Path) -> dict[str, go.Figure]:
     found = list_runs(folder)
     bad = [f"{p.name}: {r}" for p, r in found if isinstance(r, RunFormatError)]
     if bad:
-        raise R3LabError(f"unreadable phase-diagram runs (`{PHASE_COMMAND}` regenerates them): " + "; ".join(bad))
+        raise FigureError(f"unreadable phase-diagram runs (`{PHASE_COMMAND}` regenerates them): " + "; ".join(bad))
     records = phase_records(r for _, r in found if isinstance(r, Run))
     if not any(r["staleness"] == 0 and r["old_logprobs"] == "current" for r in records):
-        raise R3LabError(f"no phase-diagram grid runs in {folder}: `{PHASE_COMMAND}`")
+        raise FigureError(f"no phase-diagram grid runs in {folder}: `{PHASE_COMMAND}`")
     if not any(r["old_logprobs"] == "behaviour" for r in records):
-        raise R3LabError(f"no staleness runs (old_logprobs=behaviour) in {folder}: `{PHASE_COMMAND}`")
+        raise FigureError(f"no staleness runs (old_logprobs=behaviour) in {folder}: `{PHASE_COMMAND}`")
     return {"phase": phase_figure(records), "phase_staleness": staleness_figure(records)}
 
 

@@ -19,7 +19,7 @@ from plotly.subplots import make_subplots
 
 from r3lab import labels
 from r3lab.config import MODES
-from r3lab.errors import R3LabError
+from r3lab.errors import FigureError
 from r3lab.runs.phase import LAST_STEPS, PHASE_OBJECTIVES, PRECISION_ORDER
 from r3lab.viz.style import MODE_COLORS, finish, mode_color, plural
 from r3lab.viz.ticks import axis_ticks
@@ -91,11 +91,11 @@ def phase_figure(records: Iterable[Record], *, highlight: Iterable[Record] = (),
     """
     grid, own = _grid(records), list(highlight)
     if not grid and not own:
-        raise R3LabError("no phase-diagram records to plot (staleness 0, old_logprobs=current): "
-                         "r3lab.runs.phase.phase_records of the runs of `python bench/bench_phase.py`")
+        raise FigureError("no phase-diagram records to plot (staleness 0, old_logprobs=current): "
+                          "r3lab.runs.phase.phase_records of the runs of `python bench/bench_phase.py`")
     unknown = sorted({r["engine_quant"] for r in [*grid, *own]} - set(PRECISION_ORDER))
     if unknown:
-        raise R3LabError(f"engine precision(s) {unknown} are not on the dial {PRECISION_ORDER}")
+        raise FigureError(f"engine precision(s) {unknown} are not on the dial {PRECISION_ORDER}")
     models = list(dict.fromkeys([*(r["model"] for r in grid), *(h["model"] for h in own)]))
     quants = [q for q in PRECISION_ORDER if q in {r["engine_quant"] for r in [*grid, *own]}]
     objectives = [o for o in PHASE_OBJECTIVES if o in {r["objective"] for r in [*grid, *own]}]
@@ -186,12 +186,12 @@ def staleness_figure(records: Iterable[Record], *, title: str | None = None) -> 
     """
     stale = _stale(records)
     if not stale:
-        raise R3LabError("no staleness records to plot (old_logprobs=behaviour): the staleness runs of "
-                         "`python bench/bench_phase.py`")
+        raise FigureError("no staleness records to plot (old_logprobs=behaviour): the staleness runs of "
+                          "`python bench/bench_phase.py`")
     settings = sorted({(r["model"], r["engine_quant"]) for r in stale})
     if len(settings) > 1:
-        raise R3LabError(f"the staleness records span {settings}: give the records of one model and engine "
-                         "precision")
+        raise FigureError(f"the staleness records span {settings}: give the records of one model and engine "
+                          "precision")
     ((model, quant),) = settings
     levels = sorted({int(r["staleness"]) for r in stale})
     modes = [m for m in MODES if m in {r["mode"] for r in stale}]

@@ -11,7 +11,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from r3lab import labels, metrics
-from r3lab.errors import R3LabError
+from r3lab.errors import FigureError
 from r3lab.runs import Run, mode_order
 from r3lab.viz.style import MODE_COLORS, ONE_COLUMN, TWO_COLUMN, finish, mode_color, plural, translucent
 from r3lab.viz.ticks import axis_ticks
@@ -31,7 +31,7 @@ def transport_figure(records: Iterable[Mapping[str, Any]], *, popularity: str = 
     """Bytes per routed id of every transport method, one bar group per workload (bench/results/transport.json)."""
     rows = [r for r in records if r["popularity"] == popularity]
     if not rows:
-        raise R3LabError(f"no transport records with popularity={popularity!r}")
+        raise FigureError(f"no transport records with popularity={popularity!r}")
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
     methods = list(dict.fromkeys(r["method"] for r in rows))
     fig = go.Figure()
@@ -50,10 +50,10 @@ def codec_figure(records: Iterable[Mapping[str, Any]]) -> go.Figure:
     throughput per codec, one bar group per set of routes."""
     rows = list(records)
     if not rows:
-        raise R3LabError("no codec records to plot")
+        raise FigureError("no codec records to plot")
     missing = {"routes", "codec", "bytes_per_id", "mids_per_s"} - set(rows[0])
     if missing:
-        raise R3LabError(f"codec records lack {sorted(missing)} (use r3lab.compaction.measure_codecs)")
+        raise FigureError(f"codec records lack {sorted(missing)} (use r3lab.compaction.measure_codecs)")
     groups = list(dict.fromkeys(r["routes"] for r in rows))
     codecs = list(dict.fromkeys(r["codec"] for r in rows))
     palette = ["#4c4c4c", "#8c564b", "#9467bd", "#17becf", "#bcbd22", "#2ca02c", "#d62728", "#ff7f0e", "#1f77b4"]
@@ -81,10 +81,10 @@ def rl_curves_figure(runs: Sequence[Run], metric: str = RLMetric.K3_KL, *, log: 
         r.require_kind(RunKind.RL)
         vals = np.array([np.nan if s.get(metric) is None else s[metric] for s in r.step_records], dtype=np.float64)
         if np.isnan(vals).all():
-            raise R3LabError(f"run {r.name!r} has no values of {metric!r}")
+            raise FigureError(f"run {r.name!r} has no values of {metric!r}")
         by_mode.setdefault(r.config["mode"], []).append(vals)
     if not by_mode:
-        raise R3LabError("no runs to plot")
+        raise FigureError("no runs to plot")
     fig = go.Figure()
     shown = []
     for mode in mode_order(by_mode):
@@ -163,8 +163,8 @@ def load_shift_figure(runs: Sequence[Run], *, what: str = "engine") -> go.Figure
         r.require_kind(RunKind.RL)
         steps = r.route_steps(what)
         if len(steps) < 2:
-            raise R3LabError(f"run {r.name!r} stores {what!r} routes at {len(steps)} step(s); the shift needs two or "
-                             "more (run it with token_steps=1)")
+            raise FigureError(f"run {r.name!r} stores {what!r} routes at {len(steps)} step(s); the shift needs two or "
+                              "more (run it with token_steps=1)")
         loads = [metrics.expert_load(rt.values, rt.num_experts) for rt in (r.routes(s, what) for s in steps)]
         by_mode.setdefault(r.config["mode"], []).append(
             (steps, [float(metrics.load_shift(ld, loads[0]).mean()) for ld in loads]))

@@ -14,7 +14,7 @@ from plotly.subplots import make_subplots
 
 from r3lab import metrics
 from r3lab.doctor import LayerLoad
-from r3lab.errors import R3LabError
+from r3lab.errors import FigureError
 from r3lab.routes import Routes
 from r3lab.viz.style import FLIP_COLOR, MODE_COLORS, ONE_COLUMN, SOURCE_COLORS, TWO_COLUMN, finish, plural
 from r3lab.viz.ticks import axis_ticks
@@ -25,14 +25,14 @@ __all__ = ["route_view_figure", "most_flipped_sample", "response_differs", "expe
 
 def _same_layers(a: Routes, b: Routes) -> None:
     if a.num_experts != b.num_experts or not np.array_equal(a.layer_ids, b.layer_ids):
-        raise R3LabError(f"cannot compare {a!r} with {b!r}: experts or layers differ")
+        raise FigureError(f"cannot compare {a!r} with {b!r}: experts or layers differ")
 
 
 def _same_shape(a: Routes, b: Routes) -> None:
     if (a.num_experts != b.num_experts or not np.array_equal(a.layer_ids, b.layer_ids)
             or not np.array_equal(a.cu_seqlens, b.cu_seqlens) or a.top_k != b.top_k):
-        raise R3LabError(f"cannot compare {a!r} with {b!r}: sequences, experts or layers differ (pass routes of the "
-                         "same tokens, e.g. a run's 'engine' and 'trainer' routes of one step)")
+        raise FigureError(f"cannot compare {a!r} with {b!r}: sequences, experts or layers differ (pass routes of the "
+                          "same tokens, e.g. a run's 'engine' and 'trainer' routes of one step)")
 
 
 def route_view_figure(engine: Routes, trainer: Routes | None = None, *, sample: int = 0,
@@ -54,10 +54,11 @@ def route_view_figure(engine: Routes, trainer: Routes | None = None, *, sample: 
         own, differs = None, np.zeros(eng.shape[:2], dtype=bool)
     T = eng.shape[0]
     if tokens is not None and len(tokens) < T:
-        raise R3LabError(f"{len(tokens)} token strings for {T} route rows of sample {sample}: pass the sample's tokens")
+        raise FigureError(f"{len(tokens)} token strings for {T} route rows of sample {sample}: pass the sample's "
+                          "tokens")
     stop = T if stop is None else min(int(stop), T)
     if not 0 <= start < stop:
-        raise R3LabError(f"rows [{start}, {stop}) are empty or outside the sample's {T} rows")
+        raise FigureError(f"rows [{start}, {stop}) are empty or outside the sample's {T} rows")
     rows = range(start, stop)
     words = [str(tokens[t]) if tokens is not None else "" for t in rows]
 
@@ -113,7 +114,7 @@ def expert_load_figure(routes: Routes | LayerLoad, *, title: str = "expert load"
     z, scale, mid = load, "Viridis", None
     if reference is not None:
         if isinstance(routes, LayerLoad):
-            raise R3LabError("a reference load compares routes with routes, not a routing trace's counts")
+            raise FigureError("a reference load compares routes with routes, not a routing trace's counts")
         _same_layers(routes, reference)
         z, scale, mid = load - metrics.expert_load(reference.values, reference.num_experts), "RdBu", 0.0
     fig = go.Figure(go.Heatmap(z=z, x=list(range(routes.num_experts)), y=[f"layer {g}" for g in routes.layer_ids],
@@ -176,7 +177,7 @@ def load_imbalance_figure(routes: Mapping[str, Routes | LayerLoad], *, title: st
     """verl's ``max_vio`` per layer (max over mean expert load, minus 1) for each named set of routes (engine and
     trainer in :data:`SOURCE_COLORS`, a replay mode in its own colour)."""
     if not routes:
-        raise R3LabError("no routes to plot")
+        raise FigureError("no routes to plot")
     fig = go.Figure()
     vios = []
     for name, r in routes.items():

@@ -19,7 +19,7 @@ import plotly.graph_objects as go
 import plotly.io as pio
 from plotly.colors import hex_to_rgb
 
-from r3lab.errors import R3LabError
+from r3lab.errors import FigureError
 
 __all__ = ["MODE_COLORS", "mode_color", "SOURCE_COLORS", "ONE_COLUMN", "TWO_COLUMN", "TEMPLATE", "FLIP_COLOR",
            "NOTEBOOK_CONFIG", "NOT_DRAWN", "LabFigure", "finish", "plural", "wrap", "translucent", "lighter"]
@@ -48,7 +48,7 @@ def mode_color(mode: str) -> str:
 
 def _rgb(color: str) -> tuple[int, int, int]:
     if not re.fullmatch(r"#[0-9a-fA-F]{6}", color):
-        raise R3LabError(f"colour {color!r} is not of the form #rrggbb (the figure colours r3lab blends are)")
+        raise FigureError(f"colour {color!r} is not of the form #rrggbb (the figure colours r3lab blends are)")
     return hex_to_rgb(color)
 
 
@@ -185,6 +185,6 @@ def finish(fig: go.Figure, size: Mapping[str, int], *, title: str | None = None,
     _wrap_axis_titles(fig, int(size["height"]))
     bad = _bars_on_log(fig)
     if bad:
-        raise R3LabError(f"bars on a log axis do not compare fairly ({bad}): use a linear axis or points")
+        raise FigureError(f"bars on a log axis do not compare fairly ({bad}): use a linear axis or points")
     _note_undrawn(fig)
     return fig if isinstance(fig, LabFigure) else LabFigure(fig)

@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from r3lab.errors import FigureError
+
 __all__ = ["tick_values", "tick_labels", "axis_ticks"]
 
 _SCI_BELOW, _SCI_FROM = 1e-3, 1e5  # outside this magnitude labels read "2e-5" / "1e6"
@@ -36,7 +38,7 @@ def tick_values(lo: float, hi: float, *, log: bool = False, target: int = 5, int
     lo, hi = float(min(lo, hi)), float(max(lo, hi))
     if log:
         if lo <= 0:
-            raise ValueError(f"a log axis needs positive values, got the range [{lo}, {hi}]")
+            raise FigureError(f"a log axis needs positive values, got the range [{lo}, {hi}]")
         k0, k1 = math.floor(math.log10(lo) + 1e-9), math.ceil(math.log10(hi) - 1e-9)
         decades = [k for k in range(k0, k1 + 1) if lo * (1 - 1e-9) <= 10.0**k <= hi * (1 + 1e-9)]
         if len(decades) >= 3:

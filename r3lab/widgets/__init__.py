@@ -17,15 +17,6 @@ defaults are :class:`r3lab.config.RLConfig`'s (:meth:`~r3lab.config.RLConfig.qui
 
 
 from r3lab._extras import importing
-from r3lab.config import MODES  # noqa: F401  (importable here as before; exported by r3lab.config)
-from r3lab.runs.follow import (
-    FollowedRun,  # noqa: F401  (importable here as before; exported by r3lab.runs.follow)
-    RunFollower,  # noqa: F401  (importable here as before; exported by r3lab.runs.follow)
-)
-from r3lab.runs.reader import (
-    load_runs,  # noqa: F401  (importable here as before; exported by r3lab.runs.reader)
-    reference_runs_dir,  # noqa: F401  (importable here as before; exported by r3lab.runs.reader)
-)
 
 with importing("ipywidgets", for_="r3lab.widgets"), importing("plotly", for_="r3lab.widgets"):
     import ipywidgets  # noqa: F401  (the widgets' toolkit: the lab extra)

@@ -15,7 +15,7 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 
 from r3lab.config import DEFAULT_MODES, MODES, RL_TRAINERS, RLConfig
-from r3lab.errors import ConfigError, R3LabError
+from r3lab.errors import ConfigError, FigureError, R3LabError
 from r3lab.labels import axis_title, label
 from r3lab.moe_layout import MoELayout
 from r3lab.paths import MODELS, model_dir, runs_dir
@@ -37,8 +37,6 @@ from r3lab.widgets.live import (
     status_html,
     value,
 )
-
-__all__ = ["AblationDashboard"]
 
 _SHORT = {"bfloat16": "bf16", "float32": "fp32"}
 _DTYPE_PAIRS = (("bf16 / fp32", ("bfloat16", "float32")),  # engine / trainer
@@ -188,7 +186,7 @@ class AblationDashboard(widgets.VBox):
     def run(self) -> RLJob:
         """Start the experiment the controls describe and follow it (what the Run button does)."""
         if self.follower is not None and self.follower.alive:
-            raise R3LabError("a run is still in progress: wait for it or call close()")
+            raise FigureError("a run is still in progress: wait for it or call close()")
         if not self.modes.value:
             raise ConfigError("pick at least one replay mode")
         config = self.controls_config()
@@ -247,7 +245,7 @@ class AblationDashboard(widgets.VBox):
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the current run is done (True) or ``timeout`` passes (False); for scripts and tests."""
         if self.follower is None:
-            raise R3LabError("nothing is running: call run() first")
+            raise FigureError("nothing is running: call run() first")
         return self.follower.wait(timeout)
 
     def export(self, folder: str | os.PathLike | None = None) -> list[Path]:
@@ -257,7 +255,7 @@ class AblationDashboard(widgets.VBox):
         files: list[Path] = []
         for name, fig in self.figures.items():
             if not fig.data:
-                raise R3LabError(f"the {name} figure is empty: run an experiment first")
+                raise FigureError(f"the {name} figure is empty: run an experiment first")
             paper = go.Figure(fig).update_layout(**ONE_COLUMN, autosize=False, showlegend=True)  # the paper's size
             files += export(paper, out / f"{tag}-{name}")
         return files

@@ -23,7 +23,7 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 
 from r3lab.config import ENGINE_QUANTS, RLConfig
-from r3lab.errors import ConfigError, R3LabError
+from r3lab.errors import ConfigError, FigureError
 from r3lab.labels import label
 from r3lab.paths import MODELS, runs_dir
 from r3lab.runs import RunFollower, load
@@ -33,8 +33,6 @@ from r3lab.vocabulary import RLMetric
 from r3lab.widgets.controls import CONTROL, LABEL_WIDTH, field_help, show_errors
 from r3lab.widgets.jobs import RLJob, rl_config, start_rl, stop_job
 from r3lab.widgets.live import LiveFigure, set_steps, set_traces, status_html, value
-
-__all__ = ["DialWidget", "objective_config"]
 
 _STEPS_TOP = 200  # the steps slider's upper end
 _LIVE_METRICS = (RLMetric.REWARD, RLMetric.K3_KL)
@@ -126,7 +124,7 @@ class DialWidget(widgets.VBox):
         cfg = objective_config(cfg, self.objective.value)
         back = phase_objective(cfg.to_dict())  # the diagram must read the run back as the objective chosen
         if back != self.objective.value:
-            raise R3LabError(f"the config for {self.objective.value!r} reads back as {back!r}")
+            raise FigureError(f"the config for {self.objective.value!r} reads back as {back!r}")
         return cfg
 
     # -- actions
@@ -142,7 +140,7 @@ class DialWidget(widgets.VBox):
     def start(self) -> RLJob:
         """Start the run the controls describe and follow it (what the Start button does)."""
         if self.follower is not None and self.follower.alive:
-            raise R3LabError("a run is still in progress: wait for it, press Stop or call close()")
+            raise FigureError("a run is still in progress: wait for it, press Stop or call close()")
         cfg = self.chosen_config()
         self._runs += 1
         tag = self.objective.value.replace("+", "_")
@@ -169,12 +167,12 @@ class DialWidget(widgets.VBox):
         """Block until the run is done and placed on the diagram (True) or ``timeout`` passes (False); a run that
         failed (or could not be read) raises, with the job's output tail."""
         if self.follower is None:
-            raise R3LabError("nothing is running: call start() first")
+            raise FigureError("nothing is running: call start() first")
         done = self.follower.wait(timeout)
         if done and self.follower.state in ("failed", "error"):
             tail = self.job.tail() if self.job is not None else ""
-            raise R3LabError(f"the dial's run {self.follower.state}"
-                             + (f": {self.follower.error!r}" if self.follower.error else "") + f"\n{tail}")
+            raise FigureError(f"the dial's run {self.follower.state}"
+                              + (f": {self.follower.error!r}" if self.follower.error else "") + f"\n{tail}")
         return done
 
     @property

@@ -21,7 +21,7 @@ from r3lab.paths import runs_dir
 from r3lab.runs import RunFollower, mark_stopped
 from r3lab.vocabulary import RunKind
 
-__all__ = ["RLJob", "start_rl", "rl_config", "stop_job"]
+__all__ = ["stop_job"]
 
 
 class RLJob(Closing):

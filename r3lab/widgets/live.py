@@ -31,8 +31,6 @@ from r3lab.viz import TEMPLATE, axis_ticks, mode_color
 from r3lab.viz.style import wrap
 from r3lab.vocabulary import RLMetric
 
-__all__ = ["DEFAULT_METRICS", "LAYER_METRIC", "PLOTLY_MIME", "LiveFigure"]
-
 DEFAULT_METRICS = (RLMetric.K3_KL, RLMetric.F_2, RLMetric.REWARD, RLMetric.ROUTE_CHANGE_LAST_MB, RLMetric.CLIP_FRAC)
 LAYER_METRIC = RLMetric.ENGINE_TRAINER_DISAGREEMENT_PER_LAYER  # {layer id: share of (token) rows that differ}
 DASHES = ("solid", "dash", "dot", "dashdot", "longdash")

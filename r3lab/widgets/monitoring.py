@@ -24,8 +24,6 @@ from r3lab.widgets.live import (
     value,
 )
 
-__all__ = ["RunMonitor", "monitor"]
-
 
 class RunMonitor(widgets.VBox):
     """Live curves of runs written by another process; see :class:`RunFollower` for ``source``/``prefix``/ends.

@@ -15,7 +15,7 @@ import numpy as np
 
 from r3lab.errors import RouteFormatError
 
-__all__ = ["Codec", "IdCodec", "ByteCodec", "RowCodec", "Buffer", "Shape"]
+__all__ = ["Buffer", "Shape"]
 
 #: what a decoder reads: any flat byte buffer (the container hands a ``memoryview`` of the payload)
 Buffer = bytes | bytearray | memoryview

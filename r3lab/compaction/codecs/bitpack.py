@@ -10,8 +10,6 @@ from r3lab.compaction.codecs.base import Buffer, RowCodec
 from r3lab.compaction.codecs.registry import register_codec
 from r3lab.compaction.kernels import pack_ids, unpack_ids
 
-__all__ = ["BitPack", "id_bits"]
-
 
 def id_bits(num_experts: int) -> int:
     """Bits per expert id: ceil(log2 E), at least 1."""
@@ -29,10 +27,10 @@ class BitPack(RowCodec):
     So 16 experts (4 bits) put ids ``1, 2`` in byte ``0x21``, and 65536 experts (16 bits) write each
     id as a little-endian uint16.
 
-    Version 1 buffers with ids wider than 8 bits (E > 256) are ambiguous: the first writer
-    (r3lab cf15985) used :class:`~r3lab.compaction.legacy.BitPackPlanesV1`'s layout, later ones this
-    layout, both under the same version and config. The container refuses them unless told which
-    (``legacy_bitpack=``).
+    Version 1 buffers with ids wider than 8 bits (E > 256) are ambiguous: the first version 1 writer
+    used :class:`~r3lab.compaction.legacy.BitPackPlanesV1`'s layout, later ones this layout, both
+    under the same version and config (CHANGELOG.md's format table names the writers). The container
+    refuses them unless told which (``legacy_bitpack=``).
     """
 
     codec_id = "bitpack"

@@ -9,8 +9,6 @@ import numpy as np
 from r3lab.compaction.codecs.base import Buffer, RowCodec
 from r3lab.compaction.codecs.registry import register_codec
 
-__all__ = ["Raw"]
-
 
 @register_codec
 class Raw(RowCodec):

@@ -21,8 +21,6 @@ from r3lab._plugins import PluginRegistry
 from r3lab.compaction.codecs.base import ByteCodec, Codec, IdCodec
 from r3lab.errors import ConfigError, RouteFormatError
 
-__all__ = ["CODECS", "PIPELINES", "register_codec", "get_codec", "parse_pipeline", "pipeline_configs"]
-
 
 def _codec_id(cls: Any, what: str) -> str:
     """The ``codec_id`` of codec class ``cls``; a :class:`ConfigError` when ``cls`` cannot be registered."""

@@ -10,8 +10,6 @@ from r3lab.compaction.codecs.base import Buffer, IdCodec, Shape
 from r3lab.compaction.codecs.registry import register_codec
 from r3lab.errors import RouteFormatError
 
-__all__ = ["TopKGaps"]
-
 
 @register_codec
 class TopKGaps(IdCodec):

@@ -22,8 +22,6 @@ from r3lab.compaction.kernels import (
 )
 from r3lab.errors import RouteFormatError
 
-__all__ = ["TopKSet"]
-
 
 @register_codec
 class TopKSet(RowCodec):

@@ -16,7 +16,7 @@ import numpy as np
 
 from r3lab.errors import RouteFormatError
 
-__all__ = ["WeightCodec", "WEIGHT_DTYPES", "to_block", "from_block"]
+__all__ = ["to_block", "from_block"]
 
 #: the dtypes the weights travel in, and their bytes per weight
 WEIGHT_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}

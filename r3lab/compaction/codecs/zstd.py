@@ -10,8 +10,6 @@ from r3lab.compaction.codecs.base import Buffer, ByteCodec
 from r3lab.compaction.codecs.registry import register_codec
 from r3lab.errors import RouteFormatError
 
-__all__ = ["Zstd"]
-
 
 @register_codec
 class Zstd(ByteCodec):

@@ -15,9 +15,9 @@ Replay modes (one switch, as verl's ``router_replay.mode``):
 * ``R3W`` (routing-weight replay, prime-rl #3509 "Total Router Recall"): as R3, and the experts are mixed with the
   engine's own top-k routing weights (the engine captures them: ``RolloutEngine(capture_weights=True)``, which
   :func:`engine_options` asks for) instead of the weights the trainer's router computes at the replayed ids.
-  ``weight_replay="stop"`` (the default, #3509's variant): the weights are constants, so the loss sends no gradient
-  into the routers (they still move through the layers below them); ``"straight"``: the engine's weights forward,
-  the live rule's gradient back (straight-through), so the routers keep learning. Both RL trainers: the
+  ``weight_replay="stop"`` (the default, prime-rl #3509's variant): the weights are constants, so the loss sends no
+  gradient into the routers (they still move through the layers below them); ``"straight"``: the engine's weights
+  forward, the live rule's gradient back (straight-through), so the routers keep learning. Both RL trainers: the
   transformers one (``hf_replay``) and Megatron on CPU ranks (``megatron_weight_replay`` on every rank).
 
 Every step also logs the router's own drift (``router/*``, :class:`~r3lab.vocabulary.RLMetric`): per mini-batch, the
@@ -70,26 +70,17 @@ One job per module: :mod:`~r3lab.experiments.rl.batch` (a step's rollouts, rewar
 """
 
 
-from r3lab.config import (
-    DEFAULT_MODES,  # noqa: F401  (importable here as before; exported by r3lab.config)
-    MODES,  # noqa: F401  (importable here as before; exported by r3lab.config)
-    OLD_LOGPROBS,  # noqa: F401  (importable here as before; exported by r3lab.config)
-    RLConfig,  # noqa: F401  (importable here as before; exported by r3lab.config)
-)
-from r3lab.experiments.multiturn import rollout_turns as rollout_turns  # reachable here as before
-from r3lab.experiments.rl.batch import RolloutBatch
-from r3lab.experiments.rl.batch import step_samples as step_samples
+from r3lab.experiments.rl.batch import RolloutBatch, step_samples
 from r3lab.experiments.rl.loop import RLRun, engine_options, run_comparison, run_rl
 from r3lab.experiments.rl.old_policy import OldPolicy, old_policy
 from r3lab.experiments.rl.report import COMPARISON_METRICS, collapse_summary, comparison_rows, comparison_table
 from r3lab.experiments.rl.trainer import scorer_at, start_trainer, trainer_notes, trainer_options
-from r3lab.experiments.rl.update import UPDATE_STATS as UPDATE_STATS
-from r3lab.experiments.rl.update import StepResult, policy_updates, train_step
-from r3lab.experiments.tasks import LetterTask  # noqa: F401  (importable here as before; exported by r3lab.experiments.tasks)
-from r3lab.rollout import SamplingConfig as SamplingConfig
+from r3lab.experiments.rl.update import UPDATE_STATS, StepResult, policy_updates, train_step
 
 __all__ = [
     "RolloutBatch",
+    "step_samples",
+    "UPDATE_STATS",
     "OldPolicy",
     "StepResult",
     "RLRun",

@@ -20,8 +20,7 @@ from r3lab.runs import Samples
 from r3lab.trainers import TokenBatch
 from r3lab.vocabulary import RLMetric
 
-__all__ = ["RolloutBatch", "StepRollout", "step_seed", "group_advantages", "sample_step", "engine_noise_floor",
-           "step_samples"]
+__all__ = ["StepRollout", "step_seed", "group_advantages", "sample_step", "engine_noise_floor"]
 
 
 def step_seed(seed: int, step: int) -> int:

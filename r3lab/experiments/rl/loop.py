@@ -26,8 +26,7 @@ from r3lab.rollout import Engine
 from r3lab.runs import RunWriter, mark_stopped
 from r3lab.vocabulary import RunKind
 
-__all__ = ["LOW_PROB", "ZERO_ADVANTAGE_GROUPS",
-           "RLRun", "StaleWeights", "run_rl", "run_comparison", "default_prefix", "engine_options", "start_engine"]
+__all__ = ["LOW_PROB", "ZERO_ADVANTAGE_GROUPS", "StaleWeights", "default_prefix", "start_engine"]
 
 
 @dataclass

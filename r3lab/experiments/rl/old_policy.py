@@ -16,7 +16,7 @@ from r3lab.experiments.rl.batch import RolloutBatch
 from r3lab.routes import Routes
 from r3lab.trainers import Scorer, Trainer
 
-__all__ = ["OldPolicy", "old_policy", "replay_weights"]
+__all__ = ["replay_weights"]
 
 
 def replay_weights(config: RLConfig) -> dict[str, Any]:

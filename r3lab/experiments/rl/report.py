@@ -19,8 +19,7 @@ from r3lab.labels import label
 from r3lab.runs import RunWriter
 from r3lab.vocabulary import COLLAPSE_RULE, collapse_prose
 
-__all__ = ["write_step", "finish_run", "run_summary", "collapse_state", "collapse_summary", "COMPARISON_METRICS",
-           "comparison_rows", "comparison_table"]
+__all__ = ["write_step", "finish_run", "run_summary", "collapse_state"]
 
 
 def write_step(writer: RunWriter, config: RLConfig, step: int, rollout: StepRollout, tokens: dict[str, np.ndarray],

@@ -15,8 +15,6 @@ from r3lab.trainer_registry import TRAINER_REGISTRY, TrainerOptions
 from r3lab.trainers import Scorer, Trainer
 from r3lab.trainers.base import LoadsWeights
 
-__all__ = ["trainer_options", "start_trainer", "scorer_at", "trainer_notes"]
-
 
 def trainer_options(config: RLConfig) -> TrainerOptions:
     """What the RL trainer of ``config`` is loaded with: ``trainer_dtype`` with ``router_dtype`` routers, the Megatron

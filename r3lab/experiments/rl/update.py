@@ -16,9 +16,6 @@ from r3lab.experiments.rl.old_policy import OldPolicy, old_policy, replay_weight
 from r3lab.routes import Routes
 from r3lab.trainers import PolicyUpdate, Scorer, TokenBatch, Trainer
 
-__all__ = ["UPDATE_STATS", "StepResult", "policy_updates", "train_step"]
-
-
 UPDATE_STATS = ("loss", "clip_frac", "approx_kl", "grad_norm", "entropy", "route_change", "used_route_change",
                  "tis_weight_mean")
 # collapse precursors on the policy side, per mini-batch (the maximum over the update is what bursts)
@@ -37,7 +34,7 @@ def policy_updates(trainer: Trainer, batch: RolloutBatch, old: OldPolicy, config
                    rng: np.random.Generator) -> tuple[dict[str, Any], np.ndarray]:
     """``mini_batches`` clipped policy steps over a shuffled split of the batch; replays per ``config.mode``.
 
-    Returns the update's metrics (train/*, the route change of the policy, the noise floor of the trainer) and the
+    Returns the update's metrics (``train/*``, the route change of the policy, the noise floor of the trainer) and the
     samples of the first mini-batch.
     """
     chunks = np.array_split(rng.permutation(len(batch.tokens)), config.mini_batches)

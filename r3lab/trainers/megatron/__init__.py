@@ -17,14 +17,6 @@
 megatron-core, mbridge and transformers are imported when used, not when this package is imported.
 """
 
-from r3lab.errors import (
-    LaunchTimeout,  # noqa: F401  (importable here as before; exported by r3lab.errors)
-    MegatronLoadError,  # noqa: F401  (importable here as before; exported by r3lab.errors)
-)
-from r3lab.families import (
-    group_routing_mismatch,  # noqa: F401  (importable here as before; exported by r3lab.families)
-    model_group_routing,  # noqa: F401  (importable here as before; exported by r3lab.families)
-)
 from r3lab.trainers.megatron.checkpoint import (
     GroupRoutingMismatchWarning,
     MegatronModel,

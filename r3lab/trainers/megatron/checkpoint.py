@@ -3,7 +3,7 @@
 The name and format mapping (Hugging Face <-> Megatron names, q/k/v and gate/up fusion, TP split and
 merge rules) is mbridge 0.15.1's (the bridge verl uses; ``pip install --no-deps mbridge==0.15.1``), family
 by family (``qwen3_moe``, ``glm4_moe``, ...), or r3lab's own for a family mbridge does not map (the family's
-``megatron_bridge`` in :mod:`r3lab.families`, e.g. OLMoE: :mod:`r3lab.trainers.megatron.bridges.olmoe`). What
+``mbridge_bridge`` in :mod:`r3lab.families`, e.g. OLMoE: :mod:`r3lab.trainers.megatron.mbridge_bridges.olmoe`). What
 this module adds, because mbridge assumes Transformer Engine and CUDA:
 
 * the model is built with Megatron's local spec (:func:`~r3lab.trainers.megatron.cpu.local_block_spec`);
@@ -44,13 +44,7 @@ from typing import Any
 import torch
 
 from r3lab.errors import MegatronLoadError
-from r3lab.families import (
-    FAMILIES,
-    family_of,
-    group_routing_mismatch,
-    megatron_overrides,
-    model_group_routing,  # noqa: F401  (importable here as before; exported by r3lab.families)
-)
+from r3lab.families import FAMILIES, family_of, group_routing_mismatch, megatron_overrides
 from r3lab.moe_layout import MoELayout
 from r3lab.slicing import ParallelLayout
 from r3lab.trainers.megatron.cpu import CPU_CONFIG, gpt_chunks, init_parallel, patch_megatron_for_cpu
@@ -64,17 +58,6 @@ from r3lab.trainers.megatron.mbridge_api import (
     to_hf_format,
     to_megatron_format,
 )
-
-__all__ = [
-    "GroupRoutingMismatchWarning",
-    "MegatronModel",
-    "layout_for",
-    "build_model",
-    "load_checkpoint",
-    "export_hf_state_dict",
-    "checkpoint_state_dict",
-    "checkpoint_shapes",
-]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -116,18 +99,18 @@ def layout_for(model_dir: str | Path, **parallel: Any) -> ParallelLayout:
 
 
 def _bridge(hf_config: Any, dtype: torch.dtype):
-    """The family's own mapping (``megatron_bridge`` in :mod:`r3lab.families`), else mbridge's."""
+    """The family's own mapping (``mbridge_bridge`` in :mod:`r3lab.families`), else mbridge's."""
     fam = family_of(str(hf_config.model_type))
-    if fam is not None and fam.megatron_bridge is not None:
+    if fam is not None and fam.mbridge_bridge is not None:
         import importlib
 
-        module, _, name = fam.megatron_bridge.partition(":")
+        module, _, name = fam.mbridge_bridge.partition(":")
         cls = getattr(importlib.import_module(module), name)
         check_mbridge_api(cls)
     else:
         cls = bridge_class(hf_config.model_type)
     if cls is None:
-        known = sorted({*mbridge_registry(), *(f.model_type for f in FAMILIES.values() if f.megatron_bridge)})
+        known = sorted({*mbridge_registry(), *(f.model_type for f in FAMILIES.values() if f.mbridge_bridge)})
         raise MegatronLoadError(f"neither mbridge nor r3lab.families maps model_type {hf_config.model_type!r} to "
                                 f"Megatron; known: {known} (docs/adding-a-model-family.md)")
     return cls(hf_config, dtype=dtype)

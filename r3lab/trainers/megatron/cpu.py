@@ -20,28 +20,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from r3lab._process import free_port
-from r3lab.errors import R3LabError
+from r3lab.errors import ConfigError
 from r3lab.replay import mcore_api
 
-__all__ = [
-    "patch_megatron_for_cpu",
-    "cpu_patches_applied",
-    "CPURMSNorm",
-    "local_block_spec",
-    "local_mtp_block_spec",
-    "CPU_CONFIG",
-    "init_parallel",
-    "gpt_chunks",
-    "destroy_parallel",
-]
+__all__ = ["local_mtp_block_spec", "gpt_chunks"]
 
 _PATCHED = False
 
@@ -214,20 +202,19 @@ def init_parallel(
 ) -> None:
     """Initialise Megatron's model-parallel groups on this process's torch.distributed group (gloo on CPU).
 
-    Without a process group a one-rank gloo group on a free loopback port is created. Re-initialising
-    destroys the previous groups first, so one process can build several layouts in turn.
+    Without a process group a one-rank gloo group is created, its rendezvous an in-memory store (a world of one meets
+    no peer, so it takes no port). Re-initialising destroys the previous groups first, so one process can build
+    several layouts in turn.
     """
     patch_megatron_for_cpu()
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     world = dist.get_world_size()
     if world % (tp * pp * cp):
-        raise R3LabError(f"world size {world} is not a multiple of tp*pp*cp = {tp}*{pp}*{cp}")
+        raise ConfigError(f"world size {world} is not a multiple of tp*pp*cp = {tp}*{pp}*{cp}")
     if parallel_state.model_parallel_is_initialized():
         destroy_parallel(keep_process_group=True)
     parallel_state.initialize_model_parallel(
@@ -263,7 +250,7 @@ def destroy_parallel(*, keep_process_group: bool = True) -> None:
     parallel_state.destroy_model_parallel()
     if not keep_process_group and dist.is_initialized():
         if _vllm_holds_the_process_group():
-            raise R3LabError("destroy_parallel(keep_process_group=False): an in-process vLLM engine holds this "
-                             "process's torch.distributed group; destroying it would break that engine and every "
-                             "in-process engine started after it. Keep the group (keep_process_group=True)")
+            raise ConfigError("destroy_parallel(keep_process_group=False): an in-process vLLM engine holds this "
+                              "process's torch.distributed group; destroying it would break that engine and every "
+                              "in-process engine started after it. Keep the group (keep_process_group=True)")
         dist.destroy_process_group()

@@ -13,10 +13,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from r3lab.errors import R3LabError
+from r3lab.errors import ConfigError
 
-__all__ = ["causal_mask", "forward_tokens", "pipeline_forward", "gather_vocab", "vocab_log_softmax", "logits_logprobs",
-           "token_entropy", "response_values"]
+__all__ = ["vocab_log_softmax", "token_entropy", "response_values"]
 
 
 def causal_mask(seq_len: int, segment_ids: torch.Tensor | None = None, batch: int = 1) -> torch.Tensor:
@@ -49,14 +48,14 @@ def forward_tokens(
     ``position_ids`` default to ``arange(S)``; ``attention_mask`` to :func:`causal_mask`.
     """
     if tokens is None and input_tensor is None:
-        raise R3LabError("forward_tokens needs tokens (first stage) or input_tensor (later stages)")
+        raise ConfigError("forward_tokens needs tokens (first stage) or input_tensor (later stages)")
     if tokens is not None:
         B, S = tokens.shape
     else:
         B = input_tensor.shape[1]
         S = attention_mask.shape[-1] if attention_mask is not None else None
         if S is None:
-            raise R3LabError("later pipeline stages need tokens or attention_mask to know the sequence length")
+            raise ConfigError("later pipeline stages need tokens or attention_mask to know the sequence length")
     if position_ids is None:
         position_ids = torch.arange(S, dtype=torch.long)[None].expand(B, S)
     if attention_mask is None:

@@ -3,7 +3,7 @@
 :func:`launch` runs ``fn(rank, world_size, *args)`` on ``world_size`` processes started with
 ``torch.multiprocessing`` (spawn) and returns every rank's return value, or raises: when a rank raises
 (:class:`torch.multiprocessing.ProcessRaisedException` names it), when a rank dies, or when the whole
-run takes longer than ``timeout_s`` (:class:`LaunchTimeout`; every rank is then terminated). Collectives
+run takes longer than ``timeout_s`` (:class:`~r3lab.errors.LaunchTimeout`; every rank is then terminated). Collectives
 inside a rank wait at most ``collective_timeout_s`` (the gloo process group's timeout). The ranks meet through
 a rendezvous store the launching process hosts on a port it holds (:func:`host_rendezvous`, :func:`join_world`).
 
@@ -26,7 +26,7 @@ import torch
 
 from r3lab.errors import ConfigError, LaunchTimeout, R3LabFailure
 
-__all__ = ["launch", "host_rendezvous", "join_world"]
+__all__ = ["host_rendezvous", "join_world"]
 
 WORLD_PREFIX = "r3lab-world/"  # the gloo world's keys in a rendezvous store that may hold other keys (staging)
 
@@ -89,7 +89,7 @@ def launch(
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned CPU ranks (gloo, loopback); results by rank.
 
     ``fn`` must be importable (module level) and its arguments and return value picklable. The launch
-    returns within ``timeout_s`` (raising :class:`LaunchTimeout` after terminating every rank) and raises
+    returns within ``timeout_s`` (raising :class:`~r3lab.errors.LaunchTimeout` after terminating every rank) and raises
     if any rank fails; it never returns a partial result.
     """
     import torch.multiprocessing as mp

@@ -10,7 +10,7 @@ its only dimension (this rank's heads, in order). Megatron-Bridge's ``OLMoESelfA
 on every rank and applies it to the rank's flattened heads, which holds at TP 1 only; vLLM all-gathers q and k
 instead (``OlmoeAttention._apply_qk_norm``).
 
-Used by both Megatron loaders: r3lab's mbridge mapping (:mod:`r3lab.trainers.megatron.bridges.olmoe`) and
+Used by both Megatron loaders: r3lab's mbridge mapping (:mod:`r3lab.trainers.megatron.mbridge_bridges.olmoe`) and
 Megatron-Bridge's (:mod:`r3lab.trainers.megatron.megatron_bridge_loader`). Needs megatron-core only.
 """
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from r3lab.errors import StagingTimeoutError
 from r3lab.staging import StoreTally
 from r3lab.staging.backend import WaitResult
 from r3lab.staging.plan import StagingPlan
@@ -67,7 +68,7 @@ class StoreBackend:
         try:
             self.store.wait([key], _td(timeout))
         except store_timeout_error() as e:
-            raise TimeoutError(f"chunk {ref} not in the store within {timeout:.1f} s") from e
+            raise StagingTimeoutError(f"chunk {ref} not in the store within {timeout:.1f} s") from e
         return np.frombuffer(self.store.get(key), dtype=np.uint8)
 
     def report(

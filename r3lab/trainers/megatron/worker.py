@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from r3lab.errors import ConfigError, MegatronTrainerError
+
 __all__ = ["rank_main", "build_rank", "RankState"]
 
 
@@ -165,7 +167,7 @@ class RankState:
         from r3lab.trainers.megatron.forward import forward_tokens
 
         if self.layout.vpp != 1:
-            raise NotImplementedError("the Megatron trainer runs vpp=1 (no virtual pipeline chunks)")
+            raise ConfigError("the Megatron trainer runs vpp=1 (no virtual pipeline chunks)")
         cfg = self.model.config
         B, S = tokens.shape
         seq_local = S // self.layout.tp if cfg.sequence_parallel else S
@@ -189,7 +191,7 @@ class RankState:
                 y.backward(g)
         if grad_fn is not None and inp is not None:
             if inp.grad is None:
-                raise RuntimeError(f"pipeline stage {self.pp}: no gradient reached this stage's input")
+                raise MegatronTrainerError(f"pipeline stage {self.pp}: no gradient reached this stage's input")
             dist.send(inp.grad.contiguous(), dst=ps.get_pipeline_model_parallel_prev_rank())
         return out
 
@@ -236,7 +238,7 @@ class RankState:
         from r3lab.trainers.megatron.forward import response_values, token_entropy, vocab_log_softmax
 
         if self.optimizer is None:
-            raise RuntimeError("this trainer has no optimizer: build it with lr=...")
+            raise ConfigError("this trainer has no optimizer: build it with lr=...")
         tb, whole = TokenBatch(**batch), PolicyUpdate(**update)
         mine, lay, tokens, real, global_rows = self._inputs(tb, shares)
         ids = self._replay_ids(staged, lay)
