@@ -26,7 +26,7 @@ _NO_CHROMIUM = ("figure export needs a Chromium binary and none was found: insta
 def find_chromium() -> str:
     """The system Chromium kaleido should drive: ``$BROWSER_PATH`` if set, else the first on ``PATH``.
 
-    Raises :class:`R3LabError` saying how to install one; r3lab never downloads a browser.
+    Raises :class:`~r3lab.errors.FigureError` saying how to install one; r3lab never downloads a browser.
     """
     env = os.environ.get("BROWSER_PATH")
     if env:

@@ -167,7 +167,7 @@ def finish(fig: go.Figure, size: Mapping[str, int], *, title: str | None = None,
            **layout: Any) -> LabFigure:
     """The figure in the r3lab template at ``size`` (:data:`ONE_COLUMN` / :data:`TWO_COLUMN`), its title (and a
     smaller ``subtitle``: what the counts count) wrapped to that width, undrawn legend entries noted in place;
-    raises :class:`R3LabError` on a bar drawn on a log axis (its length would mean nothing)."""
+    raises :class:`~r3lab.errors.FigureError` on a bar drawn on a log axis (its length would mean nothing)."""
     fig.update_layout(template=TEMPLATE, **size, **layout)
     width = int(size["width"])
     chars = max(30, int((width - 40) / (0.56 * _TITLE_SIZE)))
