@@ -55,25 +55,12 @@ echo "[compat] building $ENV_DIR with $PY" >&2
 mkdir -p "$ENV_DIR"
 touch "$ENV_DIR/$STAMP_NAME.building"  # an interrupted build is recognised as this script's, and built again
 "$PY" -m venv "$ENV_DIR"
-# The wheels: resolved against the index on every build, downloaded only when missing from a folder under the user's
-# cache keyed by the constraints, the package list and Python (the index sends no cache headers, so pip's own cache
-# keeps nothing: without this every build downloads the whole set again, gigabytes with torch's CUDA libraries).
-# R3LAB_WHEEL_CACHE names another folder. The install then reads that folder alone (--no-index): exactly the set
-# just resolved.
-WHEEL_KEY="$( (cat "$CONSTRAINTS"; printf '%s\n' "$WANT_PY" torch "${PACKAGES[@]}") | sha256sum | cut -c1-16)"
-WHEEL_ROOT="${R3LAB_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/r3lab/wheels}"
-WHEELS="$WHEEL_ROOT/compat-$WHEEL_KEY"
-mkdir -p "$WHEELS"
-for old in "$WHEEL_ROOT"/compat-*; do  # the wheels of other constraints or package lists: gigabytes each
-  [ "$old" = "$WHEELS" ] || rm -rf "$old"
-done
-"$ENV_DIR/bin/python" -m pip download -q -d "$WHEELS" --find-links "$WHEELS" -c "$CONSTRAINTS" torch "${PACKAGES[@]}"
 # compiled at install (pip's default): the tests' processes, every gloo rank among them, then import from bytecode
 # even where PYTHONDONTWRITEBYTECODE is set, as on this project's machines
-PIP=("$ENV_DIR/bin/python" -m pip install -q -c "$CONSTRAINTS" --find-links "$WHEELS")
-"${PIP[@]}" --no-index torch  # first and alone: the largest wheel, and what the rest must not replace
-"${PIP[@]}" --no-index "${PACKAGES[@]}"
-"${PIP[@]}" --no-deps -e "$ROOT"  # its build backend (setuptools) from the index, into pip's isolated build
+PIP=("$ENV_DIR/bin/python" -m pip install -q -c "$CONSTRAINTS")
+"${PIP[@]}" torch  # first and alone: the largest wheel, and what the rest must not replace
+"${PIP[@]}" "${PACKAGES[@]}"
+"${PIP[@]}" --no-deps -e "$ROOT"
 echo "$WANT" > "$ENV_DIR/$STAMP_NAME"
 rm -f "$ENV_DIR/$STAMP_NAME.building"
 echo "[compat] $ENV_DIR: $("$ENV_DIR/bin/python" -c 'import importlib.metadata as m; print(", ".join(
