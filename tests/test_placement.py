@@ -36,6 +36,11 @@ from r3lab.errors import ClusterError, ConfigError
 from r3lab.trainer_registry import TrainerOptions
 from r3lab.trainers import TokenBatch
 
+#: the placement step's public names: what r3lab/cluster/placement.py itself defines (its face is r3lab.cluster)
+PLACEMENT_NAMES = {n for n, v in vars(placement_module).items() if not n.startswith("_")
+                   and getattr(v, "__module__", placement_module.__name__) == placement_module.__name__
+                   and not isinstance(v, type(placement_module))}
+
 ROOT = Path(__file__).resolve().parent.parent
 QWEN = ROOT / "data/models/tiny-qwen3-moe"
 URL = "http://gpu-node:8000"
@@ -268,8 +273,7 @@ def placement_branches(source: str, where: str) -> list[str]:
                     found.append(f"{where}:{node.lineno}: {name}(..., {sorted(hit)})")
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("r3lab.cluster"):
             names = {a.name for a in node.names}
-            if node.module not in ("r3lab.cluster", "r3lab.cluster.placement") or not names <= set(
-                    placement_module.__all__):
+            if node.module not in ("r3lab.cluster", "r3lab.cluster.placement") or not names <= PLACEMENT_NAMES:
                 found.append(f"{where}:{node.lineno}: imports {sorted(names)} from {node.module}")
         if isinstance(node, ast.ImportFrom) and node.module == "r3lab.rollout":
             hit = {a.name for a in node.names} & BUILDERS
