@@ -251,6 +251,29 @@ def test_launch_never_loses_its_rendezvous_port_to_another_process():
     assert grabbed.value > 100  # the other process was grabbing all along
 
 
+def _rank_environment(rank: int, world: int, name: str) -> tuple[str | None, str | None, int]:
+    import os
+    import sys
+
+    return os.environ.get(name), os.environ.get("RANK"), int("megatron.core" in sys.modules)
+
+
+def test_ranks_are_forked_from_the_preloaded_server_yet_see_the_environment_of_their_start(monkeypatch):
+    """The ranks start from the fork server (megatron-core already imported there: no rank imports it afresh), and
+    each sees the environment of the launch that started it, not the server's: a variable set after the server
+    started reaches the ranks, and one removed since is gone."""
+    from r3lab.trainers.megatron.launch import RANK_PRELOAD
+
+    assert "megatron.core" in RANK_PRELOAD
+    monkeypatch.setenv("R3LAB_RANK_ENV_PROBE", "before")
+    assert tm.launch(_world_sum, 2) == [3, 3]  # the fork server is up now, with "before" in its environment
+    monkeypatch.setenv("R3LAB_RANK_ENV_PROBE", "set after the server started")
+    got = tm.launch(_rank_environment, 2, "R3LAB_RANK_ENV_PROBE")
+    assert got == [("set after the server started", "0", 1), ("set after the server started", "1", 1)]
+    monkeypatch.delenv("R3LAB_RANK_ENV_PROBE")
+    assert [g[0] for g in tm.launch(_rank_environment, 2, "R3LAB_RANK_ENV_PROBE")] == [None, None]
+
+
 def _one_process_worlds(out) -> None:
     """Three one-rank worlds in turn, as a scorer's process makes them: each must form and sum, and none may have
     chosen a port (``MASTER_PORT`` is what a port-choosing setup would leave behind)."""

@@ -9,8 +9,8 @@ losses) and takes its ranks from a transport, which
 * holds the staging backend routes are put in (:mod:`r3lab.staging`), and releases a staged batch's chunks;
 * gathers the weights (``export``) and ends the ranks (``close``).
 
-:class:`SpawnedRanks` spawns gloo processes here (``torch.multiprocessing``) and stages routes in the key-value store
-the driver hosts (:class:`~r3lab.trainers.megatron.store_backend.StoreBackend`);
+:class:`SpawnedRanks` starts gloo processes here (:func:`~r3lab.trainers.megatron.launch.rank_processes`) and stages
+routes in the key-value store the driver hosts (:class:`~r3lab.trainers.megatron.store_backend.StoreBackend`);
 :class:`r3lab.cluster.megatron.RayRanks` hosts the same ranks as Ray actors in a placement group, with
 :class:`~r3lab.staging.RayBackend`. Errors say which: :attr:`RankTransport.label`, :attr:`RankTransport.ended` and
 :attr:`RankTransport.error` (:class:`~r3lab.errors.MegatronTrainerError` here).
@@ -18,6 +18,7 @@ the driver hosts (:class:`~r3lab.trainers.megatron.store_backend.StoreBackend`);
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
@@ -99,19 +100,18 @@ class SpawnedRanks:
         return [p.pid for p in self._procs]
 
     def start(self, spec: dict[str, Any], world: int, timeout: float, fail: Fail) -> list[Any]:
-        import torch.multiprocessing as mp
-
-        from r3lab.trainers.megatron.launch import host_rendezvous
+        from r3lab.trainers.megatron.launch import host_rendezvous, rank_processes
         from r3lab.trainers.megatron.store_backend import StoreBackend
         from r3lab.trainers.megatron.worker import rank_main
 
         # the ranks' rendezvous and the store routes are staged in: on a port this process holds from the start
         self._store = host_rendezvous(max(float(spec["collective_timeout_s"]), 60.0))
         self._backend = StoreBackend(self._store)
-        ctx = mp.get_context("spawn")
+        ctx = rank_processes()
+        environ = dict(os.environ)  # a rank forked from the fork server would have the server's (older) environment
         for r in range(world):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=rank_main, args=(r, world, self._store.port, child, spec), daemon=True,
+            p = ctx.Process(target=rank_main, args=(r, world, self._store.port, child, spec, environ), daemon=True,
                             name=f"r3lab-megatron-rank{r}")
             p.start()
             child.close()

@@ -362,14 +362,20 @@ def build_rank(rank: int, world: int, master_addr: str, port: int, spec: dict,
     return RankState(model, layout, make_backend(), lr=spec["lr"], staging_timeout=float(spec["staging_timeout_s"]))
 
 
-def rank_main(rank: int, world: int, store_port: int, conn: Any, spec: dict) -> None:
+def rank_main(rank: int, world: int, store_port: int, conn: Any, spec: dict,
+              environ: dict[str, str] | None = None) -> None:
     """A trainer rank's whole life: join (through the driver's store), build, serve commands until ``close`` (or
-    the pipe closes)."""
+    the pipe closes).
+
+    ``environ``: the driver's environment when it started the ranks, made this process's own first
+    (:func:`~r3lab.trainers.megatron.launch.adopt_environment`)."""
     import torch.distributed as dist
 
     from r3lab.trainers.megatron.cpu import destroy_parallel
+    from r3lab.trainers.megatron.launch import adopt_environment
     from r3lab.trainers.megatron.store_backend import StoreBackend
 
+    adopt_environment(environ)
     try:
         coll = datetime.timedelta(seconds=float(spec["collective_timeout_s"]))
         state = build_rank(rank, world, "127.0.0.1", store_port, spec, lambda: StoreBackend(
