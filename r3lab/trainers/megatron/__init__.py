@@ -6,7 +6,8 @@
   (mbridge's mappings) into this rank's GPTModel chunks; :func:`export_hf_state_dict` gathers them back
   (:func:`load_checkpoint` also takes exported weights saved as safetensors).
 * :mod:`~r3lab.trainers.megatron.forward`: masks, the forward-only pipeline pass, token log-probs.
-* :mod:`~r3lab.trainers.megatron.launch`: :func:`launch` runs a function on spawned gloo ranks.
+* :mod:`~r3lab.trainers.megatron.launch`: :func:`launch` runs a function on gloo ranks, forked as
+  :func:`rank_processes` starts them.
 * :mod:`~r3lab.trainers.megatron.trainer`: :class:`~r3lab.trainers.megatron.trainer.MegatronTrainer`, long-lived ranks
   (:mod:`~r3lab.trainers.megatron.worker`) behind the trainer interface, routes staged to them through
   :mod:`~r3lab.trainers.megatron.store_backend`. Import it from its module (it is not re-exported here).
@@ -37,13 +38,15 @@ from r3lab.trainers.megatron.cpu import (
     patch_megatron_for_cpu,
 )
 from r3lab.trainers.megatron.forward import causal_mask, forward_tokens, gather_vocab, logits_logprobs, pipeline_forward
-from r3lab.trainers.megatron.launch import launch
+from r3lab.trainers.megatron.launch import RANK_PRELOAD, adopt_environment, launch, rank_processes
 
 __all__ = [
-    "CPU_CONFIG",
     "CPURMSNorm",
+    "CPU_CONFIG",
     "GroupRoutingMismatchWarning",
     "MegatronModel",
+    "RANK_PRELOAD",
+    "adopt_environment",
     "build_model",
     "causal_mask",
     "checkpoint_shapes",
@@ -58,7 +61,8 @@ __all__ = [
     "layout_for",
     "load_checkpoint",
     "local_block_spec",
+    "logits_logprobs",
     "patch_megatron_for_cpu",
     "pipeline_forward",
-    "logits_logprobs",
+    "rank_processes",
 ]

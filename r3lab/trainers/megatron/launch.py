@@ -32,12 +32,12 @@ import torch
 
 from r3lab.errors import ConfigError, LaunchTimeout, R3LabFailure
 
-__all__ = ["host_rendezvous", "join_world", "rank_processes", "adopt_environment", "RANK_PRELOAD"]
+__all__ = ["host_rendezvous", "join_world"]
 
 WORLD_PREFIX = "r3lab-world/"  # the gloo world's keys in a rendezvous store that may hold other keys (staging)
 
 #: the modules a rank imports before it joins, imported once in the fork server every rank is forked from. Only
-#: imports without side effects beyond defining things: the CPU patches (:func:`patch_megatron_for_cpu`) and
+#: imports without side effects beyond defining things: the CPU patches (``patch_megatron_for_cpu``) and
 #: Megatron-Bridge's Transformer Engine stand-in are applied in each rank. A module that cannot be imported there is
 #: skipped (``multiprocessing`` ignores its ImportError) and imported by the rank itself, as a spawned rank would.
 RANK_PRELOAD = (

@@ -9,7 +9,7 @@ losses) and takes its ranks from a transport, which
 * holds the staging backend routes are put in (:mod:`r3lab.staging`), and releases a staged batch's chunks;
 * gathers the weights (``export``) and ends the ranks (``close``).
 
-:class:`SpawnedRanks` starts gloo processes here (:func:`~r3lab.trainers.megatron.launch.rank_processes`) and stages
+:class:`SpawnedRanks` starts gloo processes here (:func:`~r3lab.trainers.megatron.rank_processes`) and stages
 routes in the key-value store the driver hosts (:class:`~r3lab.trainers.megatron.store_backend.StoreBackend`);
 :class:`r3lab.cluster.megatron.RayRanks` hosts the same ranks as Ray actors in a placement group, with
 :class:`~r3lab.staging.RayBackend`. Errors say which: :attr:`RankTransport.label`, :attr:`RankTransport.ended` and

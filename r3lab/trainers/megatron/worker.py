@@ -368,7 +368,7 @@ def rank_main(rank: int, world: int, store_port: int, conn: Any, spec: dict,
     the pipe closes).
 
     ``environ``: the driver's environment when it started the ranks, made this process's own first
-    (:func:`~r3lab.trainers.megatron.launch.adopt_environment`)."""
+    (:func:`~r3lab.trainers.megatron.adopt_environment`)."""
     import torch.distributed as dist
 
     from r3lab.trainers.megatron.cpu import destroy_parallel
