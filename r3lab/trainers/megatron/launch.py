@@ -13,7 +13,7 @@ seconds and die with the driver. A Ray actor would host the same function unchan
 
 How they start (:func:`rank_processes`): forked from ``multiprocessing``'s fork server, which imported
 :data:`RANK_PRELOAD` once, instead of spawned (a fresh interpreter importing torch, megatron-core and transformers
-for every rank: a 2-rank trainer start took 22.7 s spawned and 5.8 s forked, this machine, two cores). A forked rank
+for every rank; ``tests/test_megatron_load.py`` alone: 130 s spawned, 75 s forked, this machine). A forked rank
 would have the fork server's environment, which is this process's when the server started: each rank is handed
 this process's environment at its start and makes it its own (:func:`adopt_environment`).
 """
