@@ -142,6 +142,10 @@ class FigureLab:
             self.page.screenshot(path=str(failure), full_page=True)
             print(f"failure screenshot: {failure}")
             raise
+        finally:
+            # a blank page until the next check: an open JupyterLab polls its server and redraws, 15% of a core
+            # through the minute the next notebook takes to execute
+            self.page.goto("about:blank")
 
 
 _BAD_FIGURES = [  # each cell draws one problem the checks must report (plain plotly figures, not r3lab's)

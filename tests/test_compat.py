@@ -100,8 +100,12 @@ def _pins(path: Path) -> dict[str, str]:
 
 
 def _clean_env() -> dict[str, str]:
-    """This process's environment without what would point a Python 3.11 interpreter at this one's packages."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    """This process's environment without what would point a Python 3.11 interpreter at this one's packages, and
+    with bytecode written: the build compiles none (scripts/compat_env.sh), so the far end's first import of each
+    module writes it and every later process (the gloo ranks among them) reads it, even where the machine sets
+    PYTHONDONTWRITEBYTECODE, as this project's do."""
+    drop = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONDONTWRITEBYTECODE")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
 

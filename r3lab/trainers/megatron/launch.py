@@ -45,6 +45,7 @@ RANK_PRELOAD = (
     "megatron.core.transformer.moe.router", "megatron.core.tensor_parallel", "r3lab.slicing", "r3lab.staging",
     "r3lab.replay", "r3lab.trainers.megatron.worker", "r3lab.trainers.megatron.checkpoint",
     "r3lab.trainers.megatron.cpu", "r3lab.trainers.megatron.forward", "r3lab.trainers.megatron.store_backend",
+    "r3lab.trainers.megatron.rank_preload",  # Megatron-Bridge through its stand-in, its guard run once
 )
 RANK_START_METHOD = "forkserver"
 
