@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 
 import make_dumps as md
 import numpy as np
 import pytest
 import torch
+from import_memory import import_rise
 
 from r3lab import runs
 from r3lab.errors import ImportFormatError, UnsafeFileError
@@ -110,22 +109,32 @@ def test_bad_samples_keep_their_tokens_and_leave_their_routes_out(tmp_path, cfg)
 
 
 def test_import_is_streaming_and_bounded_in_memory(tmp_path):
-    """100k samples (a 200 MB JSONL dump, about as large again as Python objects) import with a small, fixed RSS
-    rise: the bound is a third of the dump's size (measured: about a quarter, most of it pyarrow's buffers)."""
+    """100k samples (a 52 MB JSONL dump) import with a peak-memory rise under twice the dump's size
+    (tests/import_memory.py's measure). Measured: a rise of 1.03 times the dump; the same samples held in a list
+    before write_run rise 4.66 times it."""
     small = md.nemo_rl_dump(tmp_path / "small")
     big = md.nemo_rl_large(tmp_path / "big", samples=100_000)
     size = sum(f.stat().st_size for f in big.iterdir())
-    probe = ("import resource, sys\nfrom r3lab.importers import import_run\n"
-             "import_run('nemo-rl', sys.argv[1], sys.argv[3] + '-warm')\n"
-             "a = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
-             "import_run('nemo-rl', sys.argv[2], sys.argv[3])\n"
-             "print(a, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n")
-    out = subprocess.run([sys.executable, "-c", probe, str(small), str(big), str(tmp_path / "run")], check=True,
-                         capture_output=True, text=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
-    before, after = (int(x) * 1024 for x in out.stdout.split())
-    assert after - before < size / 3, (after - before, size)
+    line = "from r3lab.importers import import_run\nimp = lambda src, out, config: import_run('nemo-rl', src, out)"
+    rise = import_rise(line, small, big, tmp_path / "run", "-")
+    assert rise < 2 * size, (rise, size)
     run = runs.load(tmp_path / "run")
     assert run.summary["samples"] == 100_000 and run.summary["tokens"] == 800_000
+
+
+def test_the_memory_measure_sees_a_rise_below_pytests_own_peak(tmp_path):
+    """The importers' memory measure, started from this (large) pytest process, sees a 50 MB rise in the child: the
+    peak it reads is the child's own. Read with getrusage it saw none (the child carried pytest's mark)."""
+    line = ("def imp(src, out, config):\n"
+            "    global held\n"
+            "    if not out.endswith('-warm'):\n"
+            "        held = bytearray(50 << 20)\n"
+            "        held[::4096] = b'x' * len(held[::4096])")
+    import resource
+
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 > 100 << 20  # this process's mark is above it
+    rise = import_rise(line, "-", "-", tmp_path / "out", "-")
+    assert 45 << 20 <= rise <= 60 << 20, rise
 
 
 def test_cli_import_then_doctor(tmp_path, cfg, capsys):
