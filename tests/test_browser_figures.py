@@ -92,6 +92,11 @@ _CHECK = r"""(gd) => {
 }""".replace("NOT_DRAWN", json.dumps(NOT_DRAWN))
 
 
+# how long a cell's outputs may trail its execute reply (nbclient's iopub_timeout) in every notebook the tests run:
+# its 4 s default failed a cell in a fresh-clone run, the two cores busy with the other worker's file
+IOPUB_TIMEOUT_S = 120
+
+
 class FigureLab:
     """One JupyterLab server and one Chromium page, for any number of executed notebooks.
 
@@ -172,7 +177,7 @@ def test_the_checks_catch_each_problem_they_look_for(tmp_path):
     nbformat.write(nb, tmp_path / "bad.in.ipynb")
     papermill.execute_notebook(str(tmp_path / "bad.in.ipynb"), str(tmp_path / "bad.ipynb"), kernel_name="r3lab",
                                cwd=str(tmp_path), execution_timeout=300, progress_bar=False,
-                               iopub_timeout=120)  # outputs may trail a cell's reply on a busy machine
+                               iopub_timeout=IOPUB_TIMEOUT_S)
     with FigureLab(tmp_path / "browser") as lab:
         problems = lab.check(tmp_path / "bad.ipynb")
     for i, (_, want) in enumerate(_BAD_FIGURES[1:]):

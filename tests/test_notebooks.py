@@ -17,12 +17,12 @@ from pathlib import Path
 import make_dumps
 import nbformat
 import pytest
+from test_browser_figures import IOPUB_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 PLOTLY = "application/vnd.plotly.v1+json"
 MAGIC = {"png": b"\x89PNG\r\n\x1a\n", "pdf": b"%PDF-", "svg": b"<svg"}
-IOPUB_TIMEOUT_S = 120
 
 
 def _ids(p: Path) -> str:
@@ -89,8 +89,6 @@ def _executed(source: Path | str, tmp_path: Path, params: dict, lab) -> list:
 
     source = Path(source) if Path(source).suffix else ROOT / "notebooks" / f"{source}.ipynb"
     executed = tmp_path / f"{source.stem.removesuffix('.in')}.{len(list(tmp_path.glob('*.ipynb')))}.ipynb"
-    # iopub_timeout: how long a cell's outputs may trail its reply; nbclient's 4 s failed a cell in a fresh-clone
-    # run, the two cores being busy with the other worker's file
     papermill.execute_notebook(str(source), str(executed), parameters={"out_dir": str(tmp_path / "out"), **params},
                                kernel_name="r3lab", cwd=str(tmp_path), execution_timeout=600, progress_bar=False,
                                iopub_timeout=IOPUB_TIMEOUT_S)
