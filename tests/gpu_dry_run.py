@@ -3,6 +3,11 @@ test_gpu_recipe.py (``conftest.pytest_collection_finish``): each resolution is n
 reads, one to three minutes here), so the two overlap each other and the CPU-bound tests instead of adding to the
 suite's time. A test that needs one waits for it (:func:`result`); nothing else changes in what is checked.
 
+Under pytest-xdist every worker collects every test, so every worker would start both dry runs (four pip processes,
+about 15 s of CPU each, for two results). The workers of one run (``PYTEST_XDIST_TESTRUNUID``) share one folder per
+dry run instead: the worker that creates it starts pip there, and :func:`result` in any worker waits for the exit
+status that pip's wrapper writes beside the report when it ends.
+
 Both environments are Python 3.12 (megatron-core 0.19 and Megatron-Bridge 0.6 require it), so pip resolves them for a
 Python 3.12 interpreter: this one when it is 3.12, else one found on this machine (:func:`python312`), run by this
 interpreter's pip (``pip --python``: the metadata-only range reads of ``fast-deps`` need a recent pip). Where none is
@@ -12,9 +17,11 @@ found the tests that need a resolution skip, saying so.
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -28,7 +35,7 @@ ENVS = {"engine": ROOT / "requirements-gpu-engine.txt", "trainer": ROOT / "requi
 PYTHON = (3, 12)
 TIMEOUT = 900  # s, from the start; each 2 to 3 minutes here, both at once; 10 under a load of 80 on 2 cores
 
-_started: dict[tuple[str, ...], tuple[subprocess.Popen, Path, float, list[str]]] = {}
+_started: dict[tuple[str, ...], tuple[Path, float, list[str], subprocess.Popen | None]] = {}
 
 
 @cache
@@ -60,15 +67,32 @@ def command(report: Path, *args: str) -> list[str]:
             "--progress-bar=off", "-v", "--report", str(report), *args]
 
 
+def _folder(args: tuple[str, ...]) -> Path:
+    """The scratch folder of the dry run of ``args``: under xdist one per run and arguments, shared by the workers
+    (the one that creates it runs pip); otherwise a new one."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not run:
+        return Path(tempfile.mkdtemp(prefix="r3lab-gpu-dry-run-"))
+    key = hashlib.sha256("\0".join(args).encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"r3lab-gpu-dry-run-{run}-{key}"
+
+
 def start(*args: str) -> None:
-    """Start ``pip install --dry-run ARGS`` in a scratch folder (once per ARGS; nothing without a 3.12 interpreter)."""
+    """Start ``pip install --dry-run ARGS`` in a scratch folder (once per ARGS and run; nothing without a 3.12
+    interpreter). pip runs under ``sh``, which writes its exit status to ``rc`` in that folder when it ends."""
     if args in _started or python312() is None:
         return
-    folder = Path(tempfile.mkdtemp(prefix="r3lab-gpu-dry-run-"))
+    folder = _folder(args)
     cmd = command(folder / "report.json", *args)
-    log = open(folder / "pip.log", "w")  # noqa: SIM115 - closed when the result is read
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=folder)
-    _started[args] = (proc, folder, time.monotonic(), cmd)
+    try:
+        folder.mkdir(exist_ok=not os.environ.get("PYTEST_XDIST_TESTRUNUID"))
+    except FileExistsError:  # another worker of this run started it: wait for its rc in result()
+        _started[args] = (folder, time.monotonic(), cmd, None)
+        return
+    wrapper = 'cd "$1" && shift && "$@" > pip.log 2>&1; echo $? > rc.part && mv rc.part rc'
+    proc = subprocess.Popen(["sh", "-c", wrapper, "sh", str(folder), *cmd], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    _started[args] = (folder, time.monotonic(), cmd, proc)
 
 
 def start_all() -> None:
@@ -78,18 +102,24 @@ def start_all() -> None:
 
 
 def result(*args: str) -> tuple[dict, str]:
-    """The report and log of the dry run of ``ARGS`` (started now if it was not), waiting for it to end."""
+    """The report and log of the dry run of ``ARGS`` (started now if it was not), waiting for it to end (its ``rc``
+    file: the dry run may belong to another worker)."""
     start(*args)
     if args not in _started:
         raise RuntimeError(f"no Python {PYTHON[0]}.{PYTHON[1]} interpreter on this machine to resolve for")
-    proc, folder, t0, cmd = _started[args]
-    try:
-        proc.wait(timeout=max(1.0, TIMEOUT - (time.monotonic() - t0)))
-    except subprocess.TimeoutExpired as e:
-        proc.kill()
-        raise AssertionError(f"pip's dry run took over {TIMEOUT} s: {' '.join(cmd)}") from e
+    folder, t0, cmd, proc = _started[args]
+    rc = folder / "rc"
+    while not rc.exists():
+        if time.monotonic() - t0 > TIMEOUT:
+            if proc is not None:
+                os.killpg(proc.pid, signal.SIGKILL)  # sh and pip
+            raise AssertionError(f"pip's dry run took over {TIMEOUT} s: {' '.join(cmd)} (in {folder})")
+        time.sleep(1.0)
+    if proc is not None:
+        proc.wait()
     log = (folder / "pip.log").read_text()
-    assert proc.returncode == 0, f"pip cannot resolve {' '.join(args)}:\n{log[-6000:]}"
+    code = rc.read_text().strip()
+    assert code == "0", f"pip cannot resolve {' '.join(args)} (exit status {code}):\n{log[-6000:]}"
     return json.loads((folder / "report.json").read_text()), log
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -35,6 +36,7 @@ from r3lab.trainer_registry import (
 )
 from r3lab.trainers.megatron import megatron_bridge_api as mb
 
+ROOT = Path(__file__).resolve().parent.parent
 INSTALLED = mb.installed_version()
 needs_megatron_bridge = pytest.mark.skipif(
     INSTALLED is None, reason="megatron-bridge is not installed here (it installs on Python 3.12 only): these tests "
@@ -304,3 +306,61 @@ def test_export_and_load_again_give_back_the_checkpoint_bit_for_bit(results, nam
         assert e["missing"] == [] and e["extra"] == [] and e["differ"] == [], (what, e)
     reload = results[(name, lay)]["reload"]
     assert reload["moved"] == reload["params"] > 0, reload  # the move reached every parameter: the reload had work
+
+
+# ---- what the loader does for speed, kept from silently going away -------------------------------------------------
+@needs_megatron_bridge
+def test_deep_copies_of_the_provider_share_the_checkpoints_tensors():
+    """megatron-core deep-copies the provider's config for modules it builds, and the provider holds the weight-load
+    hook, which reaches the bridge's checkpoint state (use_state): the copies must share those tensors, not copy
+    them (a copy of the whole checkpoint per module built was 40% of a rank's CPU)."""
+    import copy
+
+    from r3lab.trainers.megatron.checkpoint import checkpoint_state_dict
+
+    d = model_dir("tiny-qwen3-moe")
+    bridge = mb.auto_bridge(d)
+    tensors = checkpoint_state_dict(d)
+    mb.use_state(bridge, tensors)
+    provider = bridge.to_megatron_provider(load_weights=True)
+    copied = []
+    deepcopy = torch.Tensor.__deepcopy__
+
+    def counting(self, memo):
+        copied.append(self)
+        return deepcopy(self, memo)
+
+    torch.Tensor.__deepcopy__ = counting
+    try:
+        clone = copy.deepcopy(provider)
+    finally:
+        torch.Tensor.__deepcopy__ = deepcopy
+    assert clone is not provider and len(tensors) > 100
+    assert not any(any(t is c for t in tensors.values()) for c in copied), f"{len(copied)} tensors copied"
+    assert copy.deepcopy(bridge.hf_pretrained._state_dict_accessor) is bridge.hf_pretrained._state_dict_accessor
+
+
+def test_an_absent_package_megatron_bridge_probes_per_call_is_looked_up_once(tmp_path):
+    """remember_absent_packages marks an uninstalled package of PROBED_PER_CALL absent once (None in sys.modules):
+    importing it still fails with ModuleNotFoundError and find_spec still answers None; an installed one is left
+    alone. Each in a fresh Python."""
+    import subprocess
+
+    probe = ("import importlib.util, sys\n"
+             "from r3lab.trainers.megatron.megatron_bridge_api import PROBED_PER_CALL, remember_absent_packages\n"
+             "assert PROBED_PER_CALL == ('modelopt',)\n"
+             "remember_absent_packages()\n"
+             "try:\n    from modelopt.torch.opt.dynamic import DynamicModule\n    print('imported')\n"
+             "except ModuleNotFoundError:\n"
+             "    print('absent', sys.modules.get('modelopt', 0) is None, importlib.util.find_spec('modelopt'))\n")
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
+    assert out.stdout.split() == ["absent", "True", "None"], out.stdout + out.stderr[-2000:]
+    fake = tmp_path / "modelopt" / "torch" / "opt"
+    fake.mkdir(parents=True)
+    for folder in (fake.parent.parent, fake.parent, fake):
+        (folder / "__init__.py").write_text("")
+    (fake / "dynamic.py").write_text("class DynamicModule:\n    pass\n")
+    env["PYTHONPATH"] = f"{tmp_path}:{ROOT}"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
+    assert out.stdout.split() == ["imported"], out.stdout + out.stderr[-2000:]

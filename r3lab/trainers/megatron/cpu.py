@@ -239,15 +239,46 @@ def _vllm_holds_the_process_group() -> bool:
     return ps is not None and getattr(ps, "_WORLD", None) is not None
 
 
+def _megatron_process_groups() -> list:
+    """The process groups Megatron's ``parallel_state`` holds now (its module globals, lists of groups included),
+    each once, without the default group."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    found: dict[int, Any] = {}
+    for value in vars(parallel_state).values():
+        for group in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(group, dist.ProcessGroup) and group is not dist.GroupMember.WORLD:
+                found[id(group)] = group
+    return list(found.values())
+
+
 def destroy_parallel(*, keep_process_group: bool = True) -> None:
     """Tear down the model-parallel groups and Megatron's router-replay registry (and the gloo group if asked; refused
-    while an in-process vLLM engine holds it, as the error says)."""
+    while an in-process vLLM engine holds it, as the error says).
+
+    Megatron's ``destroy_model_parallel`` only forgets its groups (it destroys the extra ``*_GLOO`` ones a GPU run
+    makes beside NCCL); on CPU every group is a gloo group, and a gloo group keeps a socket loop thread (measured
+    waking about 50 times a second) and two worker threads until torch destroys it. Each layout built in one process
+    added its groups' threads to the last ones': four ranks building the four shipped models in three layouts each
+    held 600 threads and spent a quarter of their CPU waking them (13 s of system time a rank). With
+    ``keep_process_group`` (a world that goes on, to build another layout: every rank calls this, as it called
+    ``init_parallel``) the groups Megatron held are destroyed too, after a barrier on the default group, so that no
+    rank leaves a group a peer still uses; without it every group goes with the default one, and a rank tearing down
+    after a peer failed waits on no barrier."""
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     RouterReplay.clear_global_router_replay_instances()
+    groups = _megatron_process_groups()
     parallel_state.destroy_model_parallel()
+    if keep_process_group and groups and dist.is_initialized():
+        dist.barrier()
+        registered = dist.distributed_c10d._world.pg_map  # destroy_model_parallel destroyed some already
+        for group in groups:
+            if registered.get(group) is not None:
+                dist.destroy_process_group(group)
     if not keep_process_group and dist.is_initialized():
         if _vllm_holds_the_process_group():
             raise ConfigError("destroy_parallel(keep_process_group=False): an in-process vLLM engine holds this "
