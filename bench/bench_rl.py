@@ -5,13 +5,16 @@ summary.json, readable with ``r3lab.runs.load``) and renders bench/results/rl.md
 and routes go to a temporary folder and are not committed. ``r3lab rl`` runs the same loop into data/runs/.
 
     python bench/bench_rl.py            # run everything (about 30 minutes on 2 cores), then render
+    python bench/bench_rl.py --work DIR # the same into DIR, resumable: runs finished there are skipped
     python bench/bench_rl.py --render   # render rl.md again from the committed runs
     python bench/bench_rl.py --quick    # a smoke run; writes nothing
 """
 
 from __future__ import annotations
 
+import dataclasses
 import platform
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -20,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from reference import reference_main  # noqa: E402
 
 from r3lab.config import MODES, RLConfig
-from r3lab.experiments.rl import comparison_rows, comparison_table, run_comparison
+from r3lab.experiments.rl import comparison_rows, comparison_table
 from r3lab.paths import results_dir
 from r3lab.runs import Run
 
@@ -42,14 +45,30 @@ def _prefix(model: str, change: dict) -> str:
 
 
 def run_all(quick: bool, out: Path) -> float:
+    """Every section's runs into ``out``, one engine start per section (as ``run_comparison``: seeds outer, modes
+    inner); a run whose folder under ``out`` holds its summary is skipped, an unfinished one is run again from step 0
+    (``--work``: a sweep killed on a shared machine goes on where it stopped)."""
+    from r3lab.config import DEFAULT_MODES, run_name
+    from r3lab.experiments.rl import run_rl
+    from r3lab.experiments.rl.loop import start_engine
+    from r3lab.paths import model_dir
+
     t0 = time.perf_counter()
     for model in MODELS:
         sections = {"default": {}} if quick or model not in KNOB_MODELS else {"default": {}, **KNOBS}
         for label, change in sections.items():
             base = (RLConfig.quick if quick else RLConfig)(model=model, **change)
             seeds = (0,) if quick or label != "default" else SEEDS
-            run_comparison(base, seeds=seeds, runs_root=out, prefix=_prefix(model, change))
-            print(f"done: {model} {label} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+            names = {(s, m): run_name(_prefix(model, change), m, s) for s in seeds for m in DEFAULT_MODES}
+            todo = [k for k, name in names.items() if not (out / name / "summary.json").is_file()]
+            if todo:
+                with start_engine(base, model_dir(base.model, base.data), DEFAULT_MODES) as engine:
+                    for seed, mode in todo:
+                        shutil.rmtree(out / names[seed, mode], ignore_errors=True)  # unfinished: from step 0
+                        run_rl(dataclasses.replace(base, mode=mode, seed=int(seed)), engine=engine, runs_root=out,
+                               run_name=names[seed, mode], progress=False)
+            print(f"done: {model} {label} ({len(names) - len(todo)} of {len(names)} runs were finished; "
+                  f"{time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
     return time.perf_counter() - t0
 
 
@@ -127,7 +146,8 @@ def render(runs: list[Run], seconds: float | None) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     reference_main(argv, doc=__doc__, bench="bench_rl", reference=REFERENCE, table_file=RESULTS / "rl.md",
-                   run_all=run_all, render=render, quick_help='8 steps, one seed, default knobs only; writes nothing')
+                   run_all=run_all, render=render, quick_help='8 steps, one seed, default knobs only; writes nothing',
+                   resumable=True)
 
 if __name__ == "__main__":
     main()

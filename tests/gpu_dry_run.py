@@ -67,14 +67,14 @@ def command(report: Path, *args: str) -> list[str]:
             "--progress-bar=off", "-v", "--report", str(report), *args]
 
 
-def _folder(args: tuple[str, ...]) -> Path:
-    """The scratch folder of the dry run of ``args``: under xdist one per run and arguments, shared by the workers
-    (the one that creates it runs pip); otherwise a new one."""
+def _folder(args: tuple[str, ...]) -> tuple[Path, bool]:
+    """The scratch folder of the dry run of ``args``, and whether the workers of this run share it: under xdist one
+    per run and arguments, shared (the worker that creates it runs pip); otherwise a new one of this process's own."""
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     if not run:
-        return Path(tempfile.mkdtemp(prefix="r3lab-gpu-dry-run-"))
+        return Path(tempfile.mkdtemp(prefix="r3lab-gpu-dry-run-")), False
     key = hashlib.sha256("\0".join(args).encode()).hexdigest()[:16]
-    return Path(tempfile.gettempdir()) / f"r3lab-gpu-dry-run-{run}-{key}"
+    return Path(tempfile.gettempdir()) / f"r3lab-gpu-dry-run-{run}-{key}", True
 
 
 def start(*args: str) -> None:
@@ -82,10 +82,10 @@ def start(*args: str) -> None:
     interpreter). pip runs under ``sh``, which writes its exit status to ``rc`` in that folder when it ends."""
     if args in _started or python312() is None:
         return
-    folder = _folder(args)
+    folder, shared = _folder(args)
     cmd = command(folder / "report.json", *args)
     try:
-        folder.mkdir(exist_ok=not os.environ.get("PYTEST_XDIST_TESTRUNUID"))
+        folder.mkdir(exist_ok=not shared)  # a folder of its own exists already (mkdtemp made it)
     except FileExistsError:  # another worker of this run started it: wait for its rc in result()
         _started[args] = (folder, time.monotonic(), cmd, None)
         return
