@@ -155,3 +155,53 @@ def test_cli_import_then_doctor(tmp_path, cfg, capsys):
         main(["import", "slime", str(md.evil_dump(tmp_path / "evil.pt", tmp_path / "m")), "--out",
               str(tmp_path / "evil-run"), "--config", str(cfg)])
     assert "refuses" in str(e.value.code)
+
+
+def test_the_capture_logs_layer_counts_are_counted_per_sample_and_layer():
+    """The capture log's per-layer counts (what the doctor's layer check reads), against a plain loop over each
+    sample's layers: on a model with a dense first layer and an MTP layer after the decoder, samples whose layers
+    route normally, repeat an id in a row, or hold one expert set on every row."""
+    from r3lab.importers.common import CaptureLog, LayerMap, Sample, _check_routes
+    from r3lab.moe_layout import MoELayout
+
+    lmap = LayerMap(MoELayout.from_model_dir(ROOT / "data/models/tiny-glm4-moe"), mtp_layers=1)
+    lay = lmap.layout
+    assert lay.moe_layer_ids[0] > 0, "the oracle needs a dense layer"
+    size = lay.num_hidden_layers + 1  # every decoder layer, then the MTP layer
+    rng = np.random.default_rng(5)
+    log, seen, real = CaptureLog(), {}, {}
+    for n in range(40):
+        rows = int(rng.integers(1, 6))
+        r = np.argsort(rng.random((rows, size, lay.num_experts)), axis=2)[:, :, :lay.top_k]
+        j = int(rng.integers(size))
+        if n % 3 == 1:
+            r[int(rng.integers(rows)), j, 1] = r[0, j, 0] if rows == 1 else r[int(rng.integers(rows)), j, 0]
+        if n % 3 == 2:
+            r[:, j] = r[0, j]
+        _check_routes(Sample(step=0, tokens=np.arange(rows + 1), response_length=1, routes=r), n, lmap, log)
+        for layer in range(lay.num_hidden_layers):  # the oracle: a loop over the decoder layers, MTP left out
+            sets = [sorted(int(x) for x in r[t, layer]) for t in range(rows)]
+            routing = all(len(set(s)) == len(s) for s in sets) and not (rows > 1 and all(s == sets[0] for s in sets))
+            seen[layer] = seen.get(layer, 0) + 1
+            real[layer] = real.get(layer, 0) + int(routing)
+    assert log.layer_seen == seen and log.layer_real == real
+    assert log.to_dict()["layer_real"] == {str(k): v for k, v in sorted(real.items())}
+    assert 0 < min(real.values()) and min(real.values()) < 40  # both kinds of layer counted
+
+
+def test_a_step_whose_samples_differ_in_a_field_is_refused_naming_it(tmp_path):
+    """Every sample of a step carries a reward (a loss mask, an index) or none does: a step that mixes them is
+    refused, naming the field and the samples, and nothing is written."""
+    from r3lab.importers.common import Sample, write_run
+
+    def sample(reward):
+        return Sample(step=0, tokens=np.arange(5), response_length=2, reward=reward)
+
+    with pytest.raises(ImportFormatError, match=r"sample 0 has 'reward', sample 1 lacks it"):
+        write_run([sample(1.0), sample(None), sample(0.5)], tmp_path / "run", source_format="test", files=[],
+                  layer_map=None)
+    assert not list(tmp_path.iterdir())
+    run = runs.load(write_run([sample(1.0), sample(0.0)], tmp_path / "ok", source_format="test", files=[],
+                              layer_map=None))
+    assert run.tokens([0])["reward"].tolist() == [1.0, 1.0, 0.0, 0.0]
+    assert run.tokens([0])["position"].tolist() == [0, 1, 0, 1]

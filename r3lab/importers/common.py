@@ -20,6 +20,7 @@ return MoE layers only. :class:`LayerMap` maps a dump's layer axis to global lay
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -223,8 +224,11 @@ class CaptureLog:
     counts: dict[str, int] = field(default_factory=dict)
     rows: dict[str, int] = field(default_factory=dict)
     worst: dict[str, dict[str, Any]] = field(default_factory=dict)
-    layer_real: dict[int, int] = field(default_factory=dict)  # global layer -> samples whose rows look like routing
-    layer_seen: dict[int, int] = field(default_factory=dict)
+    # per global layer id: samples whose rows of that layer were read (seen) and looked like routing (real); arrays
+    # indexed by layer id (one vector add per sample: a Python loop over the layers cost a 48-layer model's import
+    # more than the rest of the check)
+    _seen: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    _real: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     max_id: int | None = None  # the largest expert id any row named (ids >= E: physical EPLB slots, vLLM #33013)
 
     def add(self, check: str, bad: int, rows: int, score: float = 0.0, **where: Any) -> None:
@@ -233,10 +237,58 @@ class CaptureLog:
         if bad:
             self.worst[check] = _worst(self.worst.get(check), score if score else bad, **where)
 
+    def add_layers(self, ids: np.ndarray, real: np.ndarray) -> None:
+        """One sample's layers ``ids`` (global, distinct) were read; ``real[i]``: those of ``ids[i]`` look like
+        routing."""
+        if not ids.size:
+            return
+        need = int(ids.max()) + 1
+        if need > self._seen.size:
+            self._seen = np.concatenate([self._seen, np.zeros(need - self._seen.size, np.int64)])
+            self._real = np.concatenate([self._real, np.zeros(need - self._real.size, np.int64)])
+        self._seen[ids] += 1
+        self._real[ids] += real
+
+    @property
+    def layer_seen(self) -> dict[int, int]:
+        """Global layer id -> samples whose rows of that layer were read."""
+        return {int(g): int(self._seen[g]) for g in np.flatnonzero(self._seen)}
+
+    @property
+    def layer_real(self) -> dict[int, int]:
+        """Global layer id -> samples whose rows of that layer look like routing (every layer read is a key)."""
+        return {int(g): int(self._real[g]) for g in np.flatnonzero(self._seen)}
+
     def to_dict(self) -> dict[str, Any]:
         return {"counts": self.counts, "rows": self.rows, "worst": self.worst,
-                "layer_real": {str(k): v for k, v in sorted(self.layer_real.items())},
-                "layer_seen": {str(k): v for k, v in sorted(self.layer_seen.items())}, "max_id": self.max_id}
+                "layer_real": {str(k): v for k, v in self.layer_real.items()},
+                "layer_seen": {str(k): v for k, v in self.layer_seen.items()}, "max_id": self.max_id}
+
+
+@dataclass(frozen=True)
+class _Axis:
+    """What a dump's layer axis of one size means for the model (:func:`_axis`): computed once per size, not per
+    sample."""
+
+    ids: np.ndarray  # global layer id of each entry
+    mtp: np.ndarray  # entries that are MTP layers (kept apart, never stored)
+    moe: np.ndarray  # entries that are MoE layers (stored)
+    dense: np.ndarray  # the rest: dense decoder layers
+    counted: np.ndarray  # the entries whose layers the capture log counts (all but MTP)
+
+
+@functools.lru_cache(maxsize=64)
+def _axis(lmap: LayerMap, size: int) -> _Axis:
+    ids = lmap.axis_ids(size, "")  # a size that fits nothing raises (not cached); the caller names the sample
+    mtp = ids >= lmap.layout.num_hidden_layers
+    moe = np.isin(ids, lmap.moe_ids)
+    for a in (ids, mtp, moe):
+        a.setflags(write=False)
+    dense = ~moe & ~mtp
+    counted = ~mtp
+    dense.setflags(write=False)
+    counted.setflags(write=False)
+    return _Axis(ids, mtp, moe, dense, counted)
 
 
 def _check_routes(s: Sample, sample_no: int, lmap: LayerMap, log: CaptureLog
@@ -278,31 +330,32 @@ def _check_routes(s: Sample, sample_no: int, lmap: LayerMap, log: CaptureLog
     log.add("row_count", 0, 1)
     if s.speculative:
         log.add("speculative_rows", 0, 1)
-    ids = lmap.axis_ids(r.shape[1], s.where)
-    mtp = ids >= lmap.layout.num_hidden_layers  # MTP layers' rows: kept apart from the decoder's, never stored
+    try:
+        ax = _axis(lmap, r.shape[1])
+    except ImportFormatError:
+        lmap.axis_ids(r.shape[1], s.where)  # a layer axis that fits nothing: refused again, naming the sample
+        raise
+    ids, mtp, moe = ax.ids, ax.mtp, ax.moe
     if lmap.mtp_layers:  # samples whose MTP rows were set apart (the doctor reports them; they are not a failure)
         log.add("mtp_kept_apart", int(mtp.any()), 1, **where)
     if r.size:
         log.max_id = max(int(r.max()), -1 if log.max_id is None else log.max_id)
     E = lmap.layout.num_experts
-    out_of_range = (r < 0) | (r >= E)
-    n_oor = int(out_of_range.any(axis=2).sum())
-    if n_oor:
-        t, j = np.argwhere(out_of_range.any(axis=2))[0]
+    n_oor = 0
+    if r.size and (int(r.min()) < 0 or int(r.max()) >= E):  # the boolean arrays only where some id is out
+        oor_rows = ((r < 0) | (r >= E)).any(axis=2)
+        n_oor = int(oor_rows.sum())
+        t, j = np.argwhere(oor_rows)[0]
+        bad = r[t, j][(r[t, j] < 0) | (r[t, j] >= E)]
         log.add("ids_out_of_range", n_oor, r.shape[0] * r.shape[1], position=int(t), layer=int(ids[j]),
-                value=int(r[t, j][out_of_range[t, j]][0]), **where)
+                value=int(bad[0]), **where)
     else:
         log.add("ids_out_of_range", 0, r.shape[0] * r.shape[1])
     srt = np.sort(r, axis=2)
     repeated = (srt[:, :, 1:] == srt[:, :, :-1]).any(axis=2)  # [rows, axis]
     constant = (srt == srt[:1]).all(axis=(0, 2)) if r.shape[0] > 1 else np.zeros(r.shape[1], bool)
-    moe = np.isin(ids, lmap.moe_ids)
-    for j, g in enumerate(ids):
-        if mtp[j]:
-            continue
-        real = not constant[j] and not repeated[:, j].any()
-        log.layer_seen[int(g)] = log.layer_seen.get(int(g), 0) + 1
-        log.layer_real[int(g)] = log.layer_real.get(int(g), 0) + int(real)
+    any_repeated = repeated.any(axis=0)  # [axis]
+    log.add_layers(ids[ax.counted], (~constant & ~any_repeated)[ax.counted])
     rep_moe = repeated[:, moe]
     n_rep = int(rep_moe.sum())
     if n_rep:
@@ -317,9 +370,9 @@ def _check_routes(s: Sample, sample_no: int, lmap: LayerMap, log: CaptureLog
                 value=srt[0, np.flatnonzero(moe)[j]].tolist(), **where)
     else:
         log.add("constant_routes", 0, int(moe.sum()))
-    dense = ~moe & ~mtp
-    dense_real = dense & ~constant & ~repeated.any(axis=0)
+    dense = ax.dense
     if dense.any():
+        dense_real = dense & ~constant & ~any_repeated
         if dense_real.any():
             log.add("dense_rows", int(dense_real.sum()), int(dense.sum()), layer=int(ids[int(np.argmax(dense_real))]),
                     **where)
@@ -428,6 +481,17 @@ def write_run(samples: Iterable[Sample], out: str | os.PathLike, *, source_forma
 FLOAT_COLUMNS = ("logp_infer", "logp_train", "advantage")
 """Per-token float columns a sample may lack (NaN-filled among samples that have them); NaN = missing for that token."""
 
+OPTIONAL_COLUMNS: dict[str, type | None] = {"loss_mask": None, "reward": np.float64, "index": np.int64}
+"""Token-table columns a dump may carry, in table order: ``loss_mask`` per token (the dump's values and dtype),
+``reward`` and ``index`` per sample (repeated over its response tokens). Every sample of a step carries each or
+none; a step whose samples differ is refused, naming the field."""
+
+
+def _positions(lengths: np.ndarray) -> np.ndarray:
+    """``concatenate([arange(n) for n in lengths])``, without a loop."""
+    starts = np.cumsum(lengths) - lengths
+    return np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(starts, lengths)
+
 
 class _StepAccumulator:
     """One step's samples into its token/prompt tables, routes and step record.
@@ -440,10 +504,15 @@ class _StepAccumulator:
 
     def __init__(self, step: int, writer: RunWriter, layer_map: LayerMap | None, log: CaptureLog):
         self.step, self.writer, self.layer_map, self.log = step, writer, layer_map, log
-        self.cols: dict[str, list[np.ndarray]] = {}
+        # the chunk's samples (sample numbers chunk_start, chunk_start + 1, ...): their token arrays and per-sample
+        # values; the per-token columns are built from them once per chunk (:meth:`_token_columns`)
+        self.chunk_start = 0
+        self.lens: list[int] = []  # response lengths
+        self.prompt_lens: list[int] = []
+        self.response_tokens: list[np.ndarray] = []
+        self.prompt_tokens: list[np.ndarray] = []
+        self.optional: dict[str, list[Any]] = {name: [] for name in OPTIONAL_COLUMNS}  # None where a sample lacks it
         self.floats: dict[str, list[np.ndarray | None]] = {}
-        self.lens: list[int] = []
-        self.prompt: dict[str, list[np.ndarray]] = {}
         self.prompt_writer: Any = None  # pyarrow.parquet.ParquetWriter once the first chunk is written
         self.routes: list[np.ndarray] = []
         self.weights: list[np.ndarray | None] = []  # routing weights beside each sample's kept ids (None: none)
@@ -462,31 +531,24 @@ class _StepAccumulator:
         P = len(s.tokens) - R
         if R < 1 or P < 1:
             raise ImportFormatError(f"{s.where}: {len(s.tokens)} tokens with response_length {R}; need P >= 1, R >= 1")
-        cols: dict[str, np.ndarray] = {
-            "sample": np.full(R, self.n, np.int64), "position": np.arange(R, dtype=np.int64),
-            "token": np.asarray(s.tokens[P:], dtype=np.int64), "prompt_length": np.full(R, P, np.int64),
-            "response_length": np.full(R, R, np.int64)}
         for name, v in (("logp_infer", s.logp_infer), ("logp_train", s.logp_train), ("loss_mask", s.loss_mask),
                         ("advantage", s.advantage)):
             if v is not None and v.shape != (R,):
                 raise ImportFormatError(f"{s.where}: {name} has {v.shape[0] if v.ndim else 0} values for "
                                         f"{R} response tokens")
-        if s.loss_mask is not None:
-            cols["loss_mask"] = s.loss_mask
         for name, v in (("logp_infer", s.logp_infer), ("logp_train", s.logp_train), ("advantage", s.advantage)):
             lst = self.floats.setdefault(name, [None] * len(self.lens))
             lst.append(None if v is None else np.asarray(v, np.float64))
         self.lens.append(R)
+        self.prompt_lens.append(P)
+        tokens = np.asarray(s.tokens, dtype=np.int64)
+        self.prompt_tokens.append(tokens[:P])
+        self.response_tokens.append(tokens[P:])
+        self.optional["loss_mask"].append(s.loss_mask)
+        self.optional["reward"].append(None if s.reward is None else float(s.reward))
+        self.optional["index"].append(None if s.index is None else int(s.index))
         if s.reward is not None:
-            cols["reward"] = np.full(R, float(s.reward), np.float64)
             self.rewards.append(float(s.reward))
-        if s.index is not None:
-            cols["index"] = np.full(R, int(s.index), np.int64)
-        for k, v in cols.items():
-            self.cols.setdefault(k, []).append(v)
-        self.prompt.setdefault("sample", []).append(np.full(P, self.n, np.int64))
-        self.prompt.setdefault("position", []).append(np.arange(P, dtype=np.int64))
-        self.prompt.setdefault("token", []).append(np.asarray(s.tokens[:P], dtype=np.int64))
         mask = np.ones(R, bool) if s.loss_mask is None else np.asarray(s.loss_mask) > 0
         if s.logp_infer is not None and s.logp_train is not None:
             lt, li = np.asarray(s.logp_train, np.float64)[mask], np.asarray(s.logp_infer, np.float64)[mask]
@@ -528,22 +590,46 @@ class _StepAccumulator:
                                         for v, R in zip(vals, self.lens, strict=True)])
         return out
 
+    def _token_columns(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """The chunk's response-token columns (``sample``, ``position``, ``token``, ``prompt_length``,
+        ``response_length``, then those of :data:`OPTIONAL_COLUMNS` its samples carry) and prompt-token columns
+        (``sample``, ``position``, ``token``): one row per token, built from the per-sample values at once."""
+        R = np.asarray(self.lens, np.int64)
+        P = np.asarray(self.prompt_lens, np.int64)
+        samples = np.arange(self.chunk_start, self.chunk_start + len(R), dtype=np.int64)
+        cols = {"sample": np.repeat(samples, R), "position": _positions(R),
+                "token": np.concatenate(self.response_tokens), "prompt_length": np.repeat(P, R),
+                "response_length": np.repeat(R, R)}
+        for name, dtype in OPTIONAL_COLUMNS.items():
+            vals = self.optional[name]
+            have = [v is not None for v in vals]
+            if not any(have):
+                continue
+            if not all(have):
+                other = self.chunk_start + have.index(not have[0])
+                raise ImportFormatError(f"step {self.step}: samples differ in which fields they carry: sample "
+                                        f"{self.chunk_start} {'has' if have[0] else 'lacks'} {name!r}, sample "
+                                        f"{other} {'lacks' if have[0] else 'has'} it")
+            cols[name] = np.concatenate(vals) if dtype is None else np.repeat(np.asarray(vals, dtype), R)
+        prompt = {"sample": np.repeat(samples, P), "position": _positions(P),
+                  "token": np.concatenate(self.prompt_tokens)}
+        return cols, prompt
+
     def _flush(self) -> None:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        if not self.cols:
+        if not self.lens:
             return
-        prompt = pa.table({k: np.concatenate(v) for k, v in self.prompt.items()})
+        cols, prompt_cols = self._token_columns()
+        prompt = pa.table(prompt_cols)
         if self.prompt_writer is None:
             out = self.writer.path / "prompts" / f"step-{self.step:06d}.parquet"
             out.parent.mkdir(exist_ok=True)
             self.prompt_writer = pq.ParquetWriter(out, prompt.schema)
         self.prompt_writer.write_table(prompt)
-        self.prompt = {}
         if self.lt:  # one array per chunk instead of two per sample
             self.lt, self.li = [np.concatenate(self.lt)], [np.concatenate(self.li)]
-        cols = {k: np.concatenate(v) for k, v in self.cols.items()}
         cols.update(self._float_columns())
         n = len(cols["sample"])
         table = pa.table({"step": np.full(n, self.step, np.int64), **cols})
@@ -555,7 +641,10 @@ class _StepAccumulator:
             raise ImportFormatError(f"step {self.step}: samples differ in which fields they carry "
                                     f"({sorted(table.schema.names)} vs {sorted(self.pq_writer.schema.names)})")
         self.pq_writer.write_table(table.select(self.pq_writer.schema.names))
-        self.cols, self.floats, self.lens = {}, {}, []
+        self.chunk_start = self.n
+        self.lens, self.prompt_lens, self.response_tokens, self.prompt_tokens = [], [], [], []
+        self.optional = {name: [] for name in OPTIONAL_COLUMNS}
+        self.floats = {}
 
     def finish(self, writer: RunWriter, totals: dict[str, int]) -> None:
         self._flush()
