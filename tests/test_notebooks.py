@@ -2,7 +2,8 @@
 
 Clean: no outputs or execution counts, the r3lab kernelspec, exactly one cell tagged ``parameters`` and it is
 the first code cell, CI parameters in ``metadata["r3lab"]``. Run: papermill on the ``r3lab`` kernel with those
-parameters (plus ``out_dir`` / ``runs_dir`` in a temporary folder); the executed notebook must hold no error
+parameters (plus ``out_dir`` / ``runs_dir`` in a temporary folder; 03 opens the runs 02 made where their experiments
+are equal: ``RUNS_FROM``); the executed notebook must hold no error
 and at least ``ci_expect_figures`` plotly figures, and any figure it exported must be a real PNG/SVG/PDF. Every
 executed notebook (the variants on an imported run and on an attached server too) is then opened in JupyterLab in
 Chromium, and its figures must pass tests/test_browser_figures.py's checks: one execution serves both, where the
@@ -112,21 +113,71 @@ def _kernel_imports_this_checkout(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
 
 
+# Notebooks 02 and 03 run the same experiments with their CI parameters (one drift run, RL runs in each mode): 03 then
+# opens the runs 02 made, given as drift_run and rl_runs, as a user opens earlier runs, instead of computing them a
+# second time. Only when _experiments() finds the two equal: the cells that start them, and the value of every name
+# those cells read.
+RUNS_FROM = {"03_logprob_drift": "02_expert_distribution"}
+GIVEN = {"drift_run", "rl_runs", "runs_dir"}  # the folders a test passes; not part of what an experiment is
+_RUNS_MADE: dict[str, Path] = {}  # notebook stem -> the runs folder its test run made
+
+
+def _experiments(path: Path) -> tuple[list[str], dict]:
+    """The cells of notebook ``path`` that run experiments (``load_or_run``), and the CI value of every name they
+    read (its parameters cell, then the CI parameters)."""
+    import ast
+
+    nb = nbformat.read(path, as_version=4)
+    code = [c.source for c in nb.cells if c.cell_type == "code"]
+    values = {t.id: ast.literal_eval(n.value) for n in ast.parse(code[0]).body if isinstance(n, ast.Assign)
+              for t in n.targets if isinstance(t, ast.Name)}
+    values.update(nb.metadata["r3lab"]["ci_parameters"])
+    cells = [src for src in code[1:] if "load_or_run(" in src]
+    names = {n.id for src in cells for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Name)}
+    return cells, {k: values[k] for k in sorted(names & set(values) - GIVEN)}
+
+
+def test_notebook_03_opens_the_runs_02_made_only_where_they_are_its_own():
+    """What lets 03 open 02's runs: the same experiment cells, reading the same values (see RUNS_FROM)."""
+    for nb, source in RUNS_FROM.items():
+        cells, values = _experiments(ROOT / "notebooks" / f"{nb}.ipynb")
+        assert len(cells) == 2 and {"model", "prompts", "max_tokens", "seed", "rl_steps", "modes"} <= set(values)
+        assert (cells, values) == _experiments(ROOT / "notebooks" / f"{source}.ipynb"), (nb, source)
+
+
 @pytest.mark.engine  # executes the notebook in a kernel (the dial notebook runs RL on an engine)
 @pytest.mark.browser  # and checks its figures in JupyterLab
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids)
 def test_notebook_runs_top_to_bottom_and_draws_its_figures(path, tmp_path, figure_lab):
-    """As shipped (06: its default run, the committed reference drift run), with the CI parameters."""
+    """As shipped (06: its default run, the committed reference drift run), with the CI parameters; 03 on the runs
+    02 made, where RUNS_FROM allows (02 ran first in this module and their experiments are equal)."""
+    from r3lab.runs import list_runs
+    from r3lab.vocabulary import RunKind
+
     nb = nbformat.read(path, as_version=4)
     meta = nb.metadata["r3lab"]
     out_dir = tmp_path / "out"
     params = {**meta["ci_parameters"], "out_dir": str(out_dir)}
+    runs_dir = tmp_path / "runs"
     if "\nruns_dir =" in "\n" + nb.cells[[c.cell_type for c in nb.cells].index("code")].source:
-        params["runs_dir"] = str(tmp_path / "runs")
+        params["runs_dir"] = str(runs_dir)
+    source = RUNS_FROM.get(path.stem)
+    opened = source in _RUNS_MADE and _experiments(path) == _experiments(ROOT / "notebooks" / f"{source}.ipynb")
+    if opened:
+        made = list_runs(_RUNS_MADE[source])
+        (params["drift_run"],) = [str(folder) for folder, run in made if run.kind == RunKind.DRIFT]
+        modes = _experiments(path)[1]["modes"]  # in the order 02's comparison ran them: seeds, then modes
+        rl = sorted((run for _, run in made if run.kind == RunKind.RL),
+                    key=lambda r: (r.config["seed"], modes.index(r.config["mode"])))
+        params["rl_runs"] = [str(r.path) for r in rl]
     figures = _figures(_executed(path, tmp_path, params, figure_lab))
     assert len(figures) >= int(meta["ci_expect_figures"]), f"{len(figures)} plotly figures"
     if params.get("export"):
         assert _check_exported(out_dir), f"export=True wrote no figure files under {out_dir}"
+    if opened:
+        assert not runs_dir.exists() or not list(runs_dir.iterdir()), f"{path.stem} ran an experiment of its own"
+    elif "runs_dir" in params and runs_dir.is_dir():
+        _RUNS_MADE[path.stem] = runs_dir
 
 
 @pytest.mark.browser  # checks its figures in JupyterLab
