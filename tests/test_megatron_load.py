@@ -346,6 +346,26 @@ def _layouts_in_turn(rank: int, world: int) -> dict:
     return {"threads": threads, "left": left, "world_alive": dist.is_initialized()}
 
 
+def test_torchs_group_registry_is_read_where_it_is_and_refused_where_it_is_gone(monkeypatch):
+    """destroy_parallel reads torch's private registry of live groups (cpu.live_process_groups): this torch has it
+    (the compatibility tier's far end runs this test on torch 2.11), and a torch without it is refused by name before
+    any group is destroyed."""
+    import torch.distributed as dist
+
+    from r3lab.errors import MegatronCoreAPIError
+    from r3lab.trainers.megatron import cpu
+
+    assert isinstance(cpu.live_process_groups(), dict)
+    assert torch.__version__.split("+")[0] in cpu.TORCH_GROUP_REGISTRY_CHECKED, torch.__version__
+
+    class Renamed:
+        _pg_registry: dict = {}
+
+    monkeypatch.setattr(dist.distributed_c10d, "_world", Renamed())
+    with pytest.raises(MegatronCoreAPIError, match=r"_world\.pg_map .* read in torch 2\.11\.0 and 2\.13\.0"):
+        cpu.live_process_groups()
+
+
 def test_layouts_built_in_turn_leave_no_process_group_and_no_thread_behind():
     """Megatron's destroy_model_parallel only forgets its groups; on CPU each is a gloo group with a socket loop
     thread and two workers. destroy_parallel destroys them (the world stays): four layouts in turn leave none of the

@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from r3lab.errors import ConfigError
+from r3lab.errors import ConfigError, MegatronCoreAPIError
 from r3lab.replay import mcore_api
 
-__all__ = ["local_mtp_block_spec", "gpt_chunks"]
+__all__ = ["local_mtp_block_spec", "gpt_chunks", "live_process_groups", "TORCH_GROUP_REGISTRY_CHECKED"]
 
 _PATCHED = False
 
@@ -253,6 +253,29 @@ def _megatron_process_groups() -> list:
     return list(found.values())
 
 
+#: the torch releases whose private registry of live process groups (``torch.distributed.distributed_c10d._world
+#: .pg_map``: group -> backend and store) :func:`destroy_parallel` was read against: it asks that registry which of
+#: Megatron's groups ``destroy_model_parallel`` left alive (the far end of the compatibility tier runs 2.11.0)
+TORCH_GROUP_REGISTRY_CHECKED = ("2.11.0", "2.13.0")
+
+
+def live_process_groups() -> dict:
+    """torch.distributed's registry of the process groups alive in this process (private; see
+    :data:`TORCH_GROUP_REGISTRY_CHECKED`). A torch without it raises :class:`~r3lab.errors.MegatronCoreAPIError`
+    naming the release, before any group is destroyed: guessing which groups are left would destroy one twice, or
+    leave its threads behind without a word."""
+    import torch.distributed as dist
+
+    registry = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None)
+    if not isinstance(registry, dict):
+        raise MegatronCoreAPIError(
+            f"torch {torch.__version__}: torch.distributed.distributed_c10d._world.pg_map (the registry of live "
+            f"process groups, read in torch {' and '.join(TORCH_GROUP_REGISTRY_CHECKED)}) is gone or no longer a "
+            "dict; r3lab.trainers.megatron.cpu.destroy_parallel cannot tell which of Megatron's groups are left to "
+            "destroy. Read this torch's distributed_c10d and update live_process_groups")
+    return registry
+
+
 def destroy_parallel(*, keep_process_group: bool = True) -> None:
     """Tear down the model-parallel groups and Megatron's router-replay registry (and the gloo group if asked; refused
     while an in-process vLLM engine holds it, as the error says).
@@ -272,10 +295,13 @@ def destroy_parallel(*, keep_process_group: bool = True) -> None:
 
     RouterReplay.clear_global_router_replay_instances()
     groups = _megatron_process_groups()
+    destroy_ours = keep_process_group and bool(groups) and dist.is_initialized()
+    if destroy_ours:
+        live_process_groups()  # a torch without the registry is refused before anything is destroyed
     parallel_state.destroy_model_parallel()
-    if keep_process_group and groups and dist.is_initialized():
+    if destroy_ours:
         dist.barrier()
-        registered = dist.distributed_c10d._world.pg_map  # destroy_model_parallel destroyed some already
+        registered = live_process_groups()  # destroy_model_parallel destroyed some already
         for group in groups:
             if registered.get(group) is not None:
                 dist.destroy_process_group(group)
