@@ -5,7 +5,7 @@ Dirichlet(0.7) weights, and with probability 0.03 a step jumps to a random word.
 the ``--task`` knob):
 
 * ``letter`` (:class:`LetterTask`): distinct response words that start with a target letter, per response word.
-  It climbs fast (about 0.6 in 60 default steps) and then flattens.
+  It climbs fast (about 0.6-0.7 in 60 default steps, bench/results/rl.md) and then flattens.
 * ``edges`` (:class:`EdgeTask`): distinct *uncommon* corpus transitions in the response, per response transition.
   A transition ``a -> b`` is uncommon when the corpus has it at least ``min_count`` times (a real edge of the
   chain, not a random jump) and ``b`` is not ``a``'s most frequent successor. The policy must move mass off each
