@@ -65,14 +65,24 @@ def test_a_clean_run_s_report_has_one_line_per_check_and_a_summary_block(tmp_pat
 # committed runs whose mismatch health is meant to be poor: staleness 2 is off-policy on purpose, lr 0.003 drives
 # R2/none toward collapse, and one R2 mini_batches8 step has a single token with |dlogp| = 5.3
 OFF_POLICY = ("staleness2", "lr0.003", "mini_batches8-R2")
+# committed on-policy runs with one heavy-tailed step, which the k3 check must flag (run -> the step; measured on
+# the runs regenerated 2026-12-06, docs/results/summary.md reports it): without replay, qwen3 seed 2's step 54 holds
+# one token with |dlogp| 7.4, lifting the step's k3 to 0.060 against the run's median 6.4e-5
+K3_SPIKES = {"tiny-qwen3-moe-default-none-s2": 54}
+SPIKE_CHECKS = ("k3", "max |dlogp|", "k3 jumps")
 
 
 @pytest.mark.parametrize("path", COMMITTED, ids=lambda p: p.name)
 def test_committed_reference_runs_fail_no_check(path):
-    """Capture and replay are sound in every committed run; mismatch health warns only where it is meant to."""
+    """Capture and replay are sound in every committed run; mismatch health warns only where it is meant to, and
+    where a run has a k3 spike (K3_SPIKES) the checks of one step's tail (SPIKE_CHECKS), and only they, name it."""
     report = doctor.diagnose(path)
     assert report.ok, [c.line() for c in report.failed]
-    if not any(tag in path.name for tag in OFF_POLICY):
+    if path.name in K3_SPIKES:  # the three checks that read one step's tail, each naming that step, and no other
+        assert sorted(c.name for c in report.warned) == sorted(SPIKE_CHECKS), [c.line() for c in report.warned]
+        for name in SPIKE_CHECKS:
+            assert report.check(name).worst.startswith(f"step {K3_SPIKES[path.name]},"), report.check(name).line()
+    elif not any(tag in path.name for tag in OFF_POLICY):
         assert not report.warned, [c.line() for c in report.warned]
     if "staleness2" in path.name:
         assert report.check("k3").status == doctor.WARN and report.check("IS ESS").status == doctor.WARN
