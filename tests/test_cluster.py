@@ -124,11 +124,15 @@ def test_a_two_step_megatron_r3w_run_through_the_cluster_equals_the_local_run(cl
         assert np.array_equal(ra.values, rb.values) and np.array_equal(ra.weights, rb.weights)
 
 
-def test_a_rank_killed_mid_step_ends_the_run_within_its_bound(cluster, tmp_path):
+def test_a_rank_killed_mid_step_ends_the_run_within_its_bound(cluster, tmp_path, engine_pool):
+    """The rank actors are what this test kills: the run samples with the session's engine (engine=), so no engine
+    actor starts for it (the two tests above start theirs)."""
     import ray
 
     from r3lab.cluster import megatron as cm
+    from r3lab.experiments import rl
     from r3lab.experiments.rl import run_rl
+    from r3lab.paths import model_dir
 
     seen: list = []
     init = cm.RayMegatronTrainer._start_ranks
@@ -146,11 +150,13 @@ def test_a_rank_killed_mid_step_ends_the_run_within_its_bound(cluster, tmp_path)
                 timers.append(threading.Timer(0.5, lambda: ray.kill(seen[0].members[1].handle, no_restart=True)))
                 timers[-1].start()
 
-        t0 = time.monotonic()
-        with pytest.raises(ClusterError) as e:
-            run_rl(_rl(cluster="ray", engine_resources=ENGINE, trainer_resources=TRAINER, cluster_timeout=bound),
-                   progress=False, runs_root=tmp_path, run_name="killed", on_step=kill_rank1_on_step_1)
-        took = time.monotonic() - t0
+        cfg = _rl(cluster="ray", trainer_resources=TRAINER, cluster_timeout=bound)
+        with engine_pool.lease(model_dir(cfg.model), seed=cfg.seed, **rl.engine_options(cfg)) as engine:
+            t0 = time.monotonic()
+            with pytest.raises(ClusterError) as e:
+                run_rl(cfg, engine=engine, progress=False, runs_root=tmp_path, run_name="killed",
+                       on_step=kill_rank1_on_step_1)
+            took = time.monotonic() - t0
     finally:
         cm.RayMegatronTrainer._start_ranks = init
         for t in timers:

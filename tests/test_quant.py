@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import shutil
-from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -185,21 +184,30 @@ def test_dial_raises_routing_disagreement_and_reaches_the_engine(fixed_sample, t
     """Engine vs fp32 trainer on the same tokens: router disagreement grows along the dial. int8 < int6 < int4 with
     a margin (each at least 1.3x the last, none below int8), fp8 between int8 and int4 (its weight error is about
     int6's). A trainer holding the same int4 weights agrees with the int4 engine far better than the exact one
-    does (the dial reached the engine's kernels); an update with exact weights is quantized again."""
+    does (the dial reached the engine's kernels); an update with exact weights is quantized again.
+
+    One dial engine starts (int4); int8, fp8 and int6 are the session's exact engine with the dial's weights pushed
+    in (``quantize_state_dict`` of the checkpoint, as a dial engine's start pushes them), which is the same engine
+    the dial starts: the exact engine with the int4 weights pushed routes bit for bit as the int4 engine does."""
     trainer = load_hf_model(QWEN, "float32")
     ref = recompute_routes(QWEN, fixed_sample, model=trainer)
     ref_rows = [ref.values[ref.cu_seqlens[i] : ref.cu_seqlens[i + 1]] for i in range(len(fixed_sample))]
     seqs = [s[:-1] for s in fixed_sample]  # the reference has len - 1 rows: route exactly those positions
-    dis, routes = {}, {}
-    for q in ("none", "int8", "fp8", "int6", "int4"):
-        exact = q == "none"  # the exact engine is the session's (RolloutEngine(QWEN) with engine_quant="none")
-        with nullcontext(engine_pool.engine(QWEN, seed=0)) if exact else RolloutEngine(QWEN, engine_quant=q) as eng:
-            routes[q] = _engine_prefill_routes(eng, seqs)
-            if q == "int4":
-                sd = load_file(str(QWEN / "model.safetensors"))
-                eng.update_weights({k: v.float() for k, v in sd.items()})  # exact fp32 weights in: quantized again
-                again = _engine_prefill_routes(eng, seqs)
-        dis[q] = _router_disagreement(routes[q], ref_rows)
+    sd = load_file(str(QWEN / "model.safetensors"))
+    routes = {}
+    with engine_pool.lease(QWEN, seed=0) as exact:  # restored to the checkpoint, byte-checked, on the way out
+        routes["none"] = _engine_prefill_routes(exact, seqs)
+        for q in ("int8", "fp8", "int6", "int4"):
+            exact.update_weights(quantize_state_dict(sd, q, dtype=torch.bfloat16))
+            routes[q] = _engine_prefill_routes(exact, seqs)
+    pushed_int4 = routes["int4"]
+    with RolloutEngine(QWEN, engine_quant="int4") as eng:
+        routes["int4"] = _engine_prefill_routes(eng, seqs)
+        eng.update_weights({k: v.float() for k, v in sd.items()})  # exact fp32 weights in: quantized again
+        again = _engine_prefill_routes(eng, seqs)
+    assert all(np.array_equal(a, b) for a, b in zip(pushed_int4, routes["int4"], strict=True)), \
+        "the exact engine with the dial's int4 weights pushed does not route as the int4 engine"
+    dis = {q: _router_disagreement(r, ref_rows) for q, r in routes.items()}
     print("\nrouter disagreement engine vs fp32 trainer:", {k: round(v, 4) for k, v in dis.items()})
     assert dis["none"] < 0.03  # the shipped engine-trainer floor (~1%)
     assert dis["int8"] >= dis["none"] and dis["int6"] > 1.3 * dis["int8"] and dis["int4"] > 1.3 * dis["int6"]

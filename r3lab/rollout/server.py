@@ -109,6 +109,25 @@ def _wait_healthy(proc: subprocess.Popen[bytes], host: str, port: int, deadline:
     raise RolloutError(f"{what} not ready after {timeout:.0f} s; last log lines:\n{log_tail()}")
 
 
+MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+def cpu_server_process_env(bind: str) -> dict[str, str]:
+    """The variables that run a CPU server's model in its engine-core process, with no worker process beside it.
+
+    On the CPU, vLLM 0.30 moves the single-process executor to a worker process of its own whenever
+    ``VLLM_ENABLE_V1_MULTIPROCESSING`` is on (``vllm/platforms/cpu.py``, ``check_and_update_config``: "OMP requires
+    the MP executor", to set up the worker's OpenMP threads before torch starts them). With one bound core (``bind``
+    names a single core, r3lab's default) there is no thread team to set up, and that third process only costs a
+    second import of vLLM and torch and a second start: about 13 s of CPU of the server's 35 here. The API server
+    still runs its engine core in a process of its own (AsyncLLM). Outputs are the same bytes either way (tokens,
+    routes, log-probs; tests/test_rollout.py compares the server with the in-process engine, which runs the same
+    way). Nothing changes when ``bind`` names several cores or the user set the variable."""
+    if not bind.strip().isdigit() or MULTIPROCESSING_ENV in os.environ:
+        return {}
+    return {MULTIPROCESSING_ENV: "0"}
+
+
 class RolloutServer(CompletionsClient):
     """Start vLLM's OpenAI-compatible server on ``host`` (loopback by default) and request completions.
 
@@ -141,7 +160,8 @@ class RolloutServer(CompletionsClient):
             after += ["--uvicorn-log-level", "warning"]
         if current_platform.is_cpu():
             after += as_cli_args(CPU_DEFAULTS)
-            env["VLLM_CPU_OMP_THREADS_BIND"] = default_cpu_bind(cpu_threads_bind)
+            env["VLLM_CPU_OMP_THREADS_BIND"] = bind = default_cpu_bind(cpu_threads_bind)
+            env.update(cpu_server_process_env(bind))
         after += list(extra_args)  # last: the caller's flags win
         if log_path is None:
             log_path = tempfile.mkstemp(prefix="r3lab-vllm-server-", suffix=".log")[1]
