@@ -2,10 +2,12 @@
 
 One two-raylet cluster per module (:func:`r3lab.testing.cluster.local_cluster`: Ray's ``cluster_utils.Cluster``,
 each raylet told its agents' ports so that it starts on a loaded 2-core machine): node A holds the custom resource
-``engine`` (1 CPU), node B holds ``trainer`` (2 CPUs). Asserted: the engine actor lands on A and both TP ranks on B
-(node ids); a quick drift through the cluster equals the local drift for the same seed bit for bit (same kernels,
-same inputs: vLLM in an actor is vLLM in a process, gloo ranks in actors are gloo ranks in processes); a 2-step R3W RL
-run with Megatron TP2 equals the local one bit for bit; killing a rank actor mid-step ends the run within its bound,
+``engine`` (1 CPU), node B holds ``trainer`` (2 CPUs). Asserted: an engine actor lands on A and both TP ranks on B
+(node ids); a quick drift whose TP ranks are actors equals the local drift for the same seed bit for bit (same
+kernels, same inputs: gloo ranks in actors are gloo ranks in processes); a 2-step R3W RL run with its own engine actor
+and Megatron TP2 equals the local one bit for bit (vLLM in an actor is vLLM in a process); one engine actor starts
+in the module (the drift and the killed run sample with the session's engine); killing a rank actor mid-step ends
+the run within its bound,
 naming the actor and its node, leaving no rank process, and the run folder says stopped with that reason. Raylets,
 vLLM and two Megatron ranks: run under the heavy lock (``flock /tmp/r3lab-heavy.lock``)."""
 
@@ -55,33 +57,27 @@ def _all_gone(pids, within: float = 30.0) -> bool:
 
 def test_quick_drift_through_the_cluster_lands_on_its_nodes_and_equals_the_local_drift(cluster, tmp_path,
                                                                                         monkeypatch, engine_pool):
-    """The drift run's own engine actor (started by run_drift for ``cluster="ray"``) lands on node A and both TP
-    rank actors on node B; the ranks' processes end with the run; the result equals the local drift bit for bit (the
-    local drift samples with the session's engine, in a fresh start's state). An engine no node can hold is refused
-    before anything waits."""
+    """Both TP rank actors of the drift run land on node B; the ranks' processes end with the run; the result equals
+    the local drift bit for bit. Both drifts sample with the session's engine (``engines=``, in a fresh start's
+    state each time): the engine actor a run starts for itself, and where it lands, is the next test's (R3W needs
+    one that captures routing weights). An engine no node can hold is refused before anything waits."""
     from r3lab.cluster import RayEngine
     from r3lab.experiments.drift import run_drift
     from r3lab.paths import model_dir
     from r3lab.runs import load
 
-    engines: list[RayEngine] = []
-    start = RayEngine.__init__
-
-    def seen_start(self, *a, **k):  # the engine actor run_drift starts
-        engines.append(self)
-        start(self, *a, **k)
-
-    monkeypatch.setattr(RayEngine, "__init__", seen_start)
+    engines = _spy_engine_actors(monkeypatch)
     trainers: list[tuple[list[str], list[int]]] = []
     base = dict(trainer="megatron", tp=2, models=("tiny-qwen3-moe",), trainer_dtypes=("float32",), prompts=3,
                 max_tokens=8)
-    own = {"tiny-qwen3-moe": engine_pool.engine(model_dir("tiny-qwen3-moe"), seed=0)}  # the session's engine
-    local = run_drift(DriftConfig.quick(**base), progress=False, runs_root=tmp_path, run_name="local", engines=own)
-    assert not engines, "the local drift started an engine actor"
+    d = model_dir("tiny-qwen3-moe")
+    local = run_drift(DriftConfig.quick(**base), progress=False, runs_root=tmp_path, run_name="local",
+                      engines={"tiny-qwen3-moe": engine_pool.engine(d, seed=0)})
     remote = run_drift(DriftConfig.quick(**base, cluster="ray", engine_resources=ENGINE, trainer_resources=TRAINER),
-                       progress=False, runs_root=tmp_path, run_name="ray",
+                       progress=False, runs_root=tmp_path, run_name="ray", engines={
+                           "tiny-qwen3-moe": engine_pool.engine(d, seed=0)},
                        on_trainer=lambda label, tr, samples: trainers.append((tr.node_ids, tr.pids)))
-    assert [e.node_id for e in engines] == [cluster["engine"]]
+    assert not engines, "a drift given its engine started an engine actor"
     [(node_ids, pids)] = trainers
     assert node_ids == [cluster["trainer"]] * 2
     assert _all_gone(pids)
@@ -94,15 +90,31 @@ def test_quick_drift_through_the_cluster_lands_on_its_nodes_and_equals_the_local
         RayEngine(model_dir("tiny-qwen3-moe"), resources='{"GPU": 1}')
 
 
+def _spy_engine_actors(monkeypatch) -> list:
+    """The RayEngine instances started from now on (the engine actors runs start for themselves)."""
+    from r3lab.cluster import RayEngine
+
+    engines: list[RayEngine] = []
+    start = RayEngine.__init__
+
+    def seen_start(self, *a, **k):
+        engines.append(self)
+        start(self, *a, **k)
+
+    monkeypatch.setattr(RayEngine, "__init__", seen_start)
+    return engines
+
+
 def _rl(mode: str = "R3", **kw) -> RLConfig:
     return RLConfig.quick(trainer="megatron", tp=2, steps=2, prompts_per_step=2, samples_per_prompt=2,
                           max_tokens=8, mini_batches=2, mode=mode, noise_every=0, **kw)
 
 
-def test_a_two_step_megatron_r3w_run_through_the_cluster_equals_the_local_run(cluster, tmp_path, engine_pool):
-    """R3W (the engine actor captures its routers' weights, the rank actors replay ids and weights): the steps'
-    values and the stored engine routes, ids and weights, equal the local run's (on the session's engine with the
-    options R3W needs, restored after the run)."""
+def test_a_two_step_megatron_r3w_run_through_the_cluster_equals_the_local_run(cluster, tmp_path, engine_pool,
+                                                                              monkeypatch):
+    """R3W (the engine actor the run starts for itself, on node A, captures its routers' weights; the rank actors
+    replay ids and weights): the steps' values and the stored engine routes, ids and weights, equal the local
+    run's (on the session's engine with the options R3W needs, restored after the run)."""
     from r3lab.experiments import rl
     from r3lab.experiments.rl import run_rl
     from r3lab.paths import model_dir
@@ -111,8 +123,10 @@ def test_a_two_step_megatron_r3w_run_through_the_cluster_equals_the_local_run(cl
     cfg = _rl("R3W")
     with engine_pool.lease(model_dir(cfg.model), seed=cfg.seed, **rl.engine_options(cfg)) as engine:
         local = run_rl(cfg, engine=engine, progress=False, runs_root=tmp_path, run_name="local")
+    engines = _spy_engine_actors(monkeypatch)
     remote = run_rl(_rl("R3W", cluster="ray", engine_resources=ENGINE, trainer_resources=TRAINER), progress=False,
                     runs_root=tmp_path, run_name="ray")
+    assert [e.node_id for e in engines] == [cluster["engine"]]  # the run's own engine actor, on node A
     keys = [k for k in local.steps[0] if not k.startswith("time_")]
     assert RLMetric.ROUTER_WEIGHTS_L1 in keys, keys  # the live router's weights measured against the engine's
     for x, y in zip(local.steps, remote.steps, strict=True):

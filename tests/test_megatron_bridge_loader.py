@@ -1,12 +1,14 @@
 """NVIDIA Megatron-Bridge as the Megatron trainer's loader on CPU ranks (trainers.megatron.megatron_bridge_loader).
 
-Proof of the loading: every shipped model, loaded through ``AutoBridge`` on four gloo ranks in the TP2+SP, PP2 and
-EP2 layouts, with the transformers model's own routes replayed on both sides (so no routing flip can enter), gives
-logits and log-probs within 1e-4 of transformers' fp32 ones; Megatron-Bridge's export gives back the checkpoint's
-tensors bit for bit, and loading the files again after every weight moved restores every rank's shard to the bits
-that export came from. The guard (:func:`check_megatron_bridge_api`) passes on the installed release and names what
-changed when a release moves something r3lab relies on; the Transformer Engine stand-in is seen by the one module
-that needs it and by nothing else.
+Proof of the loading: every shipped model, loaded through ``AutoBridge`` on two gloo ranks in the TP2+SP, PP2 and
+EP2 layouts (two ranks: what a loader places differs by TP, PP and EP shard, and DP replicas load the same shards,
+which tests/test_megatron_load.py's four-rank DP2 and DP4 layouts check through the same default loader; four ranks
+here took 70% more CPU), with the transformers model's own routes replayed on both sides (so no routing flip can
+enter), gives logits and log-probs within 1e-4 of transformers' fp32 ones; Megatron-Bridge's export gives back the
+checkpoint's tensors bit for bit, and loading the files again after every weight moved restores every rank's shard
+to the bits that export came from. The guard (:func:`check_megatron_bridge_api`) passes on the installed release and
+names what changed when a release moves something r3lab relies on; the Transformer Engine stand-in is seen by the
+one module that needs it and by nothing else.
 
 Megatron-Bridge installs on Python 3.12 only: the tests that need it skip, saying so, where it is not installed; the
 stand-in's mechanism, the loader's choice by name and its record in the run config run everywhere.
@@ -43,17 +45,17 @@ needs_megatron_bridge = pytest.mark.skipif(
     "run in the Python 3.12 environment")
 
 MODELS = ("tiny-qwen3-moe", "tiny-glm4-moe", "tiny-olmoe", "tiny-qwen3-moe-deep")
-B, S = 4, 24  # 4 sequences: up to 4 DP ranks; 24 tokens: divisible by tp=2 (sequence parallelism)
-WORLD = 4
-LAYOUTS = ("tp2_sp_dp2", "pp2_dp2", "ep2_dp4")
+B, S = 4, 24  # 4 sequences, split over the DP ranks; 24 tokens: divisible by tp=2 (sequence parallelism)
+WORLD = 2
+LAYOUTS = ("tp2_sp", "pp2", "ep2_dp2")
 TOL = 1e-4  # fp32 on both sides, different kernels and summation orders
 
 
 def _layout_kw(name: str, layers: int) -> dict:
-    """The layout ``name`` on four ranks (dp fills what tp*pp leaves); the PP split is uneven on purpose."""
-    return {"tp2_sp_dp2": dict(tp=2, dp=2, sequence_parallel=True),
-            "pp2_dp2": dict(pp=2, dp=2, first_stage_layers=layers // 2 - 1, last_stage_layers=layers - layers // 2 + 1),
-            "ep2_dp4": dict(ep=2, dp=4)}[name]
+    """The layout ``name`` on two ranks (EP2 spans the two DP ranks); the PP split is uneven on purpose."""
+    return {"tp2_sp": dict(tp=2, sequence_parallel=True),
+            "pp2": dict(pp=2, first_stage_layers=layers // 2 - 1, last_stage_layers=layers - layers // 2 + 1),
+            "ep2_dp2": dict(ep=2, dp=2)}[name]
 
 
 # ---- the Transformer Engine stand-in, on a package of our own (runs everywhere) --------------------------------

@@ -45,8 +45,9 @@ class StandIn:
     """The command of a stand-in server; ``take`` says which launches (1, 2, ...) find their port held by another
     socket first (this test holds it, listening, until :meth:`release`)."""
 
-    def __init__(self, take: tuple[int, ...] = (), pause: float = 0.2, exit_code: int | None = None):
-        self.take, self.pause, self.exit_code = take, pause, exit_code
+    def __init__(self, take: tuple[int, ...] = (), pause: float = 0.2, exit_code: int | None = None,
+                 let_go: tuple[int, ...] = ()):
+        self.take, self.pause, self.exit_code, self.let_go = take, pause, exit_code, let_go
         self.ports: list[int] = []
         self.held: list[socket.socket] = []
 
@@ -57,6 +58,9 @@ class StandIn:
             s.bind(("127.0.0.1", port))
             s.listen()
             self.held.append(s)
+        if len(self.ports) in self.let_go:  # lost its port to a process that let it go before the exit was seen
+            return [sys.executable, "-c", "import errno, os; raise OSError(errno.EADDRINUSE, "
+                    "os.strerror(errno.EADDRINUSE))"]
         if self.exit_code is not None:
             return [sys.executable, "-c", f"raise SystemExit({self.exit_code})"]
         return [sys.executable, "-c", STAND_IN, str(port), str(self.pause)]
@@ -99,6 +103,26 @@ def test_a_port_taken_before_the_server_binds_it_is_chosen_again_once(log, tmp_p
     finally:
         command.release()
     assert f"r3lab: port {command.ports[0]} was taken by another process" in (tmp_path / "server.log").read_text()
+
+
+def test_a_port_lost_to_a_process_that_let_it_go_again_is_chosen_again_once(tmp_path):
+    """The port-taker held the port only while the server tried to bind it (the grabber of the last test, on a busy
+    machine): the port is free when the exit is seen, so what the launch logged (Python's "Address already in use")
+    says the bind was lost. A log the launch cannot read, with no log_tail, leaves a plain start failure."""
+    command = StandIn(let_go=(1,))
+    with open(tmp_path / "readable.log", "w+b") as log:
+        proc, port = launch_server(command, host="127.0.0.1", port=None, timeout=60, log=log, what="stand-in")
+        try:
+            assert len(command.ports) == 2 and port == command.ports[1] and _health(port) == 200
+        finally:
+            end_process_group(proc, grace_s=5)
+    text = (tmp_path / "readable.log").read_text()
+    assert "Address already in use" in text and f"r3lab: port {command.ports[0]} was taken" in text
+    with open(tmp_path / "write-only.log", "wb") as log, pytest.raises(RolloutError, match="exited with code 1"):
+        launch_server(StandIn(let_go=(1,)), host="127.0.0.1", port=None, timeout=60, log=log, what="stand-in")
+    once = StandIn(let_go=(1, 2))  # a second loss after the relaunch: the tail since the relaunch says so again
+    with open(tmp_path / "twice.log", "w+b") as log, pytest.raises(ServerPortError, match="took port"):
+        launch_server(once, host="127.0.0.1", port=None, timeout=60, log=log, what="stand-in")
 
 
 def test_a_port_lost_twice_is_a_server_port_error(log):

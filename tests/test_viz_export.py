@@ -98,21 +98,32 @@ def test_kaleidos_page_race_is_tried_again_and_nothing_else_is(tmp_path, monkeyp
         calls.append("x")
         raise RuntimeError("ReferenceError: kaleido_scopes is not defined")
 
+    async def no_browser(self):  # the failing cases below render nothing: the tries are counted, no Chromium starts
+        browsers.append(1)
+        return self
+
+    async def no_close(self, *exc):
+        return None
+
     calls.clear()
+    browsers.clear()
+    monkeypatch.setattr(kaleido.Kaleido, "__aenter__", no_browser)
+    monkeypatch.setattr(kaleido.Kaleido, "__aexit__", no_close)
     monkeypatch.setattr(kaleido.Kaleido, "calc_fig", always)
     with pytest.raises(R3LabError, match=r"never defined its renderer .* in 3 fresh browsers"):
         export(fig, tmp_path / "b", formats=["png"])
-    assert len(calls) == exporting._PAGE_RACE_TRIES
+    assert len(calls) == len(browsers) == exporting._PAGE_RACE_TRIES  # one try in each fresh browser
 
     async def broken(self, *args, **kwargs):
         calls.append("x")
         raise RuntimeError("TypeError: fig.data is not iterable")
 
     calls.clear()
+    browsers.clear()
     monkeypatch.setattr(kaleido.Kaleido, "calc_fig", broken)
     with pytest.raises(RuntimeError, match="not iterable"):
         export(fig, tmp_path / "c", formats=["png"])
-    assert len(calls) == 1
+    assert len(calls) == len(browsers) == 1
 
 
 def test_export_figures_renders_every_figure_in_one_browser(tmp_path, monkeypatch):

@@ -21,6 +21,8 @@ is set (then vLLM logs at that level, uvicorn at its default). This module does 
 
 from __future__ import annotations
 
+import functools
+import io
 import os
 import subprocess
 import sys
@@ -48,20 +50,39 @@ from r3lab.rollout._common import (
 from r3lab.rollout.attach import CompletionsClient
 from r3lab.rollout.types import RolloutError
 
+#: Python's EADDRINUSE message, which a server that lost its port prints as it exits (vLLM's bind raises it)
+PORT_LOST = "address already in use"
+_RELAUNCH = "launching again on another port"
+
+
+def _file_tail(log: IO[bytes], n: int = 8192) -> str:
+    """The last ``n`` bytes of ``log`` as text, read without moving its offset (the server writes through the same
+    open file); "" for a log this process cannot read (opened for writing only)."""
+    try:
+        fd = log.fileno()
+        size = os.fstat(fd).st_size
+        return os.pread(fd, n, max(0, size - n)).decode(errors="replace")
+    except (OSError, ValueError, io.UnsupportedOperation):
+        return ""
+
 
 def launch_server(command: Callable[[int], Sequence[str]], *, host: str, port: int | None, timeout: float,
-                  log: IO[bytes], env: Mapping[str, str] | None = None, log_tail: Callable[[], str] = lambda: "",
+                  log: IO[bytes], env: Mapping[str, str] | None = None, log_tail: Callable[[], str] | None = None,
                   what: str = "server") -> tuple[subprocess.Popen[bytes], int]:
     """Start ``command(port)``, a server that binds ``host:port`` itself, and wait until its ``/health`` answers 200
     within ``timeout`` s: (the process, leading its own process group, and its port).
 
     ``port`` None: a port free now (:func:`~r3lab._process.free_port`). Another process may take it before the server
     binds it; the server then exits during startup (vLLM's binds before it loads anything) with the port held by
-    someone else (:func:`~r3lab._process.port_in_use`), and the launch is tried once more on a new free port. A port
+    someone else (:func:`~r3lab._process.port_in_use`), or, when that process let the port go again before the exit
+    was seen, with Python's "Address already in use" (:data:`PORT_LOST`) in what this launch logged; the launch is
+    then tried once more on a new free port. ``log_tail`` (default: the end of ``log`` when it is readable). A port
     lost twice, or a port the caller chose that is held, raises :class:`~r3lab.errors.ServerPortError`; any other
     exit during startup, or no answer in time, a :class:`~r3lab.rollout.types.RolloutError` with ``log_tail()``.
     Output goes to ``log``; the process of a failed launch is ended before the error is raised.
     """
+    if log_tail is None:
+        log_tail = functools.partial(_file_tail, log)
     deadline = time.monotonic() + timeout
     lost: list[int] = []
     while True:
@@ -83,19 +104,20 @@ def launch_server(command: Callable[[int], Sequence[str]], *, host: str, port: i
             raise ServerPortError(f"the {what} could not bind a port on {host}: another process took port {lost[0]}, "
                                   f"then port {lost[1]}, each found free, before the server bound it; last log "
                                   f"lines:\n{log_tail()}")
-        log.write(f"r3lab: port {chosen} was taken by another process before the {what} bound it; launching "
-                  "again on another port\n".encode())
+        log.write(f"r3lab: port {chosen} was taken by another process before the {what} bound it; {_RELAUNCH}\n"
+                  .encode())
         log.flush()
 
 
 def _wait_healthy(proc: subprocess.Popen[bytes], host: str, port: int, deadline: float, timeout: float,
                   log_tail: Callable[[], str], what: str) -> bool:
-    """True once ``http://host:port/health`` answers 200; False when ``proc`` exited during startup and another
-    process holds its port (it could not bind it); else a :class:`RolloutError` (exited, or not ready in time)."""
+    """True once ``http://host:port/health`` answers 200; False when ``proc`` exited during startup because it could
+    not bind its port (another process holds it, or its log since the last launch says so); else a
+    :class:`RolloutError` (exited, or not ready in time)."""
     url = f"http://{host}:{port}/health"
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            if port_in_use(host, port):
+            if port_in_use(host, port) or PORT_LOST in log_tail().rsplit(_RELAUNCH, 1)[-1].lower():
                 return False
             raise RolloutError(f"{what} exited with code {proc.returncode} during startup; "
                                f"last log lines:\n{log_tail()}")

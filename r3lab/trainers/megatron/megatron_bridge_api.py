@@ -290,12 +290,15 @@ def unguarded_te_importers() -> list[str]:
         origin = getattr(mod, "__file__", None)
         if (name == "megatron.bridge" or name.startswith("megatron.bridge.")) and origin and origin.endswith(".py"):
             loaded.append((name, origin))
-    return _scan(tuple(loaded))
+    return [name for name, origin in loaded if _installed_module_imports_te_unguarded(origin)]
 
 
-@functools.lru_cache(maxsize=4)
-def _scan(modules: tuple[tuple[str, str], ...]) -> list[str]:  # a second-long parse of ~1000 files: once a process
-    return [name for name, origin in modules if _imports_te_unguarded(origin)]
+@functools.cache
+def _installed_module_imports_te_unguarded(origin: str) -> bool:
+    """:func:`_imports_te_unguarded` of an installed module's file, parsed once a process (and inherited by the
+    ranks a fork server starts): the check runs at every bridge a rank builds, and each model family's bridge
+    loads modules of its own, so a cache of whole scans parsed the ~1000 files again at every new family."""
+    return _imports_te_unguarded(origin)
 
 
 # ---- the checks ----------------------------------------------------------------------------------------------
