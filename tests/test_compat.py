@@ -251,46 +251,63 @@ def test_the_far_end_pins_are_the_ends_of_the_guards_ranges():
     assert far["torch"] in torch_floor and workbench["torch"] in torch_floor
 
 
-def test_the_far_end_environment_has_the_far_end_releases(far_end):
-    """Imported in the built environment: the pinned releases, Python 3.11, torch's floor (a CUDA build, on the CPU),
-    this checkout's r3lab, and none of the heavy packages the touching tests do without."""
-    probe = (
-        "import importlib.metadata as md, importlib.util, json, sys\n"
-        "import mbridge, megatron.core, torch, transformers, r3lab\n"
-        "def has(d):\n"
-        "    try:\n"
-        "        md.version(d)\n"
-        "    except md.PackageNotFoundError:\n"
-        "        return False\n"
-        "    return True\n"
-        "print(json.dumps(dict(python=list(sys.version_info[:2]), torch=torch.__version__, cuda=torch.version.cuda,\n"
-        "    transformers=transformers.__version__, mcore=megatron.core.__version__, mbridge=mbridge.__version__,\n"
-        "    mbridge_dist=md.version('mbridge'), r3lab=r3lab.__file__,\n"
-        f"    heavy=[d for d in {NOT_INSTALLED!r} if has(d)])))\n"
+# The far end's one process: the selection under pytest, then what that environment holds (the imports are the ones
+# the tests made: a probe of its own, before, was a second start of megatron-core, mbridge, torch and transformers)
+FAR_END_RUN = """
+import importlib.metadata as md, json, sys
+import pytest
+facts_path, names = sys.argv[1], json.loads(sys.argv[2])
+code = int(pytest.main(sys.argv[3:]))
+import mbridge, megatron.core, torch, transformers
+def has(d):
+    try:
+        md.version(d)
+    except md.PackageNotFoundError:
+        return False
+    return True
+with open(facts_path, "w") as f:
+    json.dump(dict(python=list(sys.version_info[:2]), torch=torch.__version__, cuda=torch.version.cuda,
+                   transformers=transformers.__version__, mcore=megatron.core.__version__, mbridge=mbridge.__version__,
+                   mbridge_dist=md.version("mbridge"), heavy=[d for d in names if has(d)],
+                   r3lab=[json.loads(d.read_text("direct_url.json")) for d in md.distributions(name="r3lab")
+                          if d.read_text("direct_url.json")]), f)
+sys.exit(code)
+"""
+
+
+@pytest.fixture(scope="module")
+def far_end_run(far_end, tmp_path_factory):
+    """The selection run in the far-end environment, and the facts read there after it: (the process, its JUnit
+    report, the facts or None when the run did not get that far)."""
+    out = tmp_path_factory.mktemp("far-end-run")
+    report, facts = out / "far-end.xml", out / "facts.json"
+    proc = subprocess.run(
+        [str(far_end / "bin" / "python"), "-c", FAR_END_RUN, str(facts), json.dumps(list(NOT_INSTALLED)),
+         "-q", "-p", "no:cacheprovider", "--junitxml", str(report), "--durations=10", *FAR_END_SELECTION],
+        cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=_clean_env(),
     )
-    proc = subprocess.run([str(far_end / "bin" / "python"), "-c", probe], capture_output=True, text=True,
-                          timeout=300, cwd=tempfile.gettempdir(), env=_clean_env())
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    return proc, report, json.loads(facts.read_text()) if facts.is_file() else None
+
+
+def test_the_far_end_environment_has_the_far_end_releases(far_end_run):
+    """In the built environment: the pinned releases, Python 3.11, torch's floor (a CUDA build, on the CPU), this
+    checkout's r3lab (installed editable from it), and none of the heavy packages the touching tests do without."""
+    proc, _, got = far_end_run
+    assert got is not None, f"the far-end run read no facts ({proc.returncode}):\n{proc.stderr[-4000:]}"
     pins = _pins(FAR_END)
     assert got["python"] == [3, 11]
     assert got["transformers"] == pins["transformers"]
     assert got["mcore"] == pins["megatron-core"]
     assert got["mbridge"] == got["mbridge_dist"] == pins["mbridge"]
     assert got["torch"].split("+")[0] == pins["torch"]  # 2.11.0+cu130: the index has no CPU build of 2.11
-    assert Path(got["r3lab"]).resolve() == ROOT / "r3lab" / "__init__.py"
+    assert got["r3lab"] == [{"url": ROOT.as_uri(), "dir_info": {"editable": True}}], got["r3lab"]  # the one install
     assert got["heavy"] == []
 
 
-def test_the_touching_tests_pass_at_the_far_end(far_end, workbench_selection, tmp_path):
+def test_the_touching_tests_pass_at_the_far_end(far_end_run, workbench_selection):
     """The selection runs in the far-end environment and passes, every test the workbench collects for it ran there
     (and no other), each selection entry selects at least one test, and only :data:`FAR_END_SKIPS` skip."""
-    report = tmp_path / "far-end.xml"
-    proc = subprocess.run(
-        [str(far_end / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider", "--junitxml", str(report),
-         "--durations=10", *FAR_END_SELECTION],
-        cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=_clean_env(),
-    )
+    proc, report, _ = far_end_run
     tail = _failure_text(proc.stdout + proc.stderr)
     assert report.is_file(), f"the far-end pytest wrote no report ({proc.returncode}):\n{tail}"
     results = _node_ids_from_junit(report)
