@@ -3,9 +3,10 @@
 Each server is ``python -m vllm.entrypoints.openai.api_server ...`` in its own process group (start_new_session;
 tests/user_vllm.py), started lazily, one user server alive at a time, and its group is ended in the fixture's
 teardown even when a test fails. The tests that read the Qwen3 user server run next to each other on one start of
-it (the test that kills it comes last of them); r3lab's own ``RolloutServer``, the reference two tests compare
-with, is started once beside it (an idle vLLM server holds its 128 MiB KV cache and no core). Two user servers
-start in all: the Qwen3 one (another model's checkpoint is checked against it too) and, last, one without routes.
+it (the test that kills it comes last of them); the reference two tests compare with is the session's in-process
+engine of the same model and seed (tests/test_rollout.py holds r3lab's own RolloutServer to the same engine). Two
+user servers start in all: the Qwen3 one (another model's checkpoint is checked against it too) and, last, one
+without routes.
 """
 
 from __future__ import annotations
@@ -32,14 +33,11 @@ def servers(tmp_path_factory) -> Iterator[UserServers]:
         s.stop()
 
 
-@pytest.fixture(scope="module")
-def own_server(tmp_path_factory):
-    """r3lab's own launch of the same model and seed: what an attached server's answers are compared with."""
-    from r3lab.rollout import RolloutServer
-
-    with RolloutServer(QWEN, seed=0, max_model_len=512,
-                       log_path=tmp_path_factory.mktemp("own-vllm") / "srv.log") as srv:
-        yield srv
+@pytest.fixture
+def own_engine(engine_pool):
+    """The same model and seed in this process (the session's engine, as a fresh start leaves it): what an attached
+    server's answers are compared with. (tests/test_rollout.py compares r3lab's own RolloutServer with it too.)"""
+    return engine_pool.engine(QWEN, seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -115,8 +113,8 @@ def test_capture_equals_drift_and_rescores(servers, attached_drift, tmp_path, mo
     assert np.isfinite(rescored.step_records[0]["k3_none"]) and "engine-only capture" in rescore_table(rescored)
 
 
-def test_attached_equals_rollout_server(servers, own_server):
-    """Same tokens, log-probabilities and routes as RolloutServer (r3lab's own launch) for the same seed."""
+def test_attached_equals_the_engine(servers, own_engine):
+    """Same tokens, log-probabilities and routes as the in-process engine for the same seed."""
     prompts = [[5, 6, 7, 8, 9], [11, 12, 13], [20, 21, 22, 23, 24, 25, 26]]
     sp = SamplingConfig(max_tokens=12, seed=3, n=2)
     url = servers.get(QWEN)
@@ -126,17 +124,18 @@ def test_attached_equals_rollout_server(servers, own_server):
         attached = eng.generate(prompts, sp)
         with pytest.raises(AttachError, match="cannot push the trainer's weights"):
             eng.update_weights()
-    own = own_server.generate(prompts, sp)
+    own = own_engine.generate(prompts, sp)
     assert len(attached) == len(own) == 6
     for a, b in zip(attached, own, strict=True):
         assert (a.prompt_index, a.sample_index) == (b.prompt_index, b.sample_index)
         assert a.response_ids == b.response_ids
         np.testing.assert_array_equal(a.routes.values, b.routes.values)
-        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)  # a server's and the engine's, as test_rollout
 
 
-def test_drift_through_attached_server(attached_drift, own_server):
-    """r3lab drift --engine-url: the run's samples are the ones RolloutServer gives for the same seed inputs."""
+def test_drift_through_attached_server(attached_drift, own_engine):
+    """r3lab drift --engine-url: the run's samples are the ones the in-process engine gives for the same seed
+    inputs."""
     from transformers import AutoTokenizer
 
     from r3lab.experiments.drift import seed_inputs
@@ -145,7 +144,7 @@ def test_drift_through_attached_server(attached_drift, own_server):
     assert len(rows) == 1 and np.isfinite(rows[0].summary["k3_engine_floor"])
     prompts, sp = seed_inputs(cfg, 0)
     tok = AutoTokenizer.from_pretrained(str(QWEN))
-    own = own_server.generate([tok.encode(p, add_special_tokens=False) for p in prompts], sp)
+    own = own_engine.generate([tok.encode(p, add_special_tokens=False) for p in prompts], sp)
     assert [r.token_ids for r in seen] == [r.token_ids for r in own]
     for a, b in zip(seen, own, strict=True):
         np.testing.assert_array_equal(a.routes.values, b.routes.values)
