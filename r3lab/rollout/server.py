@@ -142,9 +142,9 @@ def cpu_server_process_env(bind: str) -> dict[str, str]:
     the MP executor", to set up the worker's OpenMP threads before torch starts them). With one bound core (``bind``
     names a single core, r3lab's default) there is no thread team to set up, and that third process only costs a
     second import of vLLM and torch and a second start: about 13 s of CPU of the server's 35 here. The API server
-    still runs its engine core in a process of its own (AsyncLLM). Outputs are the same bytes either way (tokens,
-    routes, log-probs; tests/test_rollout.py compares the server with the in-process engine, which runs the same
-    way). Nothing changes when ``bind`` names several cores or the user set the variable."""
+    still runs its engine core in a process of its own (AsyncLLM). A probe's tokens, routes and log-probs came out
+    identical either way; tests/test_rollout.py holds the server to the in-process engine, which runs its model the
+    same way. Nothing changes when ``bind`` names several cores or the user set the variable."""
     if not bind.strip().isdigit() or MULTIPROCESSING_ENV in os.environ:
         return {}
     return {MULTIPROCESSING_ENV: "0"}
