@@ -271,7 +271,6 @@ def test_rerun_command_runs_the_same_config_under_the_recorded_threads(tmp_path,
 
     from r3lab.cli import _parser
     from r3lab.config import RLConfig, config_overrides
-    from r3lab.paths import results_dir
 
     def parsed(cmd):
         words = shlex.split(cmd)
@@ -289,7 +288,13 @@ def test_rerun_command_runs_the_same_config_under_the_recorded_threads(tmp_path,
     assert env == ["OMP_NUM_THREADS=1", "MKL_NUM_THREADS=2"]
     assert back == cfg and args.modes == ["R2"] and args.seeds == [3]
     assert args.runs == "/tmp/x y" and args.name == "again"
-    old = load(results_dir() / "horizon" / "int4-R2-s0")  # committed before "threads" existed
+    # a run written before "threads" existed (as the committed phase and pilot runs were): the key absent
+    w = RunWriter(tmp_path, "int4-R2-s0", "rl", RLConfig.quick(engine_quant="int4", mode="R2").to_dict())
+    w.finish({})
+    meta = json.loads((w.path / "config.json").read_text())
+    del meta["threads"]
+    (w.path / "config.json").write_text(json.dumps(meta))
+    old = load(w.path)
     assert "threads" not in old.meta and old.threads is None
     env, args, back = parsed(old.rerun_command())
     assert env == [] and back == RLConfig.from_dict(old.config) and args.name == "int4"  # the folder: int4-R2-s0
