@@ -140,7 +140,7 @@ def test_a_two_step_megatron_r3w_run_through_the_cluster_equals_the_local_run(cl
 
 def test_a_rank_killed_mid_step_ends_the_run_within_its_bound(cluster, tmp_path, engine_pool):
     """The rank actors are what this test kills: the run samples with the session's engine (engine=), so no engine
-    actor starts for it (the two tests above start theirs)."""
+    actor starts for it (the R3W test above starts the module's one)."""
     import ray
 
     from r3lab.cluster import megatron as cm
