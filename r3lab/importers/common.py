@@ -338,11 +338,12 @@ def _check_routes(s: Sample, sample_no: int, lmap: LayerMap, log: CaptureLog
     ids, mtp, moe = ax.ids, ax.mtp, ax.moe
     if lmap.mtp_layers:  # samples whose MTP rows were set apart (the doctor reports them; they are not a failure)
         log.add("mtp_kept_apart", int(mtp.any()), 1, **where)
-    if r.size:
-        log.max_id = max(int(r.max()), -1 if log.max_id is None else log.max_id)
+    r_max = int(r.max()) if r.size else None
+    if r_max is not None:
+        log.max_id = max(r_max, -1 if log.max_id is None else log.max_id)
     E = lmap.layout.num_experts
     n_oor = 0
-    if r.size and (int(r.min()) < 0 or int(r.max()) >= E):  # the boolean arrays only where some id is out
+    if r_max is not None and (int(r.min()) < 0 or r_max >= E):  # the boolean arrays only where some id is out
         oor_rows = ((r < 0) | (r >= E)).any(axis=2)
         n_oor = int(oor_rows.sum())
         t, j = np.argwhere(oor_rows)[0]

@@ -46,6 +46,7 @@ from r3lab.rollout._common import (
     default_cpu_bind,
     vllm_env,
 )
+from r3lab.rollout.cpu_amx import request_amx_tiles, spawned_engine_problem
 from r3lab.rollout.quant import QUANT_SETTINGS, is_quantized_weight, quantize_state_dict
 from r3lab.rollout.types import RolloutError, RolloutResult, SamplingConfig, stack_routes, validate_engine_routes
 from r3lab.routes import Routes
@@ -114,6 +115,9 @@ class RolloutEngine(Closing):
         if self.device == "cpu":
             kwargs.update(CPU_DEFAULTS)
             bind = default_cpu_bind(cpu_threads_bind)
+            request_amx_tiles()  # vLLM's CPU attention uses AMX without asking Linux for it (cpu_amx)
+            if not in_process and (problem := spawned_engine_problem()):
+                raise RolloutError(problem)
         kwargs.update(engine_kwargs)
         if kwargs.get("distributed_executor_backend") == "ray":
             warnings.warn("Ray's compiled-graph executor has hung with route capture; "

@@ -48,6 +48,7 @@ from r3lab.rollout._common import (
     vllm_env,
 )
 from r3lab.rollout.attach import CompletionsClient
+from r3lab.rollout.cpu_amx import spawned_engine_problem
 from r3lab.rollout.types import RolloutError
 
 #: Python's EADDRINUSE message, which a server that lost its port prints as it exits (vLLM's bind raises it)
@@ -181,6 +182,8 @@ class RolloutServer(CompletionsClient):
             env[LOG_LEVEL_ENV] = quiet_log_level()
             after += ["--uvicorn-log-level", "warning"]
         if current_platform.is_cpu():
+            if problem := spawned_engine_problem():  # its engine core would die at the first request
+                raise RolloutError(problem)
             after += as_cli_args(CPU_DEFAULTS)
             env["VLLM_CPU_OMP_THREADS_BIND"] = bind = default_cpu_bind(cpu_threads_bind)
             env.update(cpu_server_process_env(bind))
