@@ -244,8 +244,11 @@ def render(args, data: dict, rows: dict[str, dict], staging: list, engine_info: 
             f"{r['read_bytes'] / 1024:,.1f} | {(r['heap'] + r['mapped']) / 1024:,.1f} |")
     env = (f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, Python "
            f"{platform.python_version()}")
-    import megatron.core
+    from importlib import metadata  # megatron.core.__version__ appends the git hash of the current folder's repository
+
     import vllm
+
+    mcore = metadata.version("megatron-core")
 
     return f"""# Megatron-core trainer vs transformers trainer on one engine batch
 
@@ -255,7 +258,7 @@ top-{routes.top_k} of {routes.num_experts}); {engine_info}. Both trainers fp32, 
 process (the transformers trainer in this process, each Megatron rank in its own). Times: **median of
 {args.reps} repeats** after one untimed warm-up call of each kind (the warm-up and the repeats are policy steps too,
 the same {args.reps + 1} for every trainer, so the weights compared are after {args.reps + 1} identical steps).
-Machine: {env}, megatron-core {megatron.core.__version__}, vLLM {vllm.__version__}. **Measured under contention**: a
+Machine: {env}, megatron-core {mcore}, vLLM {vllm.__version__}. **Measured under contention**: a
 long benchmark sweep and other jobs shared the 2 cores during this run, so seconds are indicative (the ratios more
 than the absolute values); bytes and the max-abs columns are not. Produced by `python bench/bench_megatron.py`.
 

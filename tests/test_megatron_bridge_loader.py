@@ -318,7 +318,7 @@ def test_deep_copies_of_the_provider_share_the_checkpoints_tensors():
     them (a copy of the whole checkpoint per module built was 40% of a rank's CPU)."""
     import copy
 
-    from r3lab.trainers.megatron.checkpoint import checkpoint_state_dict
+    from r3lab.trainers.megatron.model import checkpoint_state_dict
 
     d = model_dir("tiny-qwen3-moe")
     bridge = mb.auto_bridge(d)

@@ -5,7 +5,7 @@ import pytest
 from conftest import random_routes
 
 from r3lab.errors import RunFormatError
-from r3lab.runs import RUN_FORMAT_VERSION, RunWriter, list_runs, load
+from r3lab.runs import RUN_FORMAT_VERSION, RunWriter, list_runs, load, writer
 
 
 def _write(tmp_path, name="r1", finish=True):
@@ -262,6 +262,29 @@ def test_a_run_records_the_thread_count_a_bitwise_rerun_needs(tmp_path, monkeypa
     meta = json.loads((path / "config.json").read_text())
     assert meta["threads"] == {"torch": torch.get_num_threads(), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": None}
     assert load(path).threads == meta["threads"]
+
+
+def test_a_run_records_the_processor_its_kernels_followed(tmp_path):
+    """config.json's "cpu": the model name and instruction-set flags as lscpu (util-linux) reads them; a run without
+    the key (written before it) reads as None."""
+    import shutil
+    import subprocess
+
+    path, _ = _write(tmp_path)
+    meta = json.loads((path / "config.json").read_text())
+    assert load(path).cpu == meta["cpu"] and set(meta["cpu"]) == {"model", *writer.CPU_FLAGS}
+    if shutil.which("lscpu") is None:  # not Linux with util-linux: the model name still names something
+        assert meta["cpu"]["model"]
+    else:
+        fields = dict(line.split(":", 1) for line in subprocess.run(["lscpu"], capture_output=True, text=True,
+                                                                   env={"LC_ALL": "C"}).stdout.splitlines()
+                      if ":" in line)
+        assert meta["cpu"]["model"] == fields["Model name"].strip()
+        flags = set(fields["Flags"].split())
+        assert {f: f in flags for f in writer.CPU_FLAGS} == {f: meta["cpu"][f] for f in writer.CPU_FLAGS}
+    del meta["cpu"]
+    (path / "config.json").write_text(json.dumps(meta))
+    assert load(path).cpu is None
 
 
 def test_rerun_command_runs_the_same_config_under_the_recorded_threads(tmp_path, monkeypatch):

@@ -5,10 +5,12 @@ A run is one folder (format ``r3lab-run``, version 3; versions 1 and 2 still rea
     <runs>/<name>/
       config.json      {"format": "r3lab-run", "version": 3, "kind", "name", "created", "config": {...},
                         "versions": {package: version, "r3lab-source": path},
-                        "threads": {"torch": n, "OMP_NUM_THREADS": str, "MKL_NUM_THREADS": str}}  -- everything
+                        "threads": {"torch": n, "OMP_NUM_THREADS": str, "MKL_NUM_THREADS": str},
+                        "cpu": {"model": str, "avx512f": bool, ...}}  -- everything
                        needed to rerun it (``Run.rerun_command()``), and which r3lab checkout wrote it;
                        "threads" (the CPU thread count a bitwise rerun needs, r3lab.runs.writer.threads) is
-                       optional: runs written before it have none, and read as "not recorded"
+                       optional: runs written before it have none, and read as "not recorded"; so is "cpu" (the
+                       processor and the instruction sets its kernels follow, r3lab.runs.writer.cpu)
       steps.jsonl      one JSON object per step ({"step": int, ...metrics}), appended and flushed as the
                        run goes, so a reader can follow a running job; a half-written last line is ignored
       tokens/step-<step:06d>.parquet   per-token arrays of that step (any columns; step is added)
@@ -35,10 +37,10 @@ from r3lab.runs.format import IMPORT_KIND, READABLE_VERSIONS, RUN_FORMAT, RUN_FO
 from r3lab.runs.reader import Run, list_runs, load, load_runs, parse_step_line, read_stopped, reference_runs_dir
 from r3lab.runs.samples import Samples
 from r3lab.runs.tokens import mode_order, rl_token_logprobs
-from r3lab.runs.writer import RunWriter, mark_stopped, r3lab_source, threads, versions
+from r3lab.runs.writer import RunWriter, cpu, mark_stopped, r3lab_source, threads, versions
 
 __all__ = ["IMPORT_KIND", "RUN_FORMAT",
            "RUN_FORMAT_VERSION", "READABLE_VERSIONS", "RunWriter", "Run", "load",
-           "list_runs", "versions", "threads", "r3lab_source", "mark_stopped", "read_stopped",
+           "list_runs", "versions", "threads", "cpu", "r3lab_source", "mark_stopped", "read_stopped",
            "parse_step_line", "load_runs", "reference_runs_dir", "RunFollower", "FollowedRun", "Job", "mode_order",
            "rl_token_logprobs", "Samples"]

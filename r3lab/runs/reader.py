@@ -99,6 +99,13 @@ class Run:
         t = self.meta.get("threads")
         return dict(t) if t is not None else None
 
+    @property
+    def cpu(self) -> dict[str, Any] | None:
+        """The processor the run was written on (r3lab.runs.writer.cpu); None: not recorded (a run written before
+        r3lab recorded it)."""
+        c = self.meta.get("cpu")
+        return dict(c) if c is not None else None
+
     def rerun_command(self, runs: str = "RUNS", name: str | None = None) -> str:
         """The shell command that runs this RL run's config again with ``r3lab rl`` into ``runs`` (folder
         ``<name>-<mode>-s<seed>``; default name: this run's, less its ``-<mode>-s<seed>`` ending, so that the rerun's

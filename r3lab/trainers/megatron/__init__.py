@@ -20,10 +20,7 @@ megatron-core, mbridge and transformers are imported when used, not when this pa
 
 from r3lab.trainers.megatron.checkpoint import (
     GroupRoutingMismatchWarning,
-    MegatronModel,
     build_model,
-    checkpoint_shapes,
-    checkpoint_state_dict,
     export_hf_state_dict,
     layout_for,
     load_checkpoint,
@@ -39,6 +36,7 @@ from r3lab.trainers.megatron.cpu import (
 )
 from r3lab.trainers.megatron.forward import causal_mask, forward_tokens, gather_vocab, logits_logprobs, pipeline_forward
 from r3lab.trainers.megatron.launch import RANK_PRELOAD, adopt_environment, launch, rank_processes
+from r3lab.trainers.megatron.model import MegatronModel, checkpoint_shapes, checkpoint_state_dict
 
 __all__ = [
     "CPURMSNorm",

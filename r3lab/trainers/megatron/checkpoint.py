@@ -33,7 +33,6 @@ are unaffected (replay bypasses selection).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import warnings
@@ -58,6 +57,7 @@ from r3lab.trainers.megatron.mbridge_api import (
     to_hf_format,
     to_megatron_format,
 )
+from r3lab.trainers.megatron.model import MegatronModel
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -66,23 +66,6 @@ _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12
 
 class GroupRoutingMismatchWarning(UserWarning):
     """Megatron-core and transformers/vLLM select experts differently for this config (group scoring)."""
-
-
-@dataclasses.dataclass
-class MegatronModel:
-    """This rank's model chunks (one per virtual pipeline stage) and what built them."""
-
-    chunks: list[torch.nn.Module]
-    layout: ParallelLayout
-    model_dir: Path
-    bridge: Any  # the mbridge Bridge (or Megatron-Bridge's AutoBridge) whose mappings load and export
-    hf_config: Any
-    loaded_names: set[str] = dataclasses.field(default_factory=set)  # checkpoint tensors this rank read (mbridge)
-    loader: str = "mbridge"  # which loader built it (r3lab.trainer_registry.MEGATRON_LOADERS)
-
-    @property
-    def config(self):
-        return self.chunks[0].config
 
 
 def _read_config(model_dir: Path) -> dict[str, Any]:
@@ -374,25 +357,4 @@ def export_hf_state_dict(model: MegatronModel, *, dst: int = 0) -> dict[str, tor
             if n in out:
                 raise MegatronLoadError(f"two ranks exported {n!r} (rank {r} and an earlier one): ownership is wrong")
             out[n] = x
-    return dict(sorted(out.items()))
-
-
-def checkpoint_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
-    """The checkpoint's tensor names and shapes, read from the safetensors headers (no tensor is loaded)."""
-    from safetensors import safe_open
-
-    out: dict[str, tuple[int, ...]] = {}
-    for f in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(str(f), "pt") as h:
-            out.update({k: tuple(h.get_slice(k).get_shape()) for k in h.keys()})
-    return dict(sorted(out.items()))
-
-
-def checkpoint_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors by name, as stored (the oracle :func:`export_hf_state_dict` must reproduce)."""
-    from safetensors.torch import load_file
-
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(Path(model_dir).glob("*.safetensors")):
-        out.update(load_file(str(f)))
     return dict(sorted(out.items()))

@@ -47,6 +47,7 @@ from r3lab.families import family_of
 from r3lab.slicing import ParallelLayout
 from r3lab.trainers.megatron import megatron_bridge_api as mb
 from r3lab.trainers.megatron.cpu import local_block_spec
+from r3lab.trainers.megatron.model import MegatronModel, checkpoint_state_dict
 
 __all__ = ["build", "load_weights", "export_weights", "spec_for", "provider_overrides"]
 
@@ -111,9 +112,8 @@ def provider_overrides(layout: ParallelLayout, overrides: dict[str, Any], *, dty
 
 def build(model_dir: Path, layout: ParallelLayout, cfg: dict[str, Any], *, dtype: torch.dtype, etp: int | None,
           overrides: dict[str, Any], load: bool) -> Any:
-    """This rank's :class:`~r3lab.trainers.megatron.checkpoint.MegatronModel` through Megatron-Bridge (eval mode),
+    """This rank's :class:`~r3lab.trainers.megatron.model.MegatronModel` through Megatron-Bridge (eval mode),
     the checkpoint loaded unless ``load`` is False. The parallel groups must be set up (gloo)."""
-    from r3lab.trainers.megatron.checkpoint import MegatronModel, checkpoint_state_dict
 
     bridge = mb.auto_bridge(model_dir)
     mb.add_local_expert_aliases(bridge)
@@ -134,7 +134,6 @@ def load_weights(model: Any, files: Sequence[str | Path] | None = None) -> None:
     default: the checkpoint's own), every name of the checkpoint."""
     from safetensors.torch import load_file
 
-    from r3lab.trainers.megatron.checkpoint import checkpoint_state_dict
 
     if files is None:
         tensors = checkpoint_state_dict(model.model_dir)

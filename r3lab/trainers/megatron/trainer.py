@@ -353,7 +353,7 @@ class MegatronTrainer(Closing, Trainer):
         import torch
         from safetensors.torch import save_file
 
-        from r3lab.trainers.megatron.checkpoint import checkpoint_shapes
+        from r3lab.trainers.megatron.model import checkpoint_shapes
 
         t0 = time.perf_counter()
         want = checkpoint_shapes(self.model_dir)
