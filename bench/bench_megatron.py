@@ -249,6 +249,7 @@ def render(args, data: dict, rows: dict[str, dict], staging: list, engine_info: 
     import vllm
 
     mcore = metadata.version("megatron-core")
+    load = os.getloadavg()[0]
 
     return f"""# Megatron-core trainer vs transformers trainer on one engine batch
 
@@ -258,9 +259,9 @@ top-{routes.top_k} of {routes.num_experts}); {engine_info}. Both trainers fp32, 
 process (the transformers trainer in this process, each Megatron rank in its own). Times: **median of
 {args.reps} repeats** after one untimed warm-up call of each kind (the warm-up and the repeats are policy steps too,
 the same {args.reps + 1} for every trainer, so the weights compared are after {args.reps + 1} identical steps).
-Machine: {env}, megatron-core {mcore}, vLLM {vllm.__version__}. **Measured under contention**: a
-long benchmark sweep and other jobs shared the 2 cores during this run, so seconds are indicative (the ratios more
-than the absolute values); bytes and the max-abs columns are not. Produced by `python bench/bench_megatron.py`.
+Machine: {env}, megatron-core {mcore}, vLLM {vllm.__version__}; load average at the end {load:.1f} (other jobs may
+share the 2 cores: seconds are indicative, the ratios more than the absolute values; bytes and the max-abs columns
+are not). Produced by `python bench/bench_megatron.py`.
 
 ## Trainer steps and weight sync, per layout
 
