@@ -83,18 +83,17 @@ def _no_stdlib_distutils_left_behind():
 # Seconds each file took (the "seconds per test file" line a full run prints; two workers, this 2-core machine). Only
 # the order in which the two xdist workers take the files follows from them (:func:`_heaviest_files_first`); a wrong
 # or missing number costs minutes, never a result. A file not listed counts as UNLISTED_FILE_SECONDS.
-FILE_SECONDS: dict[str, float] = {  # measured 2026-12-06 (Python 3.12, two workers, a fresh clone's CI run);
+FILE_SECONDS: dict[str, float] = {  # measured 2026-12-06 (Python 3.12, two workers, the whole suite on an AMX Xeon);
     # the files that run's slowest-25 line did not list keep earlier numbers
-    "test_notebooks.py": 424, "test_cluster.py": 195, "test_attach.py": 139, "test_compat.py": 125,
-    "test_docs.py": 117, "test_megatron_bridge_loader.py": 103, "test_importers_skyrl_verl.py": 91,
-    "test_gpu_recipe.py": 78, "test_install.py": 77, "test_browser.py": 75, "test_rollout.py": 62,
-    "test_viz_export.py": 61, "test_megatron_load.py": 61, "test_rl.py": 60, "test_staging.py": 58,
-    "test_trainer_megatron.py": 50, "test_widgets.py": 45, "test_packaging.py": 39, "test_staging_dist.py": 30,
-    "test_gpu_check_today.py": 25, "test_typing.py": 24, "test_async.py": 24, "test_device_decode.py": 24,
-    "test_slicing.py": 21, "test_olmoe.py": 18,
+    "test_notebooks.py": 381, "test_cluster.py": 133, "test_install.py": 98, "test_compat.py": 94,
+    "test_docs.py": 90, "test_attach.py": 89, "test_megatron_bridge_loader.py": 73, "test_importers_skyrl_verl.py": 54,
+    "test_browser.py": 54, "test_megatron_load.py": 49, "test_viz_export.py": 45, "test_staging.py": 45,
+    "test_rollout.py": 42, "test_rl.py": 36, "test_trainer_megatron.py": 36, "test_gpu_recipe.py": 29,
+    "test_widgets.py": 28, "test_staging_dist.py": 28, "test_packaging.py": 22, "test_gpu_check_today.py": 19,
+    "test_server_ports.py": 18, "test_slicing.py": 18, "test_typing.py": 16, "test_olmoe.py": 16, "test_async.py": 15,
     # earlier measurements (not in that run's slowest 25)
-    "test_rescore.py": 17, "test_viz_collapse.py": 40, "test_docstrings.py": 19, "test_cluster_timeouts.py": 12,
-    "test_megatron_sync.py": 18, "test_server_ports.py": 18,
+    "test_device_decode.py": 24, "test_rescore.py": 17, "test_viz_collapse.py": 40, "test_docstrings.py": 19,
+    "test_cluster_timeouts.py": 12, "test_megatron_sync.py": 18, "test_cpu_amx.py": 12,
 }
 UNLISTED_FILE_SECONDS = 10.0
 
