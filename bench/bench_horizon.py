@@ -180,7 +180,7 @@ def pilot_report(reference: Path = PILOT_REFERENCE) -> str:
     wins = " / ".join(f"{a}-{a + 50}" for a in PILOT_WINDOWS)
     lines = ["# A task that keeps improving? The pilot of the `chain` task", "",
              f"`python bench/bench_horizon.py --pilot-report` renders this file from bench/results/horizon_pilot/ "
-             f"({len(runs)} runs, {bench['seconds'] / 60:.0f} minutes of step time summed, run 3 at a time on 2 CPU "
+             f"({len(runs)} runs, {bench['seconds'] / 60:.0f} minutes of step time summed, run side by side on 2 CPU "
              "cores shared with other jobs). Each run's config names everything its rerun needs; the command below "
              "is `Run.rerun_command()` (the thread count it recorded first). Reward: the mean of `reward_mean` over "
              f"the 50 steps from each of {', '.join(map(str, PILOT_WINDOWS))}; change: steps 250-300 minus 150-200. "
