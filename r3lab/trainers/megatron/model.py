@@ -2,8 +2,8 @@
 
 Both Megatron loaders (:mod:`~r3lab.trainers.megatron.checkpoint`, mbridge's mappings, and
 :mod:`~r3lab.trainers.megatron.megatron_bridge_loader`, NVIDIA Megatron-Bridge's) return a :class:`MegatronModel` and
-read the checkpoint through :func:`checkpoint_state_dict`; this module holds what they share, so neither loader
-imports the other (``checkpoint`` dispatches to the Megatron-Bridge loader by name).
+read the checkpoint through :func:`checkpoint_state_dict`; this module holds what they share, so the imports run one
+way: ``checkpoint`` dispatches to the Megatron-Bridge loader by name, and that loader needs nothing of ``checkpoint``.
 """
 
 from __future__ import annotations
